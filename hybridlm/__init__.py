@@ -1,0 +1,13 @@
+"""hybridlm: hybrid Gated DeltaNet / gated-attention sparse-MoE language models in JAX.
+
+Public surface: configuration (`ModelConfig`, `get_config`), the model (`HybridLM`, `init_random`, `load`),
+the engine (`prefill`, `generate`, `decode_step`) and the tokenizer (`Tokenizer`).
+"""
+
+from hybridlm.config import PRESETS, AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig, get_config
+from hybridlm.engine import LayerwiseRunner, PrefillResult, decode_step, generate, prefill
+from hybridlm.model import HybridLM, init_random
+
+__all__ = ["PRESETS", "AttentionConfig", "GatedDeltaNetConfig", "HybridLM", "LayerwiseRunner", "ModelConfig",
+           "MoEConfig", "PrefillResult", "decode_step", "generate", "get_config", "init_random", "prefill"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Checkpoint loading: HF safetensors directories and GGUF files."""

@@ -1,0 +1,120 @@
+"""Loading HF checkpoint directories (config.json + *.safetensors), one tensor at a time.
+
+Supported layouts: text-only Qwen3.5/3.6-MoE (`qwen3_5_moe_text`, weights under `model.`), the full multimodal
+checkpoint (`qwen3_5_moe`, nested `text_config`, weights under `model.language_model.`, vision and MTP weights
+ignored), Qwen3-Next (`qwen3_next`, fused grouped `in_proj_qkvz` / `in_proj_ba`, per-expert or stacked experts)
+and the dense `qwen3_5` variants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources
+from hybridlm.config import ModelConfig
+from hybridlm.model import HybridLM
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file or tensor at fault."""
+
+
+def _tensor_index(directory: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from model.safetensors.index.json or by listing the files."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {directory}")
+    out = {}
+    for file in files:
+        path = os.path.join(directory, file)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                out.update(dict.fromkeys(f.keys(), path))
+        except Exception as e:   # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
+    return out
+
+
+class _Reader:
+    """Keeps safetensors files open (memory-mapped) and reads single tensors as numpy arrays."""
+
+    def __init__(self, index: dict[str, str]):
+        self.index = index
+        self.handles = {}
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.index:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        path = self.index[name]
+        if path not in self.handles:
+            self.handles[path] = safe_open(path, framework="numpy")   # bf16 arrives as ml_dtypes.bfloat16
+        return self.handles[path].get_tensor(name)
+
+
+def _detect_prefix(names) -> str:
+    if any(n.startswith("model.language_model.") for n in names):
+        return "model.language_model."
+    return "model."
+
+
+def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True) -> HybridLM:
+    """Loads an HF checkpoint directory into a `HybridLM`.
+
+    Args:
+      directory: holds config.json and model*.safetensors (optionally sharded with an index).
+      dtype: parameter dtype (jnp.float32 / jnp.bfloat16); None: the embedding's dtype in the file.
+      progress: show a progress bar over tensors.
+
+    Returns:
+      The model, with every parameter read from the checkpoint (A_log, dt_bias kept in float32).
+
+    Raises:
+      FileNotFoundError: no config.json.
+      ValueError: unsupported `model_type` (from `ModelConfig.from_hf`).
+      CheckpointError: a tensor is missing, has the wrong shape, or a file is unreadable.
+    """
+    directory = os.fspath(directory)
+    config = ModelConfig.from_hf(directory)
+    index = _tensor_index(directory)
+    reader = _Reader(index)
+    prefix = _detect_prefix(index)
+    names = set(index)
+    if dtype is None:
+        dtype = _file_dtype(reader, prefix + "embed_tokens.weight")
+    abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    sources = list(hf_sources(config, names, prefix=prefix))
+    used = set()
+    for src in tqdm(sources, desc=f"loading {os.path.basename(directory.rstrip('/'))}", unit="tensor",
+                    disable=not progress or len(sources) < 200, leave=False):
+        arrays = [reader.get(n) for n in src.tensors]
+        value = src.build(*arrays)
+        del arrays
+        var = variables[src.path]
+        want = var.get_value()
+        if tuple(value.shape) != tuple(want.shape):
+            raise CheckpointError(f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
+                                  f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config")
+        var.set_value(jnp.asarray(value, dtype=want.dtype))
+        used.update(src.tensors)
+    unused = sorted(n for n in names - used if not n.startswith(IGNORED_HF_PREFIXES))
+    if unused:
+        raise CheckpointError(f"checkpoint has {len(unused)} tensors this config does not use, e.g. {unused[:3]}")
+    return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
+
+
+def _file_dtype(reader: _Reader, name: str):
+    return jnp.dtype(reader.get(name).dtype)

@@ -1,0 +1,85 @@
+"""Decode: one-token steps on the prefill state, and `generate` (prefill + sampling loop)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridlm.engine.prefill import DEFAULT_CHUNK_SIZE, PrefillResult, prefill
+from hybridlm.engine.runner import LayerwiseRunner
+from hybridlm.engine.sampling import sample
+from hybridlm.model import HybridLM
+from hybridlm.state import LayerState
+
+
+def decode_step(runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerState],
+                position: int) -> tuple[jax.Array, list[LayerState]]:
+    """Feeds one token per sequence at absolute `position`.
+
+    Args:
+      runner: the model's `LayerwiseRunner`.
+      tokens: [batch] int32.
+      states: per-layer states holding positions [0, position) (consumed).
+      position: absolute position of `tokens`; must be below the KV-cache capacity.
+
+    Returns:
+      logits [batch, vocab] float32 for the next position, and the new states.
+    """
+    x, states = runner.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
+    return runner.head_logits(x[:, 0]), states
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: np.ndarray          # [batch, new_tokens] int32 (stops early at eos for batch 1)
+    prefill: PrefillResult
+    decode_s: float             # seconds spent in the decode loop
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.tokens.shape[1] - 1   # the first token comes from the prefill logits
+        return self.tokens.shape[0] * n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: int = 32, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None,
+             chunk_size: int = DEFAULT_CHUNK_SIZE) -> GenerateResult:
+    """Prefills the prompt, then samples `max_new_tokens` tokens one at a time.
+
+    Args:
+      model: a `HybridLM` or its `LayerwiseRunner`.
+      input_ids: [batch, seq] or [seq] prompt token ids.
+      max_new_tokens: tokens to generate (>= 1).
+      temperature: 0 for greedy decoding; otherwise sampling temperature.
+      top_k: sample among the k most likely tokens (0: no limit).
+      top_p: nucleus sampling mass (1.0: no limit).
+      seed: PRNG seed for sampling.
+      eos_token_id: stop when every sequence produced it (None: never).
+      chunk_size: prefill chunk size in tokens.
+
+    Raises:
+      ValueError: max_new_tokens < 1, or bad prompt (see `prefill`).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
+    pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    key = jax.random.key(seed)
+    states, logits, position = pre.states, pre.logits, pre.prompt_tokens
+    out = []
+    t0 = time.perf_counter()
+    for i in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        token = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+        out.append(token)
+        if eos_token_id is not None and bool(jnp.all(token == eos_token_id)):
+            break
+        if i + 1 < max_new_tokens:
+            logits, states = decode_step(runner, token, states, position)
+            position += 1
+    tokens = np.asarray(jnp.stack(out, axis=1))
+    return GenerateResult(tokens=tokens, prefill=pre, decode_s=time.perf_counter() - t0)

@@ -1,0 +1,115 @@
+"""Chunked prefill: a prompt ingested in fixed-size chunks, state carried between them (time to first token).
+
+Each chunk reads every weight once, so a prompt of T tokens costs ceil(T / chunk_size) weight passes instead of
+T. The last partial chunk is padded and masked, so the prompt length never changes compiled shapes; only the
+KV-cache capacity does, and it is rounded up to a power-of-two number of chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridlm.engine.runner import PHASES, LayerwiseRunner, PhaseTimer
+from hybridlm.model import HybridLM
+from hybridlm.state import LayerState, init_layer_states
+
+DEFAULT_CHUNK_SIZE = 2048
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    """What a prefill returns."""
+
+    logits: jax.Array                 # [batch, vocab] float32: next-token logits after the last prompt token
+    states: list[LayerState]          # per-layer decode state after the prompt
+    prompt_tokens: int                # tokens per sequence
+    batch: int
+    chunk_size: int                   # tokens per chunk actually used
+    num_chunks: int
+    capacity: int                     # KV-cache length in tokens
+    ttft_s: float                     # seconds from call to logits ready (compilation included on a first call)
+    phase_seconds: dict[str, float] | None = None   # per-phase wall time when profile=True
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prefill throughput: batch * prompt tokens / TTFT."""
+        return self.batch * self.prompt_tokens / self.ttft_s
+
+    def summary(self) -> dict:
+        out = {"prompt_tokens": self.prompt_tokens, "batch": self.batch, "chunk_size": self.chunk_size,
+               "chunks": self.num_chunks, "ttft_s": self.ttft_s, "prefill_tokens_per_s": self.tokens_per_s}
+        if self.phase_seconds is not None:
+            out["phase_seconds"] = {p: self.phase_seconds.get(p, 0.0) for p in PHASES}
+        return out
+
+
+def effective_chunk_size(prompt_tokens: int, chunk_size: int) -> int:
+    """chunk_size, shrunk to the next power of two >= 16 for prompts shorter than one chunk."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    small = max(16, 1 << max(prompt_tokens - 1, 0).bit_length())
+    return min(chunk_size, small)
+
+
+def cache_capacity(prompt_tokens: int, chunk_size: int, max_new_tokens: int) -> int:
+    """KV-cache length: whole chunks covering prompt + new tokens, rounded up to a power-of-two chunk count."""
+    chunks = -(-(prompt_tokens + max_new_tokens) // chunk_size)
+    return chunk_size * (1 << max(chunks - 1, 0).bit_length())
+
+
+def prefill(model: HybridLM | LayerwiseRunner, input_ids, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            max_new_tokens: int = 0, profile: bool = False) -> PrefillResult:
+    """Ingests a prompt chunk by chunk and returns the next-token logits and the decode state.
+
+    Args:
+      model: a `HybridLM` (or a `LayerwiseRunner` around one, to reuse its compiled functions).
+      input_ids: [batch, seq] or [seq] int token ids (numpy or jax); all rows have the same length.
+      chunk_size: tokens per chunk (the last one is padded); prompts shorter than a chunk use a smaller
+        power-of-two chunk.
+      max_new_tokens: room to reserve in the KV cache for decoding afterwards.
+      profile: wait after every phase and report per-phase wall time (slower: it removes overlap).
+
+    Returns:
+      A `PrefillResult`; only the last prompt token goes through the final norm and lm head.
+
+    Raises:
+      ValueError: empty prompt, ids outside the vocabulary, or a prompt longer than max_position_embeddings.
+    """
+    runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
+    config = runner.config
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {config.vocab_size}); got [{ids.min()}, {ids.max()}]")
+    batch, seq = ids.shape
+    if seq + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"prompt ({seq}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_position_embeddings={config.max_position_embeddings}")
+    chunk = effective_chunk_size(seq, chunk_size)
+    num_chunks = -(-seq // chunk)
+    capacity = cache_capacity(seq, chunk, max_new_tokens)
+    padded = np.zeros((batch, num_chunks * chunk), np.int32)
+    padded[:, :seq] = ids
+
+    timer = PhaseTimer(profile)
+    t0 = time.perf_counter()
+    states = init_layer_states(config, batch, capacity, runner.model.dtype)
+    x = None
+    for c in range(num_chunks):
+        num_valid = min(chunk, seq - c * chunk)
+        x, states = runner.forward_chunk(jnp.asarray(padded[:, c * chunk:(c + 1) * chunk]), states,
+                                         c * chunk, num_valid, timer)
+    last = x[:, num_valid - 1]
+    logits = jax.block_until_ready(timer("head", runner.head_logits, last))
+    ttft = time.perf_counter() - t0
+    return PrefillResult(logits=logits, states=states, prompt_tokens=seq, batch=batch, chunk_size=chunk,
+                         num_chunks=num_chunks, capacity=capacity, ttft_s=ttft,
+                         phase_seconds=dict(timer.seconds) if profile else None)

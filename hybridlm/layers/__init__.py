@@ -1,0 +1,1 @@
+"""Flax NNX layers of the hybrid model."""

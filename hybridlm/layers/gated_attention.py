@@ -1,0 +1,109 @@
+"""Gated full attention of Qwen3.5 / Qwen3-Next (spec §5).
+
+q and an output gate come from one projection laid out per head as [q (head_dim) | gate (head_dim)]; q and k
+get zero-centred RMSNorm over head_dim, then partial NeoX RoPE; GQA causal attention with softmax in float32;
+the output is multiplied by sigmoid(gate) before o_proj. Source: HF `Qwen3_5MoeAttention.forward`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridlm.config import ModelConfig
+from hybridlm.layers.norms import rms_norm
+from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
+from hybridlm.state import KVCache
+
+
+def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
+    """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32)."""
+    out, lse = jax.nn.dot_product_attention(
+        q, k, v, is_causal=is_causal, key_value_seq_lengths=kv_lengths, implementation=implementation,
+        return_residual=True)
+    lse = lse if lse.shape == q.shape[:3] else jnp.swapaxes(lse, 1, 2)   # BTN or BNT depending on backend
+    return out, lse.astype(jnp.float32)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, start: jax.Array, *,
+                     implementation: str | None = None) -> jax.Array:
+    """Causal attention of a chunk over the cached prefix [0, start) and itself.
+
+    The chunk attends to itself with an aligned causal mask and to the cache prefix without a mask; the two
+    partial softmaxes are merged by their log-sum-exp (FlashAttention-2 §3.1.1), so both calls run as cuDNN
+    flash attention on GPU and no [seq, capacity] mask is ever built.
+
+    Args:
+      q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] of this chunk (post-RoPE).
+      cache: the KV cache *before* this chunk was written (positions >= start are ignored).
+      start: absolute position of the chunk's first token (int32 scalar, may be traced).
+      implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn").
+
+    Returns:
+      [batch, seq, heads, head_dim] in q.dtype.
+    """
+    batch = q.shape[0]
+    out_self, lse_self = _attention(q, k, v, implementation=implementation, is_causal=True)
+    kv_lengths = jnp.full((batch,), start, jnp.int32)
+    out_prefix, lse_prefix = _attention(q, cache.key, cache.value, implementation=implementation,
+                                        kv_lengths=kv_lengths)
+    lse_prefix = jnp.where(start > 0, lse_prefix, -jnp.inf)
+    m = jnp.maximum(lse_self, lse_prefix)
+    w_self, w_prefix = jnp.exp(lse_self - m), jnp.exp(lse_prefix - m)            # [b, t, heads]
+    out = (out_self.astype(jnp.float32) * w_self[..., None] + out_prefix.astype(jnp.float32) * w_prefix[..., None])
+    return (out / (w_self + w_prefix)[..., None]).astype(q.dtype)
+
+
+class GatedAttention(nnx.Module):
+    """GQA attention with q/k RMSNorm, partial RoPE and a sigmoid output gate."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        a, h = config.attention, config.hidden_dim
+        self.config = config
+        normal = nnx.initializers.normal(stddev=0.02)
+        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
+        self.q_proj = p((h, a.num_heads * 2 * a.head_dim))     # [hidden, heads * (q | gate)], per-head interleave
+        self.k_proj = p((h, a.num_kv_heads * a.head_dim))      # [hidden, kv_heads*head_dim]
+        self.v_proj = p((h, a.num_kv_heads * a.head_dim))
+        self.o_proj = p((a.num_heads * a.head_dim, h))         # [heads*head_dim, hidden]
+        self.q_norm = nnx.Param(jnp.zeros((a.head_dim,), dtype))   # zero-centred (1 + w)
+        self.k_norm = nnx.Param(jnp.zeros((a.head_dim,), dtype))
+
+    def __call__(self, x: jax.Array, cache: KVCache | None = None,
+                 start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+        """Attention over a chunk.
+
+        Args:
+          x: [batch, seq, hidden] normalised input.
+          cache: KV cache holding positions [0, start); None: the chunk is a whole sequence starting at 0.
+          start: absolute position of x[:, 0] (int32 scalar, may be traced).
+
+        Returns:
+          out [batch, seq, hidden], and the cache with this chunk's keys/values written at [start, start+seq)
+          (None when no cache was given). Padding rows of a last chunk are written too; positions past the
+          prompt are overwritten by decode before any query can see them.
+        """
+        a, eps = self.config.attention, self.config.rms_norm_eps
+        batch, seq, _ = x.shape
+        qg = (x @ self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
+        q, gate = qg[..., :a.head_dim], qg[..., a.head_dim:]
+        k = (x @ self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        v = (x @ self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
+        positions = start + jnp.arange(seq)
+        cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+
+        impl = self.config.attention_implementation
+        if cache is None:
+            out, _ = _attention(q, k, v, implementation=impl, is_causal=True)
+            new_cache = None
+        else:
+            out = cached_attention(q, k, v, cache, jnp.asarray(start, jnp.int32), implementation=impl)
+            new_cache = KVCache(
+                key=jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), start, axis=1),
+                value=jax.lax.dynamic_update_slice_in_dim(cache.value, v.astype(cache.value.dtype), start, axis=1))
+        out = out.reshape(batch, seq, a.num_heads * a.head_dim) * jax.nn.sigmoid(
+            gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)).astype(x.dtype)
+        return out @ self.o_proj[...], new_cache

@@ -1,0 +1,119 @@
+"""Gated DeltaNet (linear-attention) layer of Qwen3.5 / Qwen3-Next (spec §4).
+
+Per token t and value head h (q/k from k-head h // (v_heads // k_heads)):
+    [q | k | v] = silu(causal_depthwise_conv([q | k | v] projection))
+    q, k        = l2norm(q), l2norm(k);  beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
+    S_t         = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;   o_t = S_t^T q_t / sqrt(key_dim)
+    out         = out_proj(gated_rms_norm(o, z))
+Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (arXiv:2412.06464); HF
+`Qwen3_5MoeGatedDeltaNet.forward`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridlm.config import ModelConfig
+from hybridlm.layers.norms import gated_rms_norm
+from hybridlm.state import GatedDeltaNetState
+from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (HF `l2norm`; eps inside the root)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Array) -> jax.Array:
+    """Causal depthwise convolution with SiLU; tap conv_kernel-1 multiplies the current token.
+
+    Args:
+      mixed: [batch, seq, channels] pre-conv inputs.
+      weight: [conv_kernel, channels].
+      history: [batch, conv_kernel - 1, channels] inputs before the first token (zeros at sequence start).
+
+    Returns:
+      [batch, seq, channels] in mixed.dtype: silu(sum_j weight[j] * window[t + j]).
+    """
+    kernel = weight.shape[0]
+    seq = mixed.shape[1]
+    window = jnp.concatenate([history.astype(mixed.dtype), mixed], axis=1).astype(jnp.float32)
+    w = weight.astype(jnp.float32)
+    out = sum(window[:, j:j + seq] * w[j] for j in range(kernel))   # [batch, seq, channels]
+    return jax.nn.silu(out).astype(mixed.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output projection."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        g = config.gdn
+        h = config.hidden_dim
+        self.config = config
+        normal = nnx.initializers.normal(stddev=0.02)
+        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
+        self.qkv_proj = p((h, g.conv_dim))                               # [hidden, 2*k_heads*key_dim + v_heads*value_dim]
+        self.output_gate_proj = p((h, g.num_v_heads * g.value_dim))      # z: [hidden, v_heads*value_dim]
+        self.beta_proj = p((h, g.num_v_heads))                           # b: [hidden, v_heads]
+        self.decay_proj = p((h, g.num_v_heads))                          # a: [hidden, v_heads]
+        self.conv_weight = nnx.Param(normal(rngs.params(), (g.conv_kernel, g.conv_dim), dtype))  # [kernel, channels]
+        self.log_decay_rate = nnx.Param(jnp.zeros((g.num_v_heads,), jnp.float32))   # A_log: [v_heads]
+        self.delta_time_bias = nnx.Param(jnp.ones((g.num_v_heads,), jnp.float32))   # dt_bias: [v_heads]
+        self.output_norm = nnx.Param(jnp.ones((g.value_dim,), dtype))               # gated norm weight (plain w)
+        self.out_proj = p((g.num_v_heads * g.value_dim, h))              # [v_heads*value_dim, hidden]
+
+    def __call__(self, x: jax.Array, state: GatedDeltaNetState | None = None,
+                 num_valid: jax.Array | int | None = None) -> tuple[jax.Array, GatedDeltaNetState]:
+        """Runs the layer over a chunk of tokens.
+
+        Args:
+          x: [batch, seq, hidden] normalised input (activation dtype).
+          state: state entering the chunk, or None for a fresh sequence.
+          num_valid: tokens of the chunk that are real (int or int32 scalar, traced is fine); positions at or
+            past it are padding: they neither change the state nor matter for the output. None: all.
+
+        Returns:
+          out [batch, seq, hidden] in x.dtype, and the state after the last valid token.
+        """
+        cfg = self.config.gdn
+        batch, seq, _ = x.shape
+        kq, vd = cfg.num_k_heads * cfg.key_dim, cfg.num_v_heads * cfg.value_dim
+        if state is None:
+            state = GatedDeltaNetState(
+                conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), x.dtype),
+                recurrent=jnp.zeros((batch, cfg.num_v_heads, cfg.key_dim, cfg.value_dim), jnp.float32))
+        num_valid = seq if num_valid is None else num_valid
+
+        mixed = x @ self.qkv_proj[...]                                              # [b, t, conv_dim]
+        z = (x @ self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        beta = jax.nn.sigmoid((x @ self.beta_proj[...]).astype(jnp.float32))       # [b, t, v_heads]
+        a = (x @ self.decay_proj[...]).astype(jnp.float32)
+        log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
+            a + self.delta_time_bias[...].astype(jnp.float32))                       # g <= 0, [b, t, v_heads]
+
+        conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
+        window = jnp.concatenate([state.conv.astype(mixed.dtype), mixed], axis=1)   # [b, kernel-1+t, conv_dim]
+        new_conv = jax.lax.dynamic_slice_in_dim(window, num_valid, cfg.conv_kernel - 1, axis=1)
+
+        q = conv_out[..., :kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
+        k = conv_out[..., kq:2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
+        v = conv_out[..., 2 * kq:].reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        q, k = l2_normalize(q), l2_normalize(k)
+
+        valid = (jnp.arange(seq) < num_valid)[None, :]                              # [1, t]
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        log_decay = jnp.where(valid[..., None], log_decay, 0.0)
+        k = jnp.where(valid[..., None, None], k, 0.0)
+
+        if seq == 1:
+            o, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0],
+                                                 state.recurrent)
+            o = o[:, None]
+        else:
+            o, recurrent = gated_delta_rule(q, k, v, log_decay, beta, initial_state=state.recurrent,
+                                            implementation=self.config.gdn_implementation)
+        o = gated_rms_norm(o.astype(x.dtype), z, self.output_norm[...], self.config.rms_norm_eps)
+        out = o.reshape(batch, seq, vd) @ self.out_proj[...]
+        return out, GatedDeltaNetState(conv=new_conv.astype(state.conv.dtype), recurrent=recurrent)

@@ -1,0 +1,147 @@
+"""Sparse MoE of Qwen3.5-MoE / Qwen3-Next: softmax top-k routing, SwiGLU experts, sigmoid-gated shared expert.
+
+    p = softmax(u W_router) over all experts (float32);  w, ids = top_k(p);  w /= sum(w)  (spec §6)
+    out = sum_j w_j expert_{ids_j}(u) + sigmoid(u . w_shared_gate) shared_expert(u)
+
+The routed part never computes every expert for every token: token copies are sorted by expert
+(dispatch), run through two grouped matmuls (GMM: `gmm_swiglu` then `gmm`), and un-permuted and combined.
+Source: HF `Qwen3_5MoeSparseMoeBlock.forward`, `Qwen3_5MoeTopKRouter.forward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridlm.config import ModelConfig, MoEConfig
+from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
+
+
+def route_top_k(router_logits: jax.Array, top_k: int, *, normalize: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Softmax over all experts in float32, then top-k, optionally renormalised.
+
+    Args:
+      router_logits: [tokens, experts].
+      top_k: experts per token.
+      normalize: divide the k probabilities by their sum.
+
+    Returns:
+      weights [tokens, top_k] in router_logits.dtype, expert ids [tokens, top_k] int32 (by decreasing weight).
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(router_logits.dtype), ids.astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Dispatch:
+    """Token copies sorted by expert; padding copies go past the last group and are dropped by the GMM."""
+
+    order: jax.Array         # [tokens*top_k] int32: flat copy index (token*top_k + j) at each sorted row
+    group_sizes: jax.Array   # [experts] int32: rows per expert (padding excluded)
+
+
+def dispatch(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> Dispatch:
+    """Sorts the (token, slot) copies by expert id.
+
+    Args:
+      expert_ids: [tokens, top_k] int32.
+      num_experts: number of experts (groups).
+      valid: [tokens] bool; invalid (padding) tokens are sent to a virtual group past the last expert.
+    """
+    ids = expert_ids
+    if valid is not None:
+        ids = jnp.where(valid[:, None], ids, num_experts)
+    flat = ids.reshape(-1)                                          # [tokens*top_k]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
+    return Dispatch(order=order, group_sizes=group_sizes)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate_up, down, *,
+                   valid: jax.Array | None = None, implementation: str | None = None) -> jax.Array:
+    """Sum over each token's top-k experts of weight * SwiGLU expert(x), through sort-by-expert + GMM.
+
+    Args:
+      x: [tokens, hidden].
+      weights, expert_ids: [tokens, top_k] from `route_top_k`.
+      gate_up: [experts, hidden, 2*ffn] (gate columns first) or a `QuantizedWeights` of that shape.
+      down: [experts, ffn, hidden] or a `QuantizedWeights`.
+      valid: [tokens] bool, padding tokens get zero output; None: all valid.
+      implementation: grouped-matmul implementation (see `pallas_kernels.grouped_matmul.gmm`).
+
+    Returns:
+      [tokens, hidden] in x.dtype.
+    """
+    tokens, top_k = expert_ids.shape
+    d = dispatch(expert_ids, gate_up.shape[0], valid)
+    rows = x[d.order // top_k]                                                  # [tokens*top_k, hidden]
+    h = gmm_swiglu(rows, gate_up, d.group_sizes, implementation=implementation)   # [tokens*top_k, ffn]
+    y = gmm(h.astype(x.dtype), down, d.group_sizes, implementation=implementation)  # [tokens*top_k, hidden]
+    unsorted = jnp.zeros_like(y).at[d.order].set(y).reshape(tokens, top_k, -1)   # [tokens, top_k, hidden]
+    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), unsorted.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """Dense SwiGLU MLP: down(silu(x W_gate) * (x W_up)); gate_up [hidden, 2*ffn], down [ffn, hidden]."""
+    h = x @ gate_up
+    ffn = down.shape[0]
+    return (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]) @ down
+
+
+class SparseMoE(nnx.Module):
+    """Router + routed experts + shared expert."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        m: MoEConfig = config.moe
+        h = config.hidden_dim
+        self.config = config
+        normal = nnx.initializers.normal(stddev=0.02)
+        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
+        self.router = p((h, m.num_experts))                                # [hidden, experts]
+        self.experts_gate_up = p((m.num_experts, h, 2 * m.expert_ffn_dim))  # [experts, hidden, 2*ffn]
+        self.experts_down = p((m.num_experts, m.expert_ffn_dim, h))        # [experts, ffn, hidden]
+        self.shared_gate_up = p((h, 2 * m.shared_ffn_dim))                 # [hidden, 2*shared_ffn]
+        self.shared_down = p((m.shared_ffn_dim, h))                        # [shared_ffn, hidden]
+        self.shared_token_gate = p((h,))                                   # [hidden]
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [tokens, hidden] -> (weights [tokens, top_k], expert ids [tokens, top_k] int32)."""
+        m = self.config.moe
+        return route_top_k(x @ self.router[...], m.top_k, normalize=m.normalize_top_k)
+
+    def experts(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                valid: jax.Array | None = None) -> jax.Array:
+        """Routed + shared experts for routed tokens: [tokens, hidden] -> [tokens, hidden]."""
+        routed = routed_experts(x, weights, expert_ids, self.experts_gate_up.get_value(), self.experts_down.get_value(),
+                                valid=valid, implementation=self.config.moe_implementation)
+        shared = swiglu(x, self.shared_gate_up[...], self.shared_down[...])
+        shared_gate = jax.nn.sigmoid((x @ self.shared_token_gate[...]).astype(jnp.float32)).astype(x.dtype)
+        return routed + shared_gate[:, None] * shared
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]; valid: [batch, seq] bool or None."""
+        batch, seq, hidden = x.shape
+        flat = x.reshape(batch * seq, hidden)
+        weights, ids = self.route(flat)
+        out = self.experts(flat, weights, ids, None if valid is None else valid.reshape(-1))
+        return out.reshape(batch, seq, hidden)
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU MLP of the dense Qwen3.5 variants (GGUF arch `qwen35`)."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        h, f = config.hidden_dim, config.dense_ffn_dim
+        normal = nnx.initializers.normal(stddev=0.02)
+        self.gate_up = nnx.Param(normal(rngs.params(), (h, 2 * f), dtype))   # [hidden, 2*ffn]
+        self.down = nnx.Param(normal(rngs.params(), (f, h), dtype))          # [ffn, hidden]
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        return swiglu(x, self.gate_up[...], self.down[...])

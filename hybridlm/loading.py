@@ -1,0 +1,37 @@
+"""`load(path)`: one entry point for HF checkpoint directories and GGUF files."""
+
+from __future__ import annotations
+
+import os
+
+from hybridlm.model import HybridLM
+
+
+def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None,
+         progress: bool = True) -> HybridLM:
+    """Loads a model from an HF checkpoint directory or a `.gguf` file.
+
+    Args:
+      path: a directory with config.json + *.safetensors, or a GGUF file.
+      dtype: parameter dtype; None keeps the checkpoint's (HF) or uses bfloat16 for quantized GGUF tensors.
+      keep_quantized: GGUF only: "experts" keeps expert weights quantized (`QuantizedWeights`).
+      progress: show a progress bar for large checkpoints.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: unknown architecture / model_type, or a malformed checkpoint (message names the tensor).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if os.path.isdir(path):
+        if keep_quantized is not None:
+            raise ValueError("keep_quantized applies to GGUF files only")
+        from hybridlm.checkpoints.hf import load_hf
+        return load_hf(path, dtype=dtype, progress=progress)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF" or path.endswith(".gguf"):
+        from hybridlm.checkpoints.gguf import load_gguf
+        return load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")

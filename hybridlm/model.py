@@ -1,0 +1,143 @@
+"""The hybrid model: embedding -> layers (Gated DeltaNet or gated attention, each + MoE) -> norm -> lm head.
+
+    x = E[ids];  for each layer: h = x + Mixer(RMSNorm(x));  x = h + FFN(RMSNorm(h));  logits = RMSNorm(x) W_lm
+Source: HF `Qwen3_5MoeTextModel.forward`, `Qwen3_5MoeDecoderLayer.forward`; spec §2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hybridlm.config import ModelConfig
+from hybridlm.layers.gated_attention import GatedAttention
+from hybridlm.layers.gated_deltanet import GatedDeltaNet
+from hybridlm.layers.moe import DenseMLP, SparseMoE
+from hybridlm.layers.norms import RMSNorm
+from hybridlm.state import LayerState
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: mixer (Gated DeltaNet or gated attention) then sparse MoE (or dense MLP)."""
+
+    def __init__(self, config: ModelConfig, layer_type: str, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.layer_type = layer_type
+        self.input_norm = RMSNorm(config.hidden_dim, config.rms_norm_eps, dtype=dtype)
+        mixer_cls = GatedDeltaNet if layer_type == "linear_attention" else GatedAttention
+        self.mixer = mixer_cls(config, dtype=dtype, rngs=rngs)
+        self.post_norm = RMSNorm(config.hidden_dim, config.rms_norm_eps, dtype=dtype)
+        ffn_cls = SparseMoE if config.moe is not None else DenseMLP
+        self.ffn = ffn_cls(config, dtype=dtype, rngs=rngs)
+
+    def mix(self, x: jax.Array, state: LayerState | None, start, num_valid) -> tuple[jax.Array, LayerState | None]:
+        """x + mixer(input_norm(x)); [batch, seq, hidden] -> same, and the layer's new state."""
+        u = self.input_norm(x)
+        if self.layer_type == "linear_attention":
+            out, state = self.mixer(u, state, num_valid)
+        else:
+            out, state = self.mixer(u, state, start)
+        return x + out, state
+
+    def __call__(self, x: jax.Array, state: LayerState | None = None, start=0,
+                 num_valid=None) -> tuple[jax.Array, LayerState | None]:
+        h, state = self.mix(x, state, start, num_valid)
+        valid = None if num_valid is None else jnp.broadcast_to(jnp.arange(x.shape[1]) < num_valid, x.shape[:2])
+        return h + self.ffn(self.post_norm(h), valid), state
+
+
+class HybridLM(nnx.Module):
+    """Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid language model (text only).
+
+    Calling the model on input_ids [batch, seq] (int32) returns logits [batch, seq, vocab] (float32) of one
+    full causal forward. Chunked prefill with a cache and decode live in `hybridlm.engine`.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.hidden_dim),
+                                                            dtype))                # [vocab, hidden]
+        self.layers = nnx.List([DecoderLayer(config, t, dtype=dtype, rngs=rngs) for t in config.layer_types])
+        self.final_norm = RMSNorm(config.hidden_dim, config.rms_norm_eps, dtype=dtype)
+        if not config.tie_word_embeddings:
+            init = nnx.initializers.normal(config.hidden_dim ** -0.5)
+            self.lm_head = nnx.Param(init(rngs.params(), (config.hidden_dim, config.vocab_size), dtype))
+
+    def head_weight(self) -> jax.Array:
+        """[hidden, vocab]: lm_head, or the transposed embedding when tied."""
+        return self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm + lm head: [..., hidden] -> [..., vocab] float32."""
+        return (self.final_norm(hidden) @ self.head_weight()).astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """input_ids [batch, seq] int -> logits [batch, seq, vocab] float32 (no cache)."""
+        x = self.embed[...][input_ids]
+        for layer in self.layers:
+            x, _ = layer(x)
+        return self.logits(x)
+
+
+def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> HybridLM:
+    """A model with random weights drawn so that activations and logits stay O(1).
+
+    Projections ~ N(0, 1/fan_in), norms near their identity, A_log and dt_bias spread like trained models, so
+    random-weight runs exercise realistic routing and decay. Used for tests, demos and benchmarks.
+
+    Args:
+      config: the architecture.
+      seed: PRNG seed (same seed, same weights).
+      dtype: parameter and activation dtype (jnp.float32 or jnp.bfloat16).
+    """
+    abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, rngs=nnx.Rngs(seed)))  # no memory yet
+    graphdef, state = nnx.split(abstract)
+    on_cpu = jax.default_backend() == "cpu"   # numpy draws fast on CPU; jitted draws per tensor on accelerators
+    key, rng = jax.random.key(seed + 1), np.random.default_rng(seed + 1)
+    flat = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        name, value = path[-1], var.get_value()
+        if hasattr(value, "shape"):
+            shape, vdtype = tuple(value.shape), value.dtype
+            if on_cpu:
+                var.set_value(jnp.asarray(_random_param(name, rng, shape, np).astype(vdtype)))
+            else:
+                var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), shape, vdtype))
+        flat.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _random_param(name: str, rng, shape: tuple[int, ...], xp):
+    """One random parameter by its role (see `init_random`); rng/xp: a numpy Generator and numpy, or a
+    function of (kind, shape) and jax.numpy."""
+    normal = (lambda: rng.standard_normal(shape, dtype=np.float32)) if xp is np else (lambda: rng("normal", shape))
+    uniform = (lambda lo, hi: rng.uniform(lo, hi, shape).astype(np.float32)) if xp is np else (
+        lambda lo, hi: lo + (hi - lo) * rng("uniform", shape))
+    if name in ("scale", "q_norm", "k_norm"):
+        return 0.1 * normal()
+    if name == "output_norm":
+        return 1.0 + 0.1 * normal()
+    if name == "log_decay_rate":
+        return xp.log(uniform(1.0, 16.0))
+    if name == "delta_time_bias":
+        return uniform(-2.0, 1.0)
+    if name == "conv_weight":
+        return normal() / np.sqrt(shape[0])
+    if name == "embed":
+        return normal()
+    if name == "router":
+        return normal() * (2.0 / np.sqrt(shape[0]))
+    if name == "shared_token_gate":
+        return normal() / np.sqrt(shape[0])
+    return normal() / np.sqrt(shape[-2])   # projections: [..., fan_in, fan_out]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _random_param_jax(name: str, key: jax.Array, shape: tuple[int, ...], vdtype) -> jax.Array:
+    def draw(kind, shape):
+        return jax.random.normal(key, shape) if kind == "normal" else jax.random.uniform(key, shape)
+    return _random_param(name, draw, shape, jnp).astype(vdtype)
