@@ -30,9 +30,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
                      implementation: str | None = None) -> jax.Array:
     """Causal attention of a chunk over the cached prefix [0, start) and itself.
 
-    The chunk attends to itself with an aligned causal mask and to the cache prefix without a mask; the two
-    partial softmaxes are merged by their log-sum-exp (FlashAttention-2 §3.1.1), so both calls run as cuDNN
-    flash attention on GPU and no [seq, capacity] mask is ever built.
+    The chunk attends to itself with an aligned causal mask, and to the prefix block by block (blocks of the
+    chunk's length, only the ceil(start / seq) blocks that hold keys); the partial softmaxes are merged by their
+    log-sum-exp (online softmax, FlashAttention-2 §3.1.1). Every call is a plain `jax.nn.dot_product_attention`
+    (cuDNN flash attention on GPU), no [seq, capacity] mask is built, and work grows with start, not capacity.
 
     Args:
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] of this chunk (post-RoPE).
@@ -43,16 +44,23 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
     """
-    batch = q.shape[0]
-    out_self, lse_self = _attention(q, k, v, implementation=implementation, is_causal=True)
-    kv_lengths = jnp.full((batch,), start, jnp.int32)
-    out_prefix, lse_prefix = _attention(q, cache.key, cache.value, implementation=implementation,
-                                        kv_lengths=kv_lengths)
-    lse_prefix = jnp.where(start > 0, lse_prefix, -jnp.inf)
-    m = jnp.maximum(lse_self, lse_prefix)
-    w_self, w_prefix = jnp.exp(lse_self - m), jnp.exp(lse_prefix - m)            # [b, t, heads]
-    out = (out_self.astype(jnp.float32) * w_self[..., None] + out_prefix.astype(jnp.float32) * w_prefix[..., None])
-    return (out / (w_self + w_prefix)[..., None]).astype(q.dtype)
+    batch, seq = q.shape[:2]
+    out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
+    block = seq if cache.capacity % seq == 0 else cache.capacity   # decode (seq=1) reads one long block
+
+    def merge_block(j, carry):
+        acc, run_lse = carry                                         # acc: normalised output so far, float32
+        keys = jax.lax.dynamic_slice_in_dim(cache.key, j * block, block, axis=1)
+        values = jax.lax.dynamic_slice_in_dim(cache.value, j * block, block, axis=1)
+        lengths = jnp.full((batch,), jnp.clip(start - j * block, 0, block), jnp.int32)
+        o_j, lse_j = _attention(q, keys, values, implementation=implementation, kv_lengths=lengths)
+        new_lse = jnp.logaddexp(run_lse, lse_j)
+        acc = acc * jnp.exp(run_lse - new_lse)[..., None] + o_j.astype(jnp.float32) * jnp.exp(lse_j - new_lse)[..., None]
+        return acc, new_lse
+
+    num_blocks = (start + block - 1) // block
+    out, _ = jax.lax.fori_loop(0, num_blocks, merge_block, (out.astype(jnp.float32), lse))
+    return out.astype(q.dtype)
 
 
 class GatedAttention(nnx.Module):

@@ -1,0 +1,3 @@
+from hybridlm.cli import main
+import sys
+sys.exit(main())

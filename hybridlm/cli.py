@@ -1,0 +1,145 @@
+"""Command line: `hybridlm prefill` (the main job: time to first token) and `hybridlm generate`.
+
+With no arguments both use the `tiny` preset with random weights and the public-domain prompt shipped with the
+package, tokenized with the real Qwen3.5/3.6 tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("prefill", "ingest a prompt; report TTFT, tokens/s and per-phase times"),
+                        ("generate", "prefill, then decode new tokens")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--model", metavar="PATH", help="HF checkpoint directory or .gguf file")
+        s.add_argument("--preset", default=None, help="named architecture (with --random-weights); default tiny")
+        s.add_argument("--random-weights", action="store_true", help="random weights for --preset")
+        s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
+        s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+        s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
+        s.add_argument("--prompt", help="prompt text (instead of --prompt-file)")
+        s.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk size in tokens")
+        s.add_argument("--max-new-tokens", type=int, default=16 if name == "generate" else 0)
+        s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        s.add_argument("--top-k", type=int, default=0)
+        s.add_argument("--top-p", type=float, default=1.0)
+        s.add_argument("--no-profile", action="store_true", help="skip the per-phase timing pass")
+        s.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"hybridlm: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # Validate cheap things before importing JAX.
+    from hybridlm.config import PRESETS
+    if args.model and (args.preset or args.random_weights):
+        return _fail("--model cannot be combined with --preset/--random-weights")
+    if args.model and not os.path.exists(args.model):
+        return _fail(f"model path not found: {args.model}")
+    if args.preset and args.preset not in PRESETS:
+        return _fail(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
+    if args.prompt_file and not os.path.isfile(args.prompt_file):
+        return _fail(f"prompt file not found: {args.prompt_file}")
+    if args.chunk_size <= 0:
+        return _fail(f"--chunk-size must be positive, got {args.chunk_size}")
+    if args.max_new_tokens < 0:
+        return _fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+
+    import jax
+    import jax.numpy as jnp
+
+    import hybridlm
+    from hybridlm.tokenizer import Tokenizer, default_prompt
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
+    if dtype is None:
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    try:
+        if args.model:
+            model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype)
+            source = args.model
+        else:
+            config = hybridlm.get_config(args.preset or "tiny")
+            model = hybridlm.init_random(config, args.seed, dtype=dtype)
+            source = f"{config.name} (random weights, seed {args.seed})"
+        tokenizer = Tokenizer()
+        if args.prompt is not None:
+            text = args.prompt
+        elif args.prompt_file:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        else:
+            text = default_prompt()
+        ids = tokenizer.encode(text)
+        if not ids:
+            return _fail("the prompt is empty")
+        if max(ids) >= model.config.vocab_size:
+            return _fail(f"the prompt has token ids up to {max(ids)} but the model's vocabulary has "
+                         f"{model.config.vocab_size} entries (a different tokenizer?)")
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        return _fail(str(e).strip("'\""))
+
+    runner = hybridlm.LayerwiseRunner(model)
+    report = {"command": args.command, "model": source, "device": str(jax.devices()[0].device_kind),
+              "jax_version": jax.__version__, "dtype": jnp.dtype(model.dtype).name}
+    if args.command == "prefill":
+        # First call compiles; the second measures. Then one profiled pass for per-phase times.
+        hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+        result = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+        report.update(result.summary())
+        report["compile_excluded"] = True
+        if not args.no_profile:
+            profiled = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, profile=True,
+                                        max_new_tokens=args.max_new_tokens)
+            report["phase_seconds"] = profiled.summary()["phase_seconds"]
+        top = int(jnp.argmax(result.logits[0]))
+        report["next_token"] = {"id": top, "text": tokenizer.decode([top])}
+    else:
+        gen = hybridlm.generate(runner, ids, max_new_tokens=max(args.max_new_tokens, 1),
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                chunk_size=args.chunk_size)
+        report.update(gen.prefill.summary())
+        report["compile_excluded"] = False
+        report["new_tokens"] = gen.tokens[0].tolist()
+        report["text"] = tokenizer.decode(gen.tokens[0])
+        report["decode_tokens_per_s"] = gen.decode_tokens_per_s
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    return 0
+
+
+def _print_report(r: dict) -> None:
+    print(f"model          {r['model']}  [{r['dtype']}, {r['device']}, JAX {r['jax_version']}]")
+    print(f"prompt tokens  {r['prompt_tokens']}  in {r['chunks']} chunk(s) of {r['chunk_size']}")
+    note = "" if r["compile_excluded"] else " (includes compilation)"
+    print(f"TTFT           {r['ttft_s']:.3f} s{note}")
+    print(f"prefill        {r['prefill_tokens_per_s']:.1f} tokens/s")
+    if "phase_seconds" in r:
+        total = sum(r["phase_seconds"].values()) or 1.0
+        print("per phase (profiled pass, synchronised after each phase):")
+        for phase, sec in r["phase_seconds"].items():
+            print(f"  {phase:10s} {sec * 1e3:9.2f} ms  {100 * sec / total:5.1f}%")
+    if "next_token" in r:
+        print(f"next token     {r['next_token']['id']} {r['next_token']['text']!r}")
+    if "text" in r:
+        print(f"generated      {r['text']!r}")
+        print(f"decode         {r['decode_tokens_per_s']:.1f} tokens/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
