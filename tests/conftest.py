@@ -1,0 +1,49 @@
+"""Shared test setup: CPU JAX, float32 matmuls at full precision, tiny models, HF fixtures, a finiteness guard."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+HF_FIXTURES = ("qwen35moe_text", "qwen35moe_full", "qwen3next")
+
+
+def assert_finite(x, name: str = "array") -> None:
+    """Fails on any NaN or Inf (every test output goes through this)."""
+    x = np.asarray(x, np.float32)
+    bad = ~np.isfinite(x)
+    assert not bad.any(), f"{name} has {bad.sum()} NaN/Inf values of {x.size}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    import hybridlm
+    return hybridlm.init_random(hybridlm.get_config("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_model):
+    import hybridlm
+    return hybridlm.LayerwiseRunner(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def hf_models():
+    """name -> (HybridLM loaded from the HF fixture, expected.npz contents)."""
+    import jax.numpy as jnp
+
+    import hybridlm
+    out = {}
+    for name in HF_FIXTURES:
+        d = FIXTURES / "hf" / name
+        out[name] = (hybridlm.load(d, dtype=jnp.float32), dict(np.load(d / "expected.npz")))
+    return out

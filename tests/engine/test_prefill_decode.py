@@ -1,0 +1,110 @@
+"""Chunked prefill, decode and generate on the tiny preset (full 248 320 vocab)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_finite
+
+import hybridlm
+from hybridlm.engine.prefill import cache_capacity, effective_chunk_size
+
+SEQ = 70   # not a multiple of any chunk size below
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(7).integers(0, 248_320, (2, SEQ)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def full_logits(tiny_model, prompt):
+    logits = np.asarray(tiny_model(jnp.asarray(prompt)))
+    assert_finite(logits, "full forward logits")
+    return logits
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, 4096])
+def test_chunked_prefill_equals_full_forward(tiny_runner, prompt, full_logits, chunk_size):
+    result = hybridlm.prefill(tiny_runner, prompt, chunk_size=chunk_size)
+    assert_finite(result.logits)
+    assert result.logits.shape == (2, 248_320)
+    assert result.num_chunks == -(-SEQ // result.chunk_size)
+    np.testing.assert_allclose(np.asarray(result.logits), full_logits[:, -1], atol=1e-4, rtol=0)
+
+
+def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, full_logits):
+    result = hybridlm.prefill(tiny_runner, prompt[:, :40], chunk_size=16, max_new_tokens=SEQ - 40)
+    states = result.states
+    for pos in range(40, SEQ):
+        logits, states = hybridlm.decode_step(tiny_runner, jnp.asarray(prompt[:, pos]), states, pos)
+        assert_finite(logits)
+        np.testing.assert_allclose(np.asarray(logits), full_logits[:, pos], atol=1e-4, rtol=0,
+                                   err_msg=f"position {pos}")
+
+
+def test_prefill_in_two_calls_equals_one(tiny_runner, prompt):
+    """prefill(a + b) == prefill(a) then feeding b token by token (state carried)."""
+    whole = hybridlm.prefill(tiny_runner, prompt, chunk_size=32)
+    first = hybridlm.prefill(tiny_runner, prompt[:, :64], chunk_size=32, max_new_tokens=SEQ - 64)
+    states = first.states
+    for pos in range(64, SEQ):
+        logits, states = hybridlm.decode_step(tiny_runner, jnp.asarray(prompt[:, pos]), states, pos)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(whole.logits), atol=1e-4, rtol=0)
+
+
+def test_profile_reports_every_phase(tiny_runner, prompt):
+    result = hybridlm.prefill(tiny_runner, prompt, chunk_size=32, profile=True)
+    phases = result.summary()["phase_seconds"]
+    assert set(phases) == set(hybridlm.engine.PHASES)
+    assert all(v > 0 for v in phases.values()), phases
+    assert result.tokens_per_s > 0 and result.ttft_s > 0
+
+
+def test_chunk_and_capacity_rules():
+    assert effective_chunk_size(5, 4096) == 16
+    assert effective_chunk_size(70, 4096) == 128
+    assert effective_chunk_size(10_000, 4096) == 4096
+    assert cache_capacity(70, 16, 0) == 16 * 8         # 5 chunks -> rounded up to 8
+    assert cache_capacity(70, 128, 100) == 256
+    with pytest.raises(ValueError, match="chunk_size"):
+        effective_chunk_size(10, 0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.zeros((1, 0), np.int32), "seq >= 1"),
+    (np.array([[1, 2, 248_320]]), r"\[0, 248320\)"),
+    (np.array([[-1, 2]]), r"\[0, 248320\)"),
+])
+def test_prefill_rejects_bad_prompts(tiny_runner, bad, match):
+    with pytest.raises(ValueError, match=match):
+        hybridlm.prefill(tiny_runner, bad)
+
+
+def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt):
+    out = hybridlm.generate(tiny_runner, prompt[0, :20], max_new_tokens=4, chunk_size=16)
+    assert out.tokens.shape == (1, 4)
+    seq = list(prompt[0, :20])
+    for tok in out.tokens[0]:
+        logits = np.asarray(tiny_model(jnp.asarray([seq])))[0, -1]
+        assert int(tok) == int(logits.argmax())
+        seq.append(int(tok))
+
+
+def test_generate_sampling_is_seeded(tiny_runner, prompt):
+    kw = dict(max_new_tokens=5, temperature=1.0, top_k=50, top_p=0.9, chunk_size=16)
+    a = hybridlm.generate(tiny_runner, prompt[0, :10], seed=3, **kw).tokens
+    b = hybridlm.generate(tiny_runner, prompt[0, :10], seed=3, **kw).tokens
+    np.testing.assert_array_equal(a, b)
+
+
+def test_sample_top_k_and_top_p_restrict_support():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+    keys = jax.random.split(jax.random.key(0), 400)
+    draw = lambda **kw: {int(hybridlm.engine.sample(logits, k, temperature=1.0, **kw)[0]) for k in keys}
+    assert draw(top_k=2) == {0, 1}
+    assert draw(top_p=0.7) == {0, 1}          # 0.5 < 0.7 <= 0.8
+    assert draw(top_p=0.5) == {0}
+    assert draw() == {0, 1, 2, 3}
+    greedy = hybridlm.engine.sample(logits, keys[0], temperature=0.0)
+    assert int(greedy[0]) == 0
