@@ -1,0 +1,108 @@
+"""Layer pieces against direct (slow, obvious) formulations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_finite
+
+from hybridlm.layers.gated_attention import cached_attention
+from hybridlm.layers.gated_deltanet import causal_depthwise_conv
+from hybridlm.layers.moe import dispatch, route_top_k, routed_experts
+from hybridlm.layers.norms import gated_rms_norm, rms_norm
+from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
+from hybridlm.state import KVCache
+
+rng = np.random.default_rng(0)
+
+
+def test_rms_norms():
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal(8).astype(np.float32)
+    normed = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(rms_norm(x, w, 1e-6), normed * (1 + w), rtol=1e-5)
+    np.testing.assert_allclose(rms_norm(x, w, 1e-6, zero_centered=False), normed * w, rtol=1e-5)
+    z = rng.standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(gated_rms_norm(x, z, w, 1e-6), w * normed * z / (1 + np.exp(-z)), rtol=1e-5)
+
+
+def test_partial_rope_rotates_pairs_i_and_i_plus_half():
+    head_dim, rotary_dim, theta = 16, 8, 1e7
+    x = rng.standard_normal((1, 5, 2, head_dim)).astype(np.float32)
+    pos = np.arange(3, 8)
+    cos, sin = rope_cos_sin(jnp.asarray(pos), rotary_dim, theta)
+    got = np.asarray(apply_partial_rope(jnp.asarray(x), cos, sin))
+    want = x.copy()
+    for i in range(rotary_dim // 2):
+        ang = pos * theta ** (-2 * i / rotary_dim)
+        a, b = x[..., i], x[..., i + rotary_dim // 2]
+        want[..., i] = a * np.cos(ang)[None, :, None] - b * np.sin(ang)[None, :, None]
+        want[..., i + rotary_dim // 2] = b * np.cos(ang)[None, :, None] + a * np.sin(ang)[None, :, None]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[..., rotary_dim:], x[..., rotary_dim:])   # dims past rotary_dim untouched
+
+
+def test_causal_conv_with_history_equals_conv_of_concatenation():
+    seq, channels, kernel = 9, 6, 4
+    x = rng.standard_normal((2, seq, channels)).astype(np.float32)
+    w = rng.standard_normal((kernel, channels)).astype(np.float32)
+    whole = causal_depthwise_conv(x, w, np.zeros((2, kernel - 1, channels), np.float32))
+    padded = np.concatenate([np.zeros((2, kernel - 1, channels)), x], 1)
+    direct = sum(padded[:, j:j + seq] * w[j] for j in range(kernel))
+    np.testing.assert_allclose(whole, direct / (1 + np.exp(-direct)), rtol=1e-5, atol=1e-6)
+    tail = causal_depthwise_conv(x[:, 5:], w, x[:, 5 - (kernel - 1):5])
+    np.testing.assert_allclose(tail, whole[:, 5:], rtol=1e-5, atol=1e-6)
+
+
+def test_routing_softmax_topk_renormalised():
+    logits = rng.standard_normal((5, 8)).astype(np.float32)
+    w, ids = route_top_k(jnp.asarray(logits), 3)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    want_ids = np.argsort(-p, -1)[:, :3]
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    top = np.take_along_axis(p, want_ids, -1)
+    np.testing.assert_allclose(np.asarray(w), top / top.sum(-1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_routed_experts_match_per_token_loop(with_padding):
+    tokens, hidden, ffn, experts, top_k = 13, 8, 6, 5, 2
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    gate_up = rng.standard_normal((experts, hidden, 2 * ffn)).astype(np.float32)
+    down = rng.standard_normal((experts, ffn, hidden)).astype(np.float32)
+    w, ids = route_top_k(jnp.asarray(rng.standard_normal((tokens, experts)).astype(np.float32)), top_k)
+    valid = np.arange(tokens) < (9 if with_padding else tokens)
+    got = np.asarray(routed_experts(jnp.asarray(x), w, ids, jnp.asarray(gate_up), jnp.asarray(down),
+                                    valid=jnp.asarray(valid), implementation="reference"))
+    assert_finite(got)
+    want = np.zeros_like(x)
+    for t in range(tokens):
+        if not valid[t]:
+            continue
+        for j in range(top_k):
+            e = int(ids[t, j])
+            h = x[t] @ gate_up[e]
+            want[t] += float(w[t, j]) * ((h[:ffn] / (1 + np.exp(-h[:ffn])) * h[ffn:]) @ down[e])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    d = dispatch(ids, experts, jnp.asarray(valid))
+    assert int(d.group_sizes.sum()) == valid.sum() * top_k
+
+
+@pytest.mark.parametrize("start", [0, 8, 13, 24])
+def test_cached_attention_matches_masked_softmax(start):
+    batch, seq, heads, kv_heads, hd, capacity = 1, 8, 4, 2, 16, 32
+    k0 = jax.random.key(start)
+    q, k, v = (jax.random.normal(jax.random.fold_in(k0, i), (batch, seq, h, hd)) for i, h in
+               enumerate((heads, kv_heads, kv_heads)))
+    cache = KVCache(*(jax.random.normal(jax.random.fold_in(k0, 9 + i), (batch, capacity, kv_heads, hd))
+                      for i in range(2)))
+    got = np.asarray(cached_attention(q, k, v, cache, jnp.int32(start)))
+    keys = np.concatenate([np.asarray(cache.key)[:, :start], np.asarray(k)], 1)
+    values = np.concatenate([np.asarray(cache.value)[:, :start], np.asarray(v)], 1)
+    keys, values = np.repeat(keys, heads // kv_heads, 2), np.repeat(values, heads // kv_heads, 2)
+    scores = np.einsum("bthd,bshd->bhts", np.asarray(q), keys) / np.sqrt(hd)
+    mask = np.arange(start + seq)[None, :] <= (start + np.arange(seq))[:, None]
+    scores = np.where(mask, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), values)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
