@@ -1,0 +1,3 @@
+"""Pallas kernels of hybridlm; public entry points only."""
+
+from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_step

@@ -1,0 +1,332 @@
+"""Chunked gated delta rule as Pallas kernels with the Triton lowering (Ampere, Ada, Hopper).
+
+Launches, like flash-linear-attention's `chunk_gated_delta_rule_fwd` (spec §9):
+  1. `_prepare_kernel`, one program per (chunk, v-head): gamma = chunk-local cumsum of g; A = strict_lower(
+     diag(beta) K K^T * Gamma); T = (I + A)^-1 block by block (16-row diagonal blocks inverted exactly, then
+     merged); W = T diag(beta e^gamma) K, U = T diag(beta) V. With `fuse_output` it also writes the masked,
+     scaled intra-chunk attention P = scale lower_incl(Q K^T * Gamma).
+  2. `_state_kernel`, one program per (sequence, v-head, value block): the only sequential part. Walks its
+     sequence's chunks: V' = U - W h, h <- e^{gamma_C} h + (K e^{gamma_C - gamma})^T V'. Either it stores each
+     chunk-start state h and V' for
+  3. `_output_kernel`, one program per (chunk, v-head, value block): O = scale (Q e^gamma) h + P V';
+     or (`fuse_output`) it computes O itself in the same walk, so no chunk state ever goes to memory.
+Packed sequences (cu_seqlens) are regathered so each starts a chunk; each gets its own state-pass programs.
+Grouped heads: v-head h reads q/k head h // (v_heads // k_heads) straight from the un-repeated arrays.
+Matrix products take the input dtype (bf16 -> tensor cores) and accumulate in f32; g, beta, gamma, A, T and
+the carried state are f32 (f32 inputs: every product in IEEE f32, precision=HIGHEST).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gated_delta_rule import _common
+
+_PLAIN = (((1,), (0,)), ((), ()))     # dot_general dims for a b
+_TRANS_A = (((0,), (0,)), ((), ()))   # dot_general dims for a^T b
+_TRANS_B = (((1,), (1,)), ((), ()))   # dot_general dims for a b^T
+
+
+def _dot(a, b, dims=_PLAIN):
+    """2-D product accumulated in f32; HIGHEST keeps f32 operands in IEEE f32 (Triton's default is TF32)."""
+    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tile sizes and Triton launch parameters of the three kernels."""
+
+    solve_block: int = 16          # rows per diagonal block of the chunk's triangular solve
+    state_block_v: int = 32        # value columns per program in the sequential state pass
+    output_block_v: int = 128      # value columns per program in the output kernel (capped at value_dim)
+    prepare_warps: int = 4
+    state_warps: int = 4
+    output_warps: int = 4
+    state_stages: int = 2
+    fuse_output: bool = False      # compute the output inside the state pass (no chunk states in memory)
+
+    @classmethod
+    def get_default(cls) -> "BlockSizes":
+        return cls()
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _unit_lower_inverse(a):
+    """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two), by the exact product
+    (I - a)(I + a^2)(I + a^4)...: a is nilpotent, so the product ends after log2(s) factors."""
+    s = a.shape[0]
+    eye = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (s, s), 0) == jax.lax.broadcasted_iota(
+        jnp.int32, (s, s), 1), 1.0, 0.0)
+    inv = eye - a
+    power = a
+    for _ in range(max(s.bit_length() - 2, 0)):                              # factors (I + a^2), (I + a^4), ...
+        power = _dot(power, power)
+        inv = _dot(inv, eye + power)
+    return inv
+
+
+def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, p_ref, *, chunk_size, group,
+                    compute_dtype, sub, scale, with_p):
+    # q_ref/k_ref [b, t, k_heads, key_dim]; v_ref/u_ref [b, t, v_heads, value_dim]; w_ref [b, t, v_heads,
+    # key_dim]; g_ref/beta_ref/gamma_ref [b, v_heads, t] f32; p_ref [b, t, v_heads, chunk_size] (with_p).
+    # Program (chunk n, batch*v_heads bh). The chunk is cut into chunk_size // sub row blocks and
+    #   T_dd = (I + A_dd)^-1,   T_de = -T_dd sum_{e <= m < d} A_dm T_me   (d > e).
+    # Tiles are re-loaded where used (L1/L2 hits) rather than kept live, to keep registers free.
+    n, bh = pl.program_id(0), pl.program_id(1)
+    v_heads = v_ref.shape[2]
+    b, h = bh // v_heads, bh % v_heads
+    num_blocks = chunk_size // sub
+    rows = [pl.ds(n * chunk_size + d * sub, sub) for d in range(num_blocks)]
+    load_k = lambda d: k_ref[b, rows[d], h // group, :]                       # [sub, key_dim]
+    i = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
+    gammas, betas = [], []
+    offset = jnp.float32(0.0)
+    for d in range(num_blocks):
+        g = g_ref[b, h, rows[d]]                                             # [sub] f32
+        gamma = jnp.cumsum(g, axis=0) + offset                               # chunk-local prefix sum
+        offset = offset + jnp.sum(g)
+        gamma_ref[b, h, rows[d]] = gamma
+        gammas.append(gamma)
+        betas.append(beta_ref[b, h, rows[d]])
+
+    def decay(d, e, inclusive):                                              # exp(gamma_i - gamma_j), masked
+        diff = gammas[d][:, None] - gammas[e][None, :]
+        if d != e:
+            return jnp.exp(diff)                                             # <= 1 below the diagonal
+        keep = i >= j if inclusive else i > j
+        return jnp.where(keep, jnp.exp(jnp.where(keep, diff, 0.0)), 0.0)
+
+    a, t = {}, {}
+    for d in range(num_blocks):
+        k_d = load_k(d)
+        for e in range(d + 1):
+            a[d, e] = betas[d][:, None] * _dot(k_d, load_k(e), _TRANS_B) * decay(d, e, inclusive=False)
+        if with_p:
+            q_d = q_ref[b, rows[d], h // group, :]
+            for e in range(num_blocks):
+                cols = pl.ds(e * sub, sub)
+                if e > d:
+                    p_ref[b, rows[d], h, cols] = jnp.zeros((sub, sub), p_ref.dtype)
+                else:
+                    p = _dot(q_d, load_k(e), _TRANS_B) * decay(d, e, inclusive=True) * scale
+                    p_ref[b, rows[d], h, cols] = p.astype(p_ref.dtype)
+    for d in range(num_blocks):
+        t[d, d] = _unit_lower_inverse(a[d, d])
+        for e in range(d - 1, -1, -1):
+            acc = _dot(a[d, e], t[e, e])
+            for m in range(e + 1, d):
+                acc += _dot(a[d, m], t[m, e])
+            t[d, e] = -_dot(t[d, d], acc)
+    for d in range(num_blocks):
+        w = u = 0.0
+        for e in range(d + 1):
+            t_de = t[d, e].astype(compute_dtype)
+            k_scaled = load_k(e).astype(jnp.float32) * (betas[e] * jnp.exp(gammas[e]))[:, None]
+            v_scaled = v_ref[b, rows[e], h, :].astype(jnp.float32) * betas[e][:, None]
+            w += _dot(t_de, k_scaled.astype(compute_dtype))
+            u += _dot(t_de, v_scaled.astype(compute_dtype))
+        w_ref[b, rows[d], h, :] = w.astype(w_ref.dtype)
+        u_ref[b, rows[d], h, :] = u.astype(u_ref.dtype)
+
+
+def _state_kernel(q_ref, k_ref, w_ref, u_ref, gamma_ref, p_ref, init_ref, seq_chunk_start_ref,
+                  states_ref, v_new_ref, o_ref, final_ref, *, chunk_size, group, block_v, packed, fuse_output,
+                  scale, compute_dtype):
+    # states_ref [b, num_chunks, v_heads, key_dim, value_dim] (unfused); v_new_ref like u_ref (unfused);
+    # o_ref [b, t, v_heads, value_dim] (fused); init/final [num_states, v_heads, key_dim, value_dim] f32;
+    # seq_chunk_start_ref [num_states + 1] (packed). Program (state s * v_heads + h, value block vb).
+    c = chunk_size
+    sh, vb = pl.program_id(0), pl.program_id(1)
+    v_heads = u_ref.shape[2]
+    s, h = sh // v_heads, sh % v_heads
+    cols = pl.ds(vb * block_v, block_v)
+    if packed:                                                               # batch 1; this sequence's chunks
+        b, first, stop = 0, seq_chunk_start_ref[s], seq_chunk_start_ref[s + 1]
+    else:
+        b, first, stop = s, 0, u_ref.shape[1] // c
+
+    def body(n, state):                                                      # state [key_dim, block_v] f32
+        rows = pl.ds(n * c, c)
+        state_in = state.astype(compute_dtype)
+        if not fuse_output:
+            states_ref[b, n, h, :, cols] = state_in.astype(states_ref.dtype)
+        v_new = u_ref[b, rows, h, cols].astype(jnp.float32) - _dot(w_ref[b, rows, h, :], state_in)
+        v_new_in = v_new.astype(compute_dtype)                               # [c, block_v]
+        gamma = gamma_ref[b, h, rows]                                        # [c]
+        gamma_last = gamma_ref[b, h, n * c + c - 1]
+        if fuse_output:
+            q = q_ref[b, rows, h // group, :].astype(jnp.float32) * (jnp.exp(gamma) * scale)[:, None]
+            out = _dot(q.astype(compute_dtype), state_in) + _dot(p_ref[b, rows, h, :], v_new_in)
+            o_ref[b, rows, h, cols] = out.astype(o_ref.dtype)
+        else:
+            v_new_ref[b, rows, h, cols] = v_new_in.astype(v_new_ref.dtype)
+        k = k_ref[b, rows, h // group, :].astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
+        return jnp.exp(gamma_last) * state + _dot(k.astype(compute_dtype), v_new_in, _TRANS_A)
+
+    state = jax.lax.fori_loop(first, stop, body, init_ref[s, h, :, cols])
+    final_ref[s, h, :, cols] = state
+
+
+def _output_kernel(q_ref, k_ref, gamma_ref, states_ref, v_new_ref, o_ref, *, chunk_size, group, block_v, scale,
+                   compute_dtype):
+    # Program (chunk n, batch*v_heads bh, value block vb).
+    c = chunk_size
+    n, bh, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    v_heads = o_ref.shape[2]
+    b, h = bh // v_heads, bh % v_heads
+    rows, cols = pl.ds(n * c, c), pl.ds(vb * block_v, block_v)
+    q = q_ref[b, rows, h // group, :]                                        # [c, key_dim]
+    k = k_ref[b, rows, h // group, :]
+    gamma = gamma_ref[b, h, rows]
+    i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    qk = _dot(q, k, _TRANS_B)                                                # [c, c]
+    qk = jnp.where(i >= j, qk * jnp.exp(jnp.where(i >= j, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+    q_decayed = (q.astype(jnp.float32) * jnp.exp(gamma)[:, None]).astype(compute_dtype)
+    state = states_ref[b, n, h, :, cols].astype(compute_dtype)              # [key_dim, block_v]
+    v_new = v_new_ref[b, rows, h, cols].astype(compute_dtype)               # [c, block_v]
+    out = _dot(q_decayed, state) + _dot(qk.astype(compute_dtype), v_new)
+    o_ref[b, rows, h, cols] = (out * scale).astype(o_ref.dtype)
+
+
+def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret):
+    """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma [b, v_heads, t]
+    f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype; else a dummy)."""
+    batch, padded, _, key_dim = k.shape
+    v_heads, value_dim = v.shape[2:]
+    with_p = block_sizes.fuse_output
+    p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
+    return pl.pallas_call(
+        functools.partial(_prepare_kernel, chunk_size=chunk_size, group=group, compute_dtype=compute_dtype,
+                          sub=min(block_sizes.solve_block, chunk_size), scale=scale, with_p=with_p),
+        out_shape=(jax.ShapeDtypeStruct((batch, padded, v_heads, key_dim), compute_dtype),
+                   jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
+                   jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
+                   jax.ShapeDtypeStruct(p_shape, compute_dtype)),
+        grid=(padded // chunk_size, batch * v_heads),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
+        interpret=interpret,
+        name="gdn_prepare",
+    )(q, k, v, g, bt)
+
+
+def _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start, *, packed, scale, out_dtype, chunk_size,
+                group, compute_dtype, block_sizes, interpret):
+    """Stage 2. Returns (chunk-start states [b, num_chunks, v_heads, key_dim, value_dim], V' [b, t, v_heads,
+    value_dim], final state f32) or, with `block_sizes.fuse_output`, (output [b, t, v_heads, value_dim], final
+    state)."""
+    batch, padded, v_heads, value_dim = u.shape
+    key_dim = w.shape[3]
+    num_chunks = padded // chunk_size
+    block_v = min(block_sizes.state_block_v, value_dim)
+    fuse = block_sizes.fuse_output
+    dummy = jax.ShapeDtypeStruct((1,), compute_dtype)
+    out_shape = (dummy if fuse else jax.ShapeDtypeStruct((batch, num_chunks, v_heads, key_dim, value_dim),
+                                                         compute_dtype),
+                 dummy if fuse else jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
+                 jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), out_dtype) if fuse else dummy,
+                 jax.ShapeDtypeStruct(initial_state.shape, jnp.float32))
+    states, v_new, out, final_state = pl.pallas_call(
+        functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, packed=packed,
+                          fuse_output=fuse, scale=scale, compute_dtype=compute_dtype),
+        out_shape=out_shape,
+        grid=(initial_state.shape[0] * v_heads, value_dim // block_v),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.state_warps,
+                                             num_stages=block_sizes.state_stages),
+        interpret=interpret,
+        name="gdn_state",
+    )(q, k, w, u, gamma, p, initial_state, seq_chunk_start)
+    return (out, final_state) if fuse else (states, v_new, final_state)
+
+
+def _output(q, k, gamma, states, v_new, *, scale, out_dtype, chunk_size, group, compute_dtype, block_sizes,
+            interpret):
+    """Stage 3 (unfused): output [b, t, v_heads, value_dim] in out_dtype."""
+    batch, padded, v_heads, value_dim = v_new.shape
+    block_v = min(block_sizes.output_block_v, value_dim)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
+                          compute_dtype=compute_dtype),
+        out_shape=jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), out_dtype),
+        grid=(padded // chunk_size, batch * v_heads, value_dim // block_v),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.output_warps),
+        interpret=interpret,
+        name="gdn_output",
+    )(q, k, gamma, states, v_new)
+
+
+def _run_stages(q, k, v, g, bt, initial_state, seq_chunk_start, *, packed, scale, out_dtype, **common):
+    """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
+    compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state)."""
+    w, u, gamma, p = _prepare(q, k, v, g, bt, scale=scale, **common)
+    if common["block_sizes"].fuse_output:
+        return _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start, packed=packed, scale=scale,
+                           out_dtype=out_dtype, **common)
+    states, v_new, final_state = _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start,
+                                             packed=packed, scale=scale, out_dtype=out_dtype, **common)
+    return _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common), final_state
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes"))
+def gated_delta_rule_pallas(query, key, value, log_decay, beta, *, initial_state=None, scale=None, chunk_size=64,
+                            cu_seqlens=None, interpret=None, block_sizes: BlockSizes | None = None):
+    """Chunked gated delta rule in Pallas (Triton lowering) kernels; see the module docstring.
+
+    Source: arXiv:2412.06464; spec §9; stages as in flash-linear-attention `chunk_gated_delta_rule_fwd`.
+
+    Args:
+      query, key: [batch, seq, k_heads, key_dim], already L2-normalised; bf16 or f32. key_dim a power of 2.
+      value: [batch, seq, v_heads, value_dim]; value_dim a power of 2; value head h reads q/k head
+        h // (v_heads // k_heads).
+      log_decay: [batch, seq, v_heads], g <= 0, any float dtype (used in f32).
+      beta: [batch, seq, v_heads], in [0, 1], any float dtype (used in f32).
+      initial_state: [batch or num_seqs, v_heads, key_dim, value_dim] f32, or None for zeros.
+      scale: multiplies the query; defaults to key_dim ** -0.5.
+      chunk_size: tokens per chunk, a power of two >= 16.
+      cu_seqlens: optional int32 [num_seqs + 1] packed-sequence offsets (batch == 1).
+      interpret: run in the Pallas interpreter; None = only when no GPU is present.
+      block_sizes: tiles and launch parameters; None = `BlockSizes.get_default()`.
+
+    Returns:
+      output: [batch, seq, v_heads, value_dim] in value.dtype.
+      final_state: [batch or num_seqs, v_heads, key_dim, value_dim] float32.
+
+    Raises:
+      ValueError: shapes that disagree, or chunk_size / key_dim / value_dim that are not powers of two.
+    """
+    dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
+    batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
+    for name, x in (("chunk_size", chunk_size), ("key_dim", key_dim), ("value_dim", value_dim)):
+        if not _pow2(x) or x < 16:
+            raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas Triton kernels")
+    block_sizes = BlockSizes.get_default() if block_sizes is None else block_sizes
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    group = v_heads // k_heads
+    scale = key_dim**-0.5 if scale is None else scale
+    c = chunk_size
+    compute_dtype = jnp.float32 if jnp.float32 in (query.dtype, key.dtype, value.dtype) else jnp.bfloat16
+    packed = cu_seqlens is not None
+    layout = _common.packed_layout(cu_seqlens, seq, c) if packed else None
+    q, k, v, g, bt = _common.pad_to_chunks(query.astype(compute_dtype), key.astype(compute_dtype),
+                                           value.astype(compute_dtype), log_decay.astype(jnp.float32),
+                                           beta.astype(jnp.float32), c, layout)
+    g = jnp.swapaxes(g, 1, 2)                                                # [batch, v_heads, padded]
+    bt = jnp.swapaxes(bt, 1, 2)
+    if initial_state is None:
+        initial_state = jnp.zeros((num_states, v_heads, key_dim, value_dim), jnp.float32)
+    initial_state = initial_state.astype(jnp.float32)
+    seq_chunk_start = layout.seq_chunk_start if packed else jnp.zeros((2,), jnp.int32)
+    common = dict(chunk_size=c, group=group, compute_dtype=compute_dtype, block_sizes=block_sizes,
+                  interpret=interpret)
+    out, final_state = _run_stages(q, k, v, g, bt, initial_state, seq_chunk_start, packed=packed, scale=scale,
+                                   out_dtype=value.dtype, **common)
+    return _common.unpad_output(out, seq, layout), final_state

@@ -1,0 +1,132 @@
+"""Token-by-token gated delta rule in float32: the oracle for every faster implementation.
+
+Einsum letters: b batch, t seq, h k_heads, g group (v_heads // k_heads), k key_dim, v value_dim.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta_rule import _common
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret"))
+def gated_delta_rule_reference(query, key, value, log_decay, beta, *, initial_state=None, scale=None,
+                               chunk_size=64, cu_seqlens=None, interpret=None):
+    """Token-by-token gated delta rule: the oracle for every faster implementation.
+
+    Per value head, with state S of shape [key_dim, value_dim] kept in float32:
+        S <- exp(g_t) * S;   S <- S + k_t (beta_t * (v_t - S^T k_t))^T;   o_t = scale * S^T q_t
+    Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", arXiv:2412.06464; spec §4.5 and Appendix A.
+
+    Args:
+      query, key: [batch, seq, k_heads, key_dim], already L2-normalised along key_dim; bf16 or f32.
+      value: [batch, seq, v_heads, value_dim]; value head h reads q/k head h // (v_heads // k_heads).
+      log_decay: [batch, seq, v_heads], natural-log decay g <= 0, any float dtype (used in f32).
+      beta: [batch, seq, v_heads], write strength in [0, 1], any float dtype (used in f32).
+      initial_state: [batch, v_heads, key_dim, value_dim] f32 (leading dim num_seqs with cu_seqlens), or None
+        for zeros.
+      scale: multiplies the query; defaults to key_dim ** -0.5.
+      chunk_size: unused here (the recurrence has no chunks); kept so all implementations share a signature.
+      cu_seqlens: optional int32 [num_seqs + 1] offsets of packed sequences (batch must be 1); the state
+        restarts from initial_state[i] at cu_seqlens[i].
+      interpret: unused here; kept so all implementations share a signature.
+
+    Returns:
+      output: [batch, seq, v_heads, value_dim] in value.dtype.
+      final_state: [batch or num_seqs, v_heads, key_dim, value_dim] float32.
+
+    Raises:
+      ValueError: shapes that disagree (see `_common.check_shapes`).
+    """
+    del chunk_size, interpret
+    dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
+    batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
+    group = v_heads // k_heads
+    scale = key_dim**-0.5 if scale is None else scale
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    q = f32(query) * scale                                                  # [b, t, h, k]
+    k = f32(key)
+    v = f32(value).reshape(batch, seq, k_heads, group, value_dim)          # [b, t, h, g, v]
+    g = f32(log_decay).reshape(batch, seq, k_heads, group)
+    bt = f32(beta).reshape(batch, seq, k_heads, group)
+    state_shape = (num_states, k_heads, group, key_dim, value_dim)
+    if initial_state is None:
+        init = jnp.zeros(state_shape, jnp.float32)
+    else:
+        init = f32(initial_state).reshape(state_shape)
+
+    def update(state, q_t, k_t, v_t, g_t, b_t):                            # state [b, h, g, k, v]
+        state = state * jnp.exp(g_t)[..., None, None]
+        delta = b_t[..., None] * (v_t - jnp.einsum("bhk,bhgkv->bhgv", k_t, state, precision=_HIGHEST))
+        state = state + jnp.einsum("bhk,bhgv->bhgkv", k_t, delta, precision=_HIGHEST)
+        return state, jnp.einsum("bhk,bhgkv->bhgv", q_t, state, precision=_HIGHEST)
+
+    time_major = lambda x: jnp.moveaxis(x, 1, 0)
+    xs = tuple(map(time_major, (q, k, v, g, bt)))
+    if cu_seqlens is None:
+        def step(state, x):
+            return update(state, *x)
+
+        final_state, output = jax.lax.scan(step, init, xs)
+    else:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        positions = jnp.arange(seq, dtype=jnp.int32)
+        seq_id = jnp.searchsorted(cu[1:], positions, side="right").astype(jnp.int32)   # [t]
+        seq_id = jnp.minimum(seq_id, num_states - 1)
+        is_first = positions == cu[seq_id]
+        is_last = positions == cu[seq_id + 1] - 1
+
+        def step(carry, x):
+            state, finals = carry                                           # [1, h, g, k, v], [n, h, g, k, v]
+            (q_t, k_t, v_t, g_t, b_t), sid, first, last = x
+            state = jnp.where(first, init[sid][None], state)
+            state, o_t = update(state, q_t, k_t, v_t, g_t, b_t)
+            finals = finals.at[sid].set(jnp.where(last, state[0], finals[sid]))
+            return (state, finals), o_t
+
+        carry0 = (jnp.zeros((1,) + state_shape[1:], jnp.float32), init)
+        (_, final_state), output = jax.lax.scan(step, carry0, (xs, seq_id, is_first, is_last))
+    output = jnp.moveaxis(output, 0, 1).reshape(batch, seq, v_heads, value_dim)
+    return output.astype(value.dtype), final_state.reshape(num_states, v_heads, key_dim, value_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *, scale=None):
+    """One decode step of the gated delta rule (same equation as `gated_delta_rule_reference`, seq = 1).
+
+    Source: arXiv:2412.06464; spec §4.5 and §8.
+
+    Args:
+      query, key: [batch, k_heads, key_dim], already L2-normalised; bf16 or f32.
+      value: [batch, v_heads, value_dim].
+      log_decay, beta: [batch, v_heads], any float dtype (used in f32).
+      state: [batch, v_heads, key_dim, value_dim] float32.
+      scale: multiplies the query; defaults to key_dim ** -0.5.
+
+    Returns:
+      output: [batch, v_heads, value_dim] in value.dtype; new_state: same shape as state, float32.
+
+    Raises:
+      ValueError: shapes that disagree.
+    """
+    _common.check_step_shapes(query, key, value, log_decay, beta, state)
+    batch, k_heads, key_dim = key.shape
+    _, v_heads, value_dim = value.shape
+    group = v_heads // k_heads
+    scale = key_dim**-0.5 if scale is None else scale
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    q = f32(query) * scale                                                  # [b, h, k]
+    k = f32(key)
+    v = f32(value).reshape(batch, k_heads, group, value_dim)
+    g = f32(log_decay).reshape(batch, k_heads, group)
+    b = f32(beta).reshape(batch, k_heads, group)
+    s = f32(state).reshape(batch, k_heads, group, key_dim, value_dim) * jnp.exp(g)[..., None, None]
+    delta = b[..., None] * (v - jnp.einsum("bhk,bhgkv->bhgv", k, s, precision=_HIGHEST))
+    s = s + jnp.einsum("bhk,bhgv->bhgkv", k, delta, precision=_HIGHEST)
+    out = jnp.einsum("bhk,bhgkv->bhgv", q, s, precision=_HIGHEST)
+    return (out.reshape(batch, v_heads, value_dim).astype(value.dtype),
+            s.reshape(batch, v_heads, key_dim, value_dim))

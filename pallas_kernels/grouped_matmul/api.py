@@ -1,0 +1,107 @@
+"""Grouped matmul for MoE experts: the one public entry point per operation, with `implementation=`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+
+from pallas_kernels.grouped_matmul import pallas_triton, reference
+from pallas_kernels.quantized import QuantizedWeights
+
+Implementation = Literal["reference", "pallas"]
+
+_GMM: dict[str, Callable[..., jax.Array]] = {
+    "reference": reference.gmm_reference,
+    "pallas": pallas_triton.gmm_pallas,
+}
+_GMM_SWIGLU: dict[str, Callable[..., jax.Array]] = {
+    "reference": reference.gmm_swiglu_reference,
+    "pallas": pallas_triton.gmm_swiglu_pallas,
+}
+
+
+def _pick(table: dict[str, Callable[..., jax.Array]], implementation: str | None) -> Callable[..., jax.Array]:
+    if implementation is None:
+        implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if implementation not in table:
+        raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(table)}")
+    return table[implementation]
+
+
+def _check(lhs, rhs, group_sizes, name: str) -> None:
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
+    if isinstance(rhs, QuantizedWeights):
+        rhs.check()
+    elif rhs.ndim != 3:
+        raise ValueError(f"{name} must be [groups, k, n], got shape {rhs.shape}")
+    groups, k, _ = rhs.shape
+    if k != lhs.shape[1]:
+        raise ValueError(f"lhs.shape={lhs.shape} and {name}.shape={tuple(rhs.shape)} disagree on k")
+    if group_sizes.shape != (groups,):
+        raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array, *,
+        preferred_element_type=None, implementation: Implementation | None = None,
+        interpret: bool | None = None) -> jax.Array:
+    """Grouped matmul: each row of lhs times the matrix of its group.
+
+    out[i] = lhs[i] @ rhs[g] for starts[g] <= i < ends[g] (ends = cumsum(group_sizes)); rows at or past
+    sum(group_sizes) belong to no group and come out zero (the MoE drops padding tokens this way).
+    Accumulation is float32.
+
+    Args:
+      lhs: `[m, k]` (tokens * top_k rows, sorted by expert), float32/bfloat16/float16.
+      rhs: `[groups, k, n]` float array (experts, hidden, ffn), or a `QuantizedWeights` of that shape
+        (int8 Q8_0 or 4-bit; the kernel dequantizes tiles in registers).
+      group_sizes: `[groups]` int32 on device, rows per group, sum <= m. Never read on the host.
+      preferred_element_type: output dtype; None = lhs.dtype.
+      implementation: "reference" (pure JAX, float32, Precision.HIGHEST; the oracle) or "pallas"
+        (Pallas Triton kernel; interpreter when no GPU). None = "pallas" on GPU, "reference" elsewhere.
+      interpret: Pallas only: run the kernel in the interpreter; None = only when no GPU is present.
+
+    Returns:
+      `[m, n]` in preferred_element_type (or lhs.dtype).
+
+    Raises:
+      ValueError: unknown implementation, or shapes that disagree.
+
+    Source: megablox `gmm` / tokamax `ragged_dot` semantics; docs/benchmarks_gmm.md for speed.
+    """
+    fn = _pick(_GMM, implementation)
+    _check(lhs, rhs, group_sizes, "rhs")
+    return fn(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, interpret=interpret)
+
+
+def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_sizes: jax.Array, *,
+               preferred_element_type=None, implementation: Implementation | None = None,
+               interpret: bool | None = None) -> jax.Array:
+    """Fused expert up-projection: silu(x @ W_gate) * (x @ W_up) per row's group.
+
+    The Pallas kernel keeps both projections in registers and never writes the [m, 2 * ffn] intermediate.
+
+    Args:
+      lhs: `[m, k]` rows sorted by group.
+      w_gate_up: `[groups, k, 2 * ffn]`; `[..., :ffn]` is the gate projection, `[..., ffn:]` the up
+        projection; float array or QuantizedWeights.
+      group_sizes: `[groups]` int32 on device, sum <= m.
+      preferred_element_type: output dtype; None = lhs.dtype.
+      implementation: as in `gmm`.
+      interpret: as in `gmm`.
+
+    Returns:
+      `[m, ffn]`; rows past sum(group_sizes) are zero.
+
+    Raises:
+      ValueError: unknown implementation, shapes that disagree, or an odd number of columns.
+
+    Source: SwiGLU, Shazeer 2020 (arXiv:2002.05202); Qwen3-MoE expert MLP.
+    """
+    fn = _pick(_GMM_SWIGLU, implementation)
+    _check(lhs, w_gate_up, group_sizes, "w_gate_up")
+    if w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up has {w_gate_up.shape[2]} columns; expected 2 * ffn")
+    return fn(lhs, w_gate_up, group_sizes, preferred_element_type=preferred_element_type, interpret=interpret)

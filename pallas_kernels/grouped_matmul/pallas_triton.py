@@ -1,0 +1,301 @@
+"""Grouped matmul as a Pallas kernel through the Triton lowering (Ampere, Ada, Hopper; interpreter on CPU).
+
+Work decomposition. A *work item* is a chunk of at most `block_m` consecutive rows of ONE group, starting at
+the group's first row (chunks are aligned to group starts, not to multiples of block_m): a group of s rows
+gives cdiv(s, block_m) items, so a group smaller than block_m reads its weights exactly once and no row is
+multiplied by another group's weights (the megablox/tokamax alternative, m-tiles aligned to block_m and
+visited once per overlapping group, recomputes every straddling tile: ~1.5x the useful FLOPs at
+M=65536, block_m=128, 256 experts, against ~1.2x here). Rows past sum(group_sizes) form one extra "padding group" whose items store zeros without any
+matmul. The item list is built on device from group_sizes (`make_schedule`; no host sync); its length is
+bounded statically by m // block_m + groups + 1, and the surplus items exit at once.
+
+The 1-D grid runs (work item, n-tile) pairs with the n-tile fastest, so programs that run together share
+one lhs chunk and one group's weights (L2 reuse). Each program loops over k in steps of `block_k`,
+accumulating in float32 registers, and writes its `[block_m, block_n]` output tile once.
+
+Quantized weights (`QuantizedWeights`) are dequantized per 32-row block inside the k loop (codes * scale
+[+ offset], cast to the lhs dtype) and fed to the same tensor-core dot: bf16 weights never exist in HBM.
+For 4 bits one packed byte tile feeds two dots: lhs[:, kk:] with the low nibbles and lhs[:, k/2 + kk:]
+with the high nibbles (the split-half layout of `QuantizedWeights`).
+
+gmm_swiglu keeps two accumulators (gate columns j and up columns ffn + j of the same group) and writes
+silu(gate) * up, so the [m, 2 * ffn] intermediate never reaches memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.quantized import QuantizedWeights
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tile shape and Triton launch parameters.
+
+    block_m rows x block_n output columns per program; block_k elements of k per loop step (a multiple of
+    the quantization block, 32, for quantized weights; for 4 bits it counts packed rows, i.e. each step
+    covers block_k rows of each half). num_warps / num_stages: Triton warps per program and software
+    pipelining depth. quant_mode (quantized weights only): "tile" dequantizes a whole [block_k, block_n]
+    weight tile (scales broadcast over each 32-row block) and issues one dot per step; "block" issues one
+    dot per 32-row quantization block; "scale_after_dot" multiplies the integer codes (exact in bf16) on
+    the tensor cores per block and applies the scale (and the offset, as rowsum(x) * offset) to the float32
+    partial product.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    quant_mode: Literal["tile", "block", "scale_after_dot"] = "tile"
+
+    @classmethod
+    def get_default(cls, m: int, k: int, n: int, groups: int, *, bits: int | None = None,
+                    swiglu: bool = False) -> BlockSizes:
+        """A tile shape for this problem; the figures behind it are in docs/benchmarks_gmm.md."""
+        rows_per_group = m / max(groups, 1)
+        if bits is not None:       # weight-read bound: small m-tiles, dequantize per 32-row block
+            return cls(block_m=32 if rows_per_group <= 32 else 64, block_n=128, block_k=64,
+                       num_warps=4, num_stages=3)
+        if rows_per_group <= 64:   # weight-read bound (decode / small prefill chunks)
+            return cls(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
+        if swiglu:                 # two accumulators per program
+            return cls(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
+        return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def make_schedule(group_sizes: jax.Array, m: int, block_m: int):
+    """Work items (group, chunk of <= block_m rows) for `m` rows sorted by group, on device.
+
+    Args:
+      group_sizes: `[groups]` int32; sum may be < m (the rest is the padding group `groups`). A sum > m is
+        clipped to m.
+      m: rows of lhs.
+      block_m: rows per chunk.
+
+    Returns:
+      (group, row_start, row_end), each `[m // block_m + groups + 1]` int32: the item's group (in
+      [0, groups], `groups` = padding rows; `groups + 1` = unused item) and the half-open row range
+      [row_start, row_end) it owns, row_end - row_start <= block_m.
+    """
+    groups = group_sizes.shape[0]
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    starts = jnp.append(starts, ends[-1])                    # [groups + 1], the padding group last
+    ends = jnp.append(ends, jnp.int32(m))
+    chunks = (ends - starts + block_m - 1) // block_m          # [groups + 1]
+    cum = jnp.cumsum(chunks)
+    num_items = m // block_m + groups + 1                      # static bound on sum(chunks)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    group = jnp.searchsorted(cum, item, side="right").astype(jnp.int32)   # groups + 1 = unused
+    g = jnp.minimum(group, groups)
+    row_start = starts[g] + (item - (cum[g] - chunks[g])) * block_m
+    row_end = jnp.minimum(ends[g], row_start + block_m)
+    used = group <= groups
+    return group, jnp.where(used, row_start, 0), jnp.where(used, row_end, 0)
+
+
+def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, n_tiles,
+            bs: BlockSizes, swiglu: bool, bits: int | None, quant_block: int, dot_dtype, precision):
+    if bits is None:
+        (rhs_ref, out_ref), scale_ref, offset_ref = rest, None, None
+    elif bits == 8:
+        rhs_ref, scale_ref, out_ref = rest
+        offset_ref = None
+    else:
+        rhs_ref, scale_ref, offset_ref, out_ref = rest
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    pid = pl.program_id(0)
+    item, j = pid // n_tiles, pid % n_tiles
+    g, first_row, row_end = group_ref[item], start_ref[item], end_ref[item]
+    rows = first_row + jnp.arange(bm, dtype=jnp.int32)
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    row_in = rows < row_end                    # rows of this item's group (other rows are not even read)
+    col_in = cols < n_out
+    out_mask = row_in[:, None] & col_in[None, :]
+
+    def load_lhs(kk, width):
+        mask = row_in[:, None]
+        if k % width:
+            mask = mask & ((kk + jnp.arange(width)) < k)[None, :]
+        return plgpu.load(lhs_ref.at[pl.ds(first_row, bm), pl.ds(kk, width)], mask=mask, other=0)
+
+    def load_rhs(col0, kk, width):
+        # [width, bn] float weights of group g, columns col0 + [0, bn), k-rows kk + [0, width).
+        mask = col_in[None, :]
+        if k % width:
+            mask = mask & ((kk + jnp.arange(width)) < k)[:, None]
+        return plgpu.load(rhs_ref.at[g, pl.ds(kk, width), pl.ds(col0, bn)], mask=mask, other=0)
+
+    def load_codes(col0, qrow0):
+        # [quant_block, bn] raw `values` rows qrow0 + [0, quant_block) of group g (int8, or packed uint8).
+        return plgpu.load(rhs_ref.at[g, pl.ds(qrow0, quant_block), pl.ds(col0, bn)], mask=col_in[None, :],
+                          other=0)
+
+    def load_per_block(ref, col0, kb):
+        # [1, bn] float32 row kb of scales / offsets.
+        return plgpu.load(ref.at[g, pl.ds(kb, 1), pl.ds(col0, bn)], mask=col_in[None, :],
+                          other=0).astype(jnp.float32)
+
+    def quant_dot(acc, x, codes, col0, kb):
+        # acc += x @ (scale * codes [+ offset]) for one quantization block kb; codes [quant_block, bn] ints.
+        scale = load_per_block(scale_ref, col0, kb)
+        if bs.quant_mode == "scale_after_dot":
+            acc = acc + dot(x, codes.astype(dot_dtype)) * scale
+            if bits == 4:
+                acc = acc + jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * load_per_block(
+                    offset_ref, col0, kb)
+            return acc
+        w = codes.astype(jnp.float32) * scale
+        if bits == 4:
+            w = w + load_per_block(offset_ref, col0, kb)
+        return acc + dot(x, w.astype(dot_dtype))
+
+    def quant_tile_step(kk, acc, col0):
+        # One loop step over k-rows kk + [0, bk) (packed rows for 4 bits): dequantize the whole tile.
+        nb = bk // quant_block
+
+        def expand(ref, kb):      # [nb, bn] per-block rows -> [bk, bn], each repeated quant_block times
+            v = plgpu.load(ref.at[g, pl.ds(kb, nb), pl.ds(col0, bn)], mask=col_in[None, :],
+                           other=0).astype(jnp.float32)
+            return jnp.broadcast_to(v[:, None, :], (nb, quant_block, bn)).reshape(bk, bn)
+
+        codes = plgpu.load(rhs_ref.at[g, pl.ds(kk, bk), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
+        if bits == 8:
+            w = codes.astype(jnp.float32) * expand(scale_ref, kk // quant_block)
+            return acc + dot(load_lhs(kk, bk), w.astype(dot_dtype))
+        half = k // 2
+        for x_row0, q in ((kk, codes & 0xF), (half + kk, codes >> 4)):
+            kb = x_row0 // quant_block
+            w = q.astype(jnp.float32) * expand(scale_ref, kb) + expand(offset_ref, kb)
+            acc = acc + dot(load_lhs(x_row0, bk), w.astype(dot_dtype))
+        return acc
+
+    def dot(x, w):
+        return jnp.dot(x.astype(dot_dtype), w, preferred_element_type=jnp.float32, precision=precision)
+
+    col_bases = (j * bn, n_out + j * bn) if swiglu else (j * bn,)
+
+    def step(i, accs):
+        kk = i * bk
+        if bits is None:
+            x = load_lhs(kk, bk)
+            return tuple(acc + dot(x, load_rhs(c, kk, bk)) for acc, c in zip(accs, col_bases))
+        accs = list(accs)
+        half = k // 2
+        if bs.quant_mode == "tile":
+            return tuple(quant_tile_step(kk, acc, c) for acc, c in zip(accs, col_bases))
+        for sub in range(bk // quant_block):
+            r = kk + sub * quant_block
+            if bits == 8:
+                x = load_lhs(r, quant_block)
+                for a, c in enumerate(col_bases):
+                    accs[a] = quant_dot(accs[a], x, load_codes(c, r), c, r // quant_block)
+            else:   # r counts packed rows: low nibble = k-row r, high nibble = k-row half + r
+                x_lo, x_hi = load_lhs(r, quant_block), load_lhs(half + r, quant_block)
+                for a, c in enumerate(col_bases):
+                    packed = load_codes(c, r).astype(jnp.int32)
+                    accs[a] = quant_dot(accs[a], x_lo, packed & 0xF, c, r // quant_block)
+                    accs[a] = quant_dot(accs[a], x_hi, (packed >> 4) & 0xF, c, (half + r) // quant_block)
+        return tuple(accs)
+
+    k_rows = k // 2 if bits == 4 else k        # rows the loop walks (packed rows for 4 bits)
+
+    @pl.when(g < groups)
+    def _compute():
+        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in col_bases)
+        accs = jax.lax.fori_loop(0, pl.cdiv(k_rows, bk), step, zeros)
+        out = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1] if swiglu else accs[0]
+        plgpu.store(out_ref.at[pl.ds(first_row, bm), pl.ds(j * bn, bn)], out.astype(out_ref.dtype),
+                    mask=out_mask)
+
+    @pl.when(g == groups)
+    def _padding_rows():
+        plgpu.store(out_ref.at[pl.ds(first_row, bm), pl.ds(j * bn, bn)],
+                    jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "block_sizes", "interpret"))
+def _gmm_pallas(lhs, rhs, group_sizes, *, swiglu: bool, preferred_element_type, block_sizes, interpret):
+    m, k = lhs.shape
+    quantized = isinstance(rhs, QuantizedWeights)
+    if quantized:
+        rhs.check()
+    groups, k_rhs, n_rhs = rhs.shape
+    if k_rhs != k:
+        raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
+    if group_sizes.shape != (groups,):
+        raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
+    if swiglu and n_rhs % 2:
+        raise ValueError(f"w_gate_up has {n_rhs} columns; expected 2 * ffn")
+    n_out = n_rhs // 2 if swiglu else n_rhs
+    bits = rhs.bits if quantized else None
+    bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu)
+    # Triton blocks are powers of two; do not use blocks far larger than the problem.
+    bs = dataclasses.replace(bs, block_m=min(bs.block_m, max(16, pl.next_power_of_2(m))),
+                             block_n=min(bs.block_n, max(16, pl.next_power_of_2(n_out))))
+    if not quantized:
+        bs = dataclasses.replace(bs, block_k=min(bs.block_k, max(16, pl.next_power_of_2(k))))
+    if quantized and bs.block_k % rhs.block_size:
+        raise ValueError(f"block_k={bs.block_k} must be a multiple of the quantization block "
+                         f"{rhs.block_size}")
+    if quantized and (k // 2 if bits == 4 else k) % bs.block_k:
+        bs = dataclasses.replace(bs, block_k=rhs.block_size)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    dot_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype
+    precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    schedule = make_schedule(group_sizes, m, bs.block_m)       # (group, row_start, row_end)
+    n_tiles = pl.cdiv(n_out, bs.block_n)
+    grid = (schedule[0].shape[0] * n_tiles,)
+    if quantized:
+        weights = (rhs.values, rhs.scales) + (() if rhs.offsets is None else (rhs.offsets,))
+    else:
+        weights = (rhs,)
+    kernel = functools.partial(
+        _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
+        quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="gmm_swiglu" if swiglu else "gmm",
+    )(*schedule, lhs, *weights)
+
+
+def gmm_pallas(lhs, rhs, group_sizes, *, preferred_element_type=None, interpret=None,
+               block_sizes: BlockSizes | None = None) -> jax.Array:
+    """Grouped matmul kernel; arguments and result as `reference.gmm_reference`.
+
+    Args (beyond the shared ones):
+      block_sizes: tile shape; None = `BlockSizes.get_default`.
+      interpret: run in the Pallas interpreter; None = only when no GPU is present.
+
+    Raises:
+      ValueError: shapes that disagree.
+    """
+    return _gmm_pallas(lhs, rhs, group_sizes, swiglu=False, preferred_element_type=preferred_element_type,
+                       block_sizes=block_sizes, interpret=interpret)
+
+
+def gmm_swiglu_pallas(lhs, w_gate_up, group_sizes, *, preferred_element_type=None, interpret=None,
+                      block_sizes: BlockSizes | None = None) -> jax.Array:
+    """Fused silu(x @ W_gate) * (x @ W_up); arguments and result as `reference.gmm_swiglu_reference`.
+
+    Raises:
+      ValueError: shapes that disagree.
+    """
+    return _gmm_pallas(lhs, w_gate_up, group_sizes, swiglu=True, preferred_element_type=preferred_element_type,
+                       block_sizes=block_sizes, interpret=interpret)

@@ -1,0 +1,94 @@
+"""Pure-JAX grouped matmul: the oracle for every faster implementation.
+
+Row i of lhs belongs to group g when starts[g] <= i < ends[g], with ends = cumsum(group_sizes) and
+starts = ends - group_sizes (rows are sorted by group). Then
+    out[i] = lhs[i] @ rhs[g]                     (gmm)
+    out[i] = silu(lhs[i] @ Wg[g]) * (lhs[i] @ Wu[g]),  [Wg | Wu] = w_gate_up[g]   (gmm_swiglu)
+and rows i >= sum(group_sizes) belong to no group and give zeros.
+
+It computes only each row's own group (m * k * n multiply-adds, not groups times that): rows are processed
+in fixed-size batches, each row gathering its group's matrix. Everything is float32 at Precision.HIGHEST.
+`jax.lax.ragged_dot` is not used: its CPU lowering (and XLA's GPU one in JAX 0.11.2) multiplies every row
+by every group (it expands lhs to [groups, m, k]).
+Source: megablox / tokamax `ragged_dot` semantics (group_sizes along the rows of lhs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quantized import QuantizedWeights
+
+_ROWS_PER_BATCH = 32  # rows multiplied together; bounds the gathered weights to 32 * k * n floats
+
+
+def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+    """Group of each row, `[m]` int32; rows past sum(group_sizes) get `groups` (no group)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _rowwise(lhs: jax.Array, rhs_f32: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """out[i] = lhs[i] @ rhs[group(i)] in f32, zero for rows in no group. [m, k] x [g, k, n] -> [m, n]."""
+    m, k = lhs.shape
+    groups, _, n = rhs_f32.shape
+    gid = row_groups(group_sizes, m)                                   # [m]
+    valid = gid < groups
+    pad = -m % _ROWS_PER_BATCH
+    x = jnp.pad(lhs.astype(jnp.float32), ((0, pad), (0, 0))).reshape(-1, _ROWS_PER_BATCH, k)
+    g = jnp.pad(jnp.minimum(gid, groups - 1), (0, pad)).reshape(-1, _ROWS_PER_BATCH)
+
+    def batch(args):
+        xb, gb = args                                                  # [r, k], [r]
+        return jnp.einsum("rk,rkn->rn", xb, rhs_f32[gb], precision=jax.lax.Precision.HIGHEST)
+
+    out = jax.lax.map(batch, (x, g)).reshape(-1, n)[:m]                # [m, n]
+    return jnp.where(valid[:, None], out, 0.0)
+
+
+def _as_f32(rhs) -> jax.Array:
+    return rhs.dequantize(jnp.float32) if isinstance(rhs, QuantizedWeights) else rhs.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
+def gmm_reference(lhs, rhs, group_sizes, *, preferred_element_type=None, interpret=None) -> jax.Array:
+    """Grouped matmul, float32 accumulation, only each row's own group.
+
+    Args:
+      lhs: `[m, k]` rows sorted by group, any float dtype.
+      rhs: `[groups, k, n]` float array, or QuantizedWeights (dequantized to float32 first).
+      group_sizes: `[groups]` int32 on device, rows per group; sum may be < m.
+      preferred_element_type: output dtype; None = lhs.dtype.
+      interpret: ignored (the signature is shared with the kernels).
+
+    Returns:
+      `[m, n]`; rows past sum(group_sizes) are zero.
+    """
+    del interpret
+    out_dtype = preferred_element_type or lhs.dtype
+    return _rowwise(lhs, _as_f32(rhs), group_sizes).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
+def gmm_swiglu_reference(lhs, w_gate_up, group_sizes, *, preferred_element_type=None,
+                         interpret=None) -> jax.Array:
+    """silu(x @ W_gate) * (x @ W_up) per row's group, float32 throughout.
+
+    Args:
+      lhs: `[m, k]` rows sorted by group.
+      w_gate_up: `[groups, k, 2 * ffn]` (gate = [..., :ffn], up = [..., ffn:]) or QuantizedWeights.
+      group_sizes: `[groups]` int32.
+      preferred_element_type: output dtype; None = lhs.dtype.
+      interpret: ignored.
+
+    Returns:
+      `[m, ffn]`; rows past sum(group_sizes) are zero.
+    """
+    del interpret
+    out_dtype = preferred_element_type or lhs.dtype
+    h = _rowwise(lhs, _as_f32(w_gate_up), group_sizes)                # [m, 2 * ffn]
+    gate, up = jnp.split(h, 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(out_dtype)

@@ -1,0 +1,172 @@
+"""Block-quantized expert weights for the grouped matmul (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K compatible).
+
+A `QuantizedWeights` stands in for a float rhs `[groups, k, n]` (k = the input dim, n = the output dim).
+Quantization blocks are `block_size` (32) consecutive elements along k, as in GGUF, which also quantizes
+along the input dim. Per block and output column there is one scale (and, for 4 bits, one offset):
+
+- bits=8: `values` int8 `[groups, k, n]`; value = scale * q. This is GGUF Q8_0 exactly.
+- bits=4: `values` uint8 `[groups, k // 2, n]`, two 4-bit codes per byte in the "split-half" layout along k:
+  the low nibble of byte row r holds k-row r, the high nibble holds k-row r + k/2. A kernel then multiplies
+  `lhs[:, :k/2]` by the low nibbles and `lhs[:, k/2:]` by the high nibbles with no interleaving shuffle,
+  and one byte-tile load feeds two tensor-core dots. q is unsigned in [0, 15]; value = scale * q + offset.
+  GGUF Q4_0 is offset = -8 * scale; Q4_1 is (scale, offset) = (d, m); Q4_K per 32-block is
+  scale = d * sc, offset = -dmin * m (the super-block's 6-bit sub-scales folded in by the loader).
+  Requires k % (2 * block_size) == 0, so that both halves split into whole blocks.
+
+`scales` and `offsets` are `[groups, k // block_size, n]` in float16, bfloat16 or float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["QuantizedWeights", "quantize_int8", "quantize_int4"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeights:
+    """Block-quantized stand-in for a float array `[groups, k, n]` (a JAX pytree).
+
+    Attributes:
+      values: bits=8: int8 `[groups, k, n]`; bits=4: uint8 `[groups, k // 2, n]`, split-half packed
+        (low nibble = k-row r, high nibble = k-row r + k/2), codes in [0, 15].
+      scales: `[groups, k // block_size, n]`, float16/bfloat16/float32.
+      offsets: None for bits=8; `[groups, k // block_size, n]` like `scales` for bits=4.
+      bits: 8 or 4 (static pytree metadata).
+      block_size: elements per quantization block along k (static; 32 in GGUF).
+    """
+
+    values: jax.Array
+    scales: jax.Array
+    offsets: jax.Array | None = None
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
+    block_size: int = dataclasses.field(default=32, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """`(groups, k, n)` of the float array this stands for."""
+        groups, rows, n = self.values.shape
+        return (groups, rows * 2 if self.bits == 4 else rows, n)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values + scales + offsets in memory."""
+        arrays = [self.values, self.scales] + ([] if self.offsets is None else [self.offsets])
+        return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays))
+
+    @property
+    def bytes_per_param(self) -> float:
+        """`nbytes` per represented weight (bf16 = 2.0; int8 with f16 scales = 1.0625)."""
+        return self.nbytes / math.prod(self.shape)
+
+    def check(self) -> None:
+        """Validates dtypes and shapes.
+
+        Raises:
+          ValueError: bits not in {4, 8}, wrong dtypes, or shapes that disagree.
+        """
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits}; supported: 4, 8")
+        groups, k, n = self.shape
+        bs = self.block_size
+        want_dtype = jnp.int8 if self.bits == 8 else jnp.uint8
+        if self.values.dtype != want_dtype:
+            raise ValueError(f"bits={self.bits} needs values of dtype {jnp.dtype(want_dtype).name}, "
+                             f"got {self.values.dtype}")
+        if k % (bs * (2 if self.bits == 4 else 1)):
+            raise ValueError(f"k={k} must be a multiple of {bs * (2 if self.bits == 4 else 1)} "
+                             f"(block_size={bs}, bits={self.bits})")
+        want = (groups, k // bs, n)
+        if tuple(self.scales.shape) != want:
+            raise ValueError(f"scales.shape={tuple(self.scales.shape)}, expected {want}")
+        if self.bits == 4:
+            if self.offsets is None or tuple(self.offsets.shape) != want:
+                raise ValueError(f"bits=4 needs offsets of shape {want}, got "
+                                 f"{None if self.offsets is None else tuple(self.offsets.shape)}")
+        elif self.offsets is not None:
+            raise ValueError("bits=8 (Q8_0) takes no offsets")
+
+    def codes(self) -> jax.Array:
+        """Unpacked integer codes `[groups, k, n]` int32 (int8 range, or [0, 15] for bits=4)."""
+        if self.bits == 8:
+            return self.values.astype(jnp.int32)
+        v = self.values.astype(jnp.int32)
+        return jnp.concatenate([v & 0xF, v >> 4], axis=1)  # split-half: rows [0, k/2) then [k/2, k)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weights `[groups, k, n]` in `dtype` (pure JAX; the oracle for the kernels)."""
+        groups, k, n = self.shape
+        bs = self.block_size
+        q = self.codes().astype(jnp.float32).reshape(groups, k // bs, bs, n)
+        w = q * self.scales.astype(jnp.float32)[:, :, None, :]
+        if self.offsets is not None:
+            w = w + self.offsets.astype(jnp.float32)[:, :, None, :]
+        return w.reshape(groups, k, n).astype(dtype)
+
+
+jax.tree_util.register_dataclass(QuantizedWeights)
+
+
+def _blocks(w: jax.Array, block_size: int) -> jax.Array:
+    groups, k, n = w.shape
+    if k % block_size:
+        raise ValueError(f"k={k} is not a multiple of block_size={block_size}")
+    return w.astype(jnp.float32).reshape(groups, k // block_size, block_size, n)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype"))
+def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16) -> QuantizedWeights:
+    """Symmetric 8-bit quantization along k (GGUF Q8_0: scale = max|w| / 127 per block).
+
+    Args:
+      w: float `[groups, k, n]`, k a multiple of `block_size`.
+      block_size: elements per block along k.
+      scale_dtype: dtype of the stored scales (GGUF stores float16).
+
+    Returns:
+      QuantizedWeights with bits=8.
+    """
+    wb = _blocks(w, block_size)                                       # [g, k/bs, bs, n]
+    scale = (jnp.max(jnp.abs(wb), axis=2) / 127.0).astype(scale_dtype)  # [g, k/bs, n]
+    s = scale.astype(jnp.float32)[:, :, None, :]
+    q = jnp.clip(jnp.round(wb / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8)
+    return QuantizedWeights(values=q.reshape(w.shape), scales=scale, offsets=None, bits=8,
+                            block_size=block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype"))
+def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16) -> QuantizedWeights:
+    """Asymmetric 4-bit quantization along k (GGUF Q4_1 style: value = scale * q + offset, q in [0, 15]).
+
+    Args:
+      w: float `[groups, k, n]`, k a multiple of 2 * `block_size`.
+      block_size: elements per block along k.
+      scale_dtype: dtype of the stored scales and offsets.
+
+    Returns:
+      QuantizedWeights with bits=4, values packed split-half (see module docstring).
+
+    Raises:
+      ValueError: if k is not a multiple of 2 * block_size.
+    """
+    groups, k, n = w.shape
+    if k % (2 * block_size):
+        raise ValueError(f"k={k} must be a multiple of 2 * block_size={2 * block_size} for 4-bit packing")
+    wb = _blocks(w, block_size)
+    lo, hi = jnp.min(wb, axis=2), jnp.max(wb, axis=2)
+    scale = ((hi - lo) / 15.0).astype(scale_dtype)
+    offset = lo.astype(scale_dtype)
+    s = scale.astype(jnp.float32)[:, :, None, :]
+    q = jnp.round((wb - offset.astype(jnp.float32)[:, :, None, :]) / jnp.where(s == 0, 1.0, s))
+    q = jnp.clip(q, 0, 15).astype(jnp.uint8).reshape(groups, k, n)
+    packed = q[:, : k // 2] | (q[:, k // 2:] << 4)                   # [g, k/2, n]
+    return QuantizedWeights(values=packed, scales=scale, offsets=offset, bits=4, block_size=block_size)

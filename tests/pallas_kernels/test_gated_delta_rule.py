@@ -1,0 +1,152 @@
+"""Every gated-delta-rule implementation against the token-by-token f32 reference (Pallas in interpret mode)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gated_delta_rule import api, reference, workloads
+
+# Max |got - want| / max |want| against the f32 reference, by input dtype. The bf16 bound covers bf16 tiles
+# (W, U, V', chunk states) feeding the matrix products; the f32 bound is f32 rounding over ~100 tokens.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+IMPLEMENTATIONS = ["chunked", "pallas"]
+CHUNK = 16   # small chunks keep interpret mode quick; the model uses 64 (covered by test_chunk_size_64)
+SMALL = dataclasses.replace(workloads.TINY, name="small", k_heads=2, v_heads=4, key_dim=16, value_dim=16)
+
+
+def assert_close(name, got, want, dtype):
+    """Relative max error against the output scale; NaN/Inf anywhere fails."""
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{name} has NaN/Inf"
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+def expected(inputs):
+    """The oracle on the same (already rounded) inputs, in f32."""
+    as_f32 = {n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
+    return reference.gated_delta_rule_reference(**as_f32)
+
+
+def check(inputs, implementation, dtype, chunk_size=CHUNK):
+    want = expected(inputs)
+    got = api.gated_delta_rule(**inputs, chunk_size=chunk_size, implementation=implementation)
+    assert got[0].dtype == inputs["value"].dtype and got[1].dtype == jnp.float32
+    for name, g, w in zip(("output", "final_state"), got, want):
+        assert_close(name, g, w, dtype)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("seq", [1, CHUNK - 1, CHUNK, 2 * CHUNK + 5], ids=lambda s: f"seq{s}")
+def test_matches_reference(implementation, dtype, seq):
+    check(workloads.make_inputs(SMALL, seq=seq, dtype=dtype, seed=seq), implementation, dtype)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("k_heads,v_heads,initial_state", [(3, 3, True), (2, 6, False)],
+                         ids=["ratio1", "ratio3-no-initial-state"])
+def test_grouped_heads(implementation, k_heads, v_heads, initial_state):
+    shapes = dataclasses.replace(SMALL, k_heads=k_heads, v_heads=v_heads)
+    inputs = workloads.make_inputs(shapes, seq=37, dtype=jnp.float32, seed=v_heads, initial_state=initial_state)
+    check(inputs, implementation, jnp.float32)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_extreme_gates(implementation):
+    """g = -20 (state wiped), g = 0, beta exactly 0 and 1, mixed along the sequence."""
+    inputs = workloads.make_inputs(SMALL, seq=40, dtype=jnp.float32, seed=3)
+    rng = np.random.default_rng(0)
+    pick = rng.integers(0, 3, inputs["log_decay"].shape)
+    inputs["log_decay"] = jnp.asarray(np.choose(pick, [-20.0, 0.0, -0.5]), jnp.float32)
+    inputs["beta"] = jnp.asarray(np.choose(rng.integers(0, 3, pick.shape), [0.0, 1.0, 0.5]), jnp.float32)
+    check(inputs, implementation, jnp.float32)
+
+
+def test_chunk_size_64():
+    """The model's chunk size, several chunks and a tail, for both chunked implementations at once."""
+    inputs = workloads.make_inputs(SMALL, seq=150, dtype=jnp.bfloat16, seed=7)
+    for implementation in IMPLEMENTATIONS:
+        check(inputs, implementation, jnp.bfloat16, chunk_size=64)
+
+
+@pytest.mark.parametrize("implementation", ["reference"] + IMPLEMENTATIONS)
+def test_packed_sequences_match_separate_runs(implementation):
+    """cu_seqlens (boundaries off the chunk grid, one empty sequence) == each sequence run on its own."""
+    seqlens = (5, 2 * CHUNK + 3, 0, CHUNK, 1)
+    inputs = workloads.make_inputs(SMALL, dtype=jnp.float32, seed=11, seqlens=seqlens)
+    out, final = api.gated_delta_rule(**inputs, chunk_size=CHUNK, implementation=implementation)
+    cu = np.asarray(inputs["cu_seqlens"])
+    for i, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+        piece = {n: inputs[n][:, start:stop] for n in ("query", "key", "value", "log_decay", "beta")}
+        init = inputs["initial_state"][i:i + 1]
+        if stop == start:
+            assert_close(f"final_state[{i}]", final[i:i + 1], init, jnp.float32)
+            continue
+        want_out, want_final = reference.gated_delta_rule_reference(**piece, initial_state=init)
+        assert_close(f"output[{i}]", out[:, start:stop], want_out, jnp.float32)
+        assert_close(f"final_state[{i}]", final[i:i + 1], want_final, jnp.float32)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padding_preserves_outputs_and_state(implementation):
+    """Trailing tokens with k = v = 0, g = 0, beta = 0 change neither the outputs nor the final state."""
+    inputs = workloads.make_inputs(SMALL, seq=21, dtype=jnp.float32, seed=5)
+    out, final = api.gated_delta_rule(**inputs, chunk_size=CHUNK, implementation=implementation)
+    padded = {n: (jnp.pad(x, [(0, 0), (0, 9)] + [(0, 0)] * (x.ndim - 2)) if n != "initial_state" else x)
+              for n, x in inputs.items()}
+    out_p, final_p = api.gated_delta_rule(**padded, chunk_size=CHUNK, implementation=implementation)
+    assert_close("output", out_p[:, :21], out, jnp.float32)
+    assert_close("final_state", final_p, final, jnp.float32)
+
+
+def test_prefill_in_two_parts_and_chunk_size_independence():
+    inputs = workloads.make_inputs(SMALL, seq=50, dtype=jnp.float32, seed=9)
+    whole_out, whole_final = api.gated_delta_rule(**inputs, implementation="chunked", chunk_size=CHUNK)
+    first = {n: (x[:, :23] if n != "initial_state" else x) for n, x in inputs.items()}
+    second = {n: x[:, 23:] for n, x in inputs.items() if n != "initial_state"}
+    out_a, state_a = api.gated_delta_rule(**first, implementation="chunked", chunk_size=CHUNK)
+    out_b, state_b = api.gated_delta_rule(**second, initial_state=state_a, implementation="chunked", chunk_size=7)
+    assert_close("output", jnp.concatenate([out_a, out_b], axis=1), whole_out, jnp.float32)
+    assert_close("final_state", state_b, whole_final, jnp.float32)
+
+
+def test_decode_step_matches_prefill():
+    inputs = workloads.make_inputs(SMALL, seq=6, dtype=jnp.float32, seed=2)
+    want_out, want_final = reference.gated_delta_rule_reference(**inputs)
+    state = inputs["initial_state"]
+    for t in range(6):
+        token = {n: inputs[n][:, t] for n in ("query", "key", "value", "log_decay", "beta")}
+        out, state = api.gated_delta_rule_step(**token, state=state)
+        assert out.shape == want_out[:, t].shape and state.dtype == jnp.float32
+        assert_close(f"output[{t}]", out, want_out[:, t], jnp.float32)
+    assert_close("state", state, want_final, jnp.float32)
+
+
+def test_nan_output_fails_the_check():
+    with pytest.raises(AssertionError, match="NaN/Inf"):
+        assert_close("output", jnp.array([1.0, jnp.nan]), jnp.array([1.0, 1.0]), jnp.float32)
+
+
+def test_default_implementation_and_errors():
+    inputs = workloads.make_inputs(SMALL, seq=3, dtype=jnp.float32)
+    if jax.default_backend() != "gpu":
+        default = api.gated_delta_rule(**inputs)
+        chunked = api.gated_delta_rule(**inputs, implementation="chunked")
+        np.testing.assert_array_equal(default[0], chunked[0])
+    with pytest.raises(ValueError, match="choose from"):
+        api.gated_delta_rule(**inputs, implementation="triton")
+    with pytest.raises(ValueError, match="v_heads"):
+        api.gated_delta_rule(**{**inputs, "value": inputs["value"][:, :, :3]})
+    with pytest.raises(ValueError, match="log_decay.shape"):
+        api.gated_delta_rule(**{**inputs, "log_decay": inputs["log_decay"][:, :2]})
+    with pytest.raises(ValueError, match="initial_state.shape"):
+        api.gated_delta_rule(**{**inputs, "initial_state": inputs["initial_state"][..., :8]})
+    with pytest.raises(ValueError, match="state.shape"):
+        token = {n: inputs[n][:, 0] for n in ("query", "key", "value", "log_decay", "beta")}
+        api.gated_delta_rule_step(**token, state=inputs["initial_state"][:, :2])

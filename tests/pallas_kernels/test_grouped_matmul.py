@@ -1,0 +1,171 @@
+"""gmm / gmm_swiglu: every implementation against a per-group numpy loop (float64).
+
+The Pallas kernel runs in the Pallas interpreter on CPU (interpret=None picks it when no GPU is present).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import api, pallas_triton, reference, workloads
+from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
+from pallas_kernels.quantized import QuantizedWeights
+
+# (atol, rtol) against the float64 oracle, by lhs dtype. bf16: inputs are rounded to bf16 before the
+# oracle runs, so only the bf16 output rounding (2**-8 relative) and f32 accumulation remain.
+TOLERANCE = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 1e-2)}
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+CI = [name for name, w in workloads.WORKLOADS.items() if "ci_tests" in w.tags]
+IMPLEMENTATIONS = ["reference", "pallas"]
+
+
+def numpy_gmm(lhs, rhs, group_sizes, swiglu=False):
+    """The plainest statement of the contract: a loop over groups, float64, zero rows past the last group."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
+    out = np.zeros((lhs.shape[0], n))
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        rows = slice(start, start + int(size))
+        h = lhs[rows] @ rhs[g]
+        if swiglu:
+            gate, up = h[:, :n], h[:, n:]
+            h = gate / (1.0 + np.exp(-gate)) * up
+        out[rows] = h
+        start += int(size)
+    return out
+
+
+def assert_close(actual, expected, dtype, name=""):
+    """Finite everywhere, then allclose with the dtype's tolerance (comparison in float64)."""
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    assert np.isfinite(actual).all(), f"{name}: output has NaN/Inf"
+    atol, rtol = TOLERANCE[dtype]
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol, err_msg=name)
+
+
+def as_float(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def _cases(names_f32, names_bf16):
+    return ([pytest.param(n, jnp.float32, id=f"{n}-f32") for n in names_f32]
+            + [pytest.param(n, jnp.bfloat16, id=f"{n}-bf16") for n in names_bf16])
+
+
+# Every layout once per implementation; the other dtype on the skewed router layout. (Each case compiles a
+# kernel, and the CPU CI has 2 cores: keep the matrix small.)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name,dtype", _cases(CI, ["tiny_router", "tiny_partial"]))
+def test_gmm_matches_numpy(name, dtype, implementation):
+    w = workloads.WORKLOADS[name]
+    lhs, rhs, gs = workloads.make_inputs(w, dtype=dtype, seed=3)
+    out = gmm(lhs, rhs, gs, implementation=implementation)
+    assert out.shape == (w.m, w.n) and out.dtype == dtype
+    assert_close(out, numpy_gmm(as_float(lhs), as_float(rhs), gs), dtype, name)
+    routed = int(np.asarray(gs).sum())
+    assert not np.asarray(out[routed:], np.float32).any(), "rows past sum(group_sizes) must be zero"
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name,dtype", _cases(["tiny_partial"], ["tiny_router", "tiny_empty"]))
+def test_gmm_swiglu_matches_numpy(name, dtype, implementation):
+    w = workloads.WORKLOADS[name]
+    lhs, w_gate_up, gs = workloads.make_inputs(w, dtype=dtype, swiglu=True, seed=5)
+    out = gmm_swiglu(lhs, w_gate_up, gs, implementation=implementation)
+    assert out.shape == (w.m, w.n) and out.dtype == dtype
+    assert_close(out, numpy_gmm(as_float(lhs), as_float(w_gate_up), gs, swiglu=True), dtype, name)
+
+
+@pytest.mark.parametrize("block_m", [16])
+def test_pallas_block_shapes_and_out_dtype(block_m):
+    # A tile that straddles many groups, m not a multiple of block_m, k not a multiple of block_k, f32 out.
+    w = workloads.Workload(name="odd", m=45, k=48, n=40, groups=6)
+    lhs, rhs, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, seed=7)
+    bs = pallas_triton.BlockSizes(block_m=block_m, block_n=16, block_k=32, num_warps=4, num_stages=2)
+    out = pallas_triton.gmm_pallas(lhs, rhs, gs, preferred_element_type=jnp.float32, block_sizes=bs)
+    assert out.dtype == jnp.float32
+    assert_close(out, numpy_gmm(as_float(lhs), as_float(rhs), gs), jnp.float32, "f32 out of bf16 in")
+
+
+def test_schedule_covers_every_row_once():
+    block_m = 8
+    for sizes in ([0, 5, 0, 17, 3, 0], [30, 0, 0, 0, 0, 0], [0] * 6, [1] * 6, [9, 8, 7, 9, 0, 0]):
+        m = 33
+        group, lo, hi = map(np.asarray, pallas_triton.make_schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
+        owner = np.full(m, -1)
+        for g, a, b in zip(group, lo, hi):
+            if g > len(sizes):
+                continue
+            assert 0 <= a < b <= min(a + block_m, m)
+            assert (owner[a:b] == -1).all(), "a row owned twice"
+            owner[a:b] = g
+        expected = np.repeat(np.arange(len(sizes) + 1), list(sizes) + [m - sum(sizes)])
+        np.testing.assert_array_equal(owner, expected)
+
+
+def test_jit_with_traced_group_sizes_and_no_host_sync():
+    w = workloads.WORKLOADS["tiny_router"]
+    lhs, rhs, gs = workloads.make_inputs(w, dtype=jnp.float32)
+    f = jax.jit(lambda a, b, g: gmm(a, b, g, implementation="pallas"))
+    with jax.transfer_guard("disallow"):
+        out = f(lhs, rhs, gs)
+    assert_close(out, numpy_gmm(as_float(lhs), as_float(rhs), gs), jnp.float32)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU default")
+def test_default_implementation_off_gpu_is_reference(monkeypatch):
+    calls = []
+    monkeypatch.setitem(api._GMM, "reference", lambda *a, **k: calls.append(1) or reference.gmm_reference(*a, **k))
+    lhs, rhs, gs = workloads.make_inputs(workloads.WORKLOADS["tiny_router"], dtype=jnp.float32)
+    gmm(lhs, rhs, gs)
+    assert calls == [1]
+
+
+def test_unknown_implementation_lists_choices():
+    lhs, rhs, gs = workloads.make_inputs(workloads.WORKLOADS["tiny_router"], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'pallas'.*'reference'"):
+        gmm(lhs, rhs, gs, implementation="cutlass")
+    with pytest.raises(ValueError, match="choose from"):
+        gmm_swiglu(lhs, rhs, gs, implementation="xla")
+
+
+def test_shape_errors():
+    lhs, rhs, gs = workloads.make_inputs(workloads.WORKLOADS["tiny_router"], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="disagree on k"):
+        gmm(lhs[:, :32], rhs, gs)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gmm(lhs, rhs, gs[:3])
+    with pytest.raises(ValueError, match="2 \\* ffn"):
+        gmm_swiglu(lhs, rhs[:, :, :63], gs)
+
+
+def test_assert_close_rejects_nan():
+    expected = np.zeros((2, 2))
+    with pytest.raises(AssertionError, match="NaN/Inf"):
+        assert_close(jnp.array([[0.0, jnp.nan], [0.0, 0.0]]), expected, jnp.float32)
+    with pytest.raises(AssertionError, match="NaN/Inf"):
+        assert_close(jnp.array([[0.0, jnp.inf], [0.0, 0.0]]), expected, jnp.float32)
+
+
+QUANT_CASES = [pytest.param("reference", None, id="reference")] + [
+    pytest.param("pallas", pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=mode),
+                 id=f"pallas-{mode}") for mode in ("tile", "block", "scale_after_dot")]
+
+
+@pytest.mark.parametrize("implementation,block_sizes", QUANT_CASES)
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+def test_quantized_matches_dequantize_then_matmul(bits, implementation, block_sizes):
+    w = workloads.WORKLOADS["tiny_partial"]
+    for swiglu in (False, True):
+        lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", swiglu=swiglu, seed=11)
+        assert isinstance(q, QuantizedWeights) and q.bits == bits
+        if block_sizes is None:
+            out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation=implementation)
+        else:
+            fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
+            out = fn(lhs, q, gs, block_sizes=block_sizes)
+        expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
+        assert_close(out, expected, jnp.bfloat16, f"bits={bits} swiglu={swiglu}")

@@ -1,0 +1,88 @@
+"""QuantizedWeights: layout, dequantization, quantization error, pytree behaviour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quantized import QuantizedWeights, quantize_int4, quantize_int8
+
+
+def random_weights(shape=(3, 128, 24), seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32) * 0.05
+
+
+def test_int8_is_q8_0():
+    w = random_weights()
+    q = quantize_int8(w)
+    assert q.values.dtype == jnp.int8 and q.values.shape == w.shape
+    assert q.scales.shape == (3, 128 // 32, 24) and q.offsets is None
+    # value = scale * q, with one scale per 32 consecutive k-rows of each column
+    s = np.repeat(np.asarray(q.scales, np.float32), 32, axis=1)
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), s * np.asarray(q.values, np.float32))
+    err = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
+    assert (err <= s / 2 * 1.01 + 1e-7).all(), "rounding error above half a step"
+    assert np.abs(np.asarray(q.values)).max() == 127
+
+
+def test_int4_split_half_packing():
+    w = random_weights()
+    q = quantize_int4(w)
+    groups, k, n = w.shape
+    assert q.values.dtype == jnp.uint8 and q.values.shape == (groups, k // 2, n)
+    packed = np.asarray(q.values)
+    codes = np.asarray(q.codes())
+    np.testing.assert_array_equal(codes[:, : k // 2], packed & 0xF)     # low nibble: rows [0, k/2)
+    np.testing.assert_array_equal(codes[:, k // 2:], packed >> 4)       # high nibble: rows [k/2, k)
+    s = np.repeat(np.asarray(q.scales, np.float32), 32, axis=1)
+    o = np.repeat(np.asarray(q.offsets, np.float32), 32, axis=1)
+    np.testing.assert_allclose(np.asarray(q.dequantize()), s * codes + o, rtol=1e-6, atol=1e-7)
+    err = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
+    assert (err <= s / 2 * 1.05 + 1e-3 * np.abs(o) + 1e-6).all()
+
+
+def test_q4_0_as_scale_and_offset():
+    # GGUF Q4_0: value = d * (q - 8)  ->  scale = d, offset = -8 d.
+    g, k, n = 2, 64, 8
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (g, k, n)).astype(np.uint8)
+    d = rng.random((g, k // 32, n)).astype(np.float16)
+    packed = q[:, : k // 2] | (q[:, k // 2:] << 4)
+    qw = QuantizedWeights(values=jnp.asarray(packed), scales=jnp.asarray(d), offsets=jnp.asarray(-8 * d),
+                          bits=4, block_size=32)
+    qw.check()
+    want = np.repeat(d.astype(np.float32), 32, axis=1) * (q.astype(np.float32) - 8)
+    np.testing.assert_allclose(np.asarray(qw.dequantize()), want, rtol=1e-3, atol=1e-3)
+
+
+def test_sizes():
+    w = random_weights((4, 256, 64))
+    q8, q4 = quantize_int8(w), quantize_int4(w)
+    assert q8.shape == q4.shape == (4, 256, 64)
+    assert q8.bytes_per_param == pytest.approx(1 + 2 / 32)       # int8 + one f16 scale per 32
+    assert q4.bytes_per_param == pytest.approx(0.5 + 4 / 32)     # 4 bits + f16 scale and offset per 32
+    assert q8.nbytes == 4 * 256 * 64 + 4 * 8 * 64 * 2
+
+
+def test_pytree_and_jit():
+    q = quantize_int4(random_weights())
+    leaves, treedef = jax.tree_util.tree_flatten(q)
+    assert len(leaves) == 3
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back.bits == 4 and back.block_size == 32
+    out = jax.jit(lambda x: x.dequantize(jnp.bfloat16))(q)
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    q8 = quantize_int8(random_weights())
+    assert len(jax.tree_util.tree_leaves(q8)) == 2     # offsets=None is an empty subtree
+
+
+def test_check_rejects_bad_layouts():
+    q = quantize_int8(random_weights())
+    with pytest.raises(ValueError, match="scales.shape"):
+        QuantizedWeights(values=q.values, scales=q.scales[:, :2], bits=8).check()
+    with pytest.raises(ValueError, match="offsets"):
+        QuantizedWeights(values=q.values.astype(jnp.uint8)[:, :64], scales=q.scales, bits=4).check()
+    with pytest.raises(ValueError, match="bits"):
+        QuantizedWeights(values=q.values, scales=q.scales, bits=3).check()
+    with pytest.raises(ValueError, match="multiple of 2 \\* block_size=64"):
+        quantize_int4(random_weights((1, 96, 8)))
