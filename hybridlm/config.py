@@ -184,7 +184,7 @@ TINY = ModelConfig(
     name="tiny", vocab_size=248_320, hidden_dim=64, num_layers=8, max_position_embeddings=32_768,
     attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=32, mrope_sections=(2, 1, 1)),
     gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=32, value_dim=32),
-    moe=MoEConfig(num_experts=16, top_k=4, expert_ffn_dim=32, shared_ffn_dim=64))
+    moe=MoEConfig(num_experts=16, top_k=4, expert_ffn_dim=64, shared_ffn_dim=64))
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3.5-35b-a3b": QWEN35_35B_A3B,

@@ -83,7 +83,10 @@ class HybridLM(nnx.Module):
         return self.logits(x)
 
 
-def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> HybridLM:
+EXPERT_FORMATS = ("int8", "int4")
+
+
+def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert_format: str | None = None) -> HybridLM:
     """A model with random weights drawn so that activations and logits stay O(1).
 
     Projections ~ N(0, 1/fan_in), norms near their identity, A_log and dt_bias spread like trained models, so
@@ -93,7 +96,15 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> Hyb
       config: the architecture.
       seed: PRNG seed (same seed, same weights).
       dtype: parameter and activation dtype (jnp.float32 or jnp.bfloat16).
+      expert_format: None keeps routed-expert weights in `dtype`; "int8" or "int4" stores them as
+        `QuantizedWeights` (per-32 blocks along the input dim), quantized tensor by tensor so the full-precision
+        experts never exist all at once (a 35B model with int8 experts fits an 80 GB GPU).
+
+    Raises:
+      ValueError: unknown expert_format.
     """
+    if expert_format not in (None, *EXPERT_FORMATS):
+        raise ValueError(f"unknown expert_format {expert_format!r}; choose from {EXPERT_FORMATS} or None")
     abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, rngs=nnx.Rngs(seed)))  # no memory yet
     graphdef, state = nnx.split(abstract)
     on_cpu = jax.default_backend() == "cpu"   # numpy draws fast on CPU; jitted draws per tensor on accelerators
@@ -107,6 +118,8 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32) -> Hyb
                 var.set_value(jnp.asarray(_random_param(name, rng, shape, np).astype(vdtype)))
             else:
                 var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), shape, vdtype))
+            if expert_format and name in ("experts_gate_up", "experts_down"):
+                var.set_value(_quantize(var.get_value(), expert_format))
         flat.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -134,6 +147,12 @@ def _random_param(name: str, rng, shape: tuple[int, ...], xp):
     if name == "shared_token_gate":
         return normal() / np.sqrt(shape[0])
     return normal() / np.sqrt(shape[-2])   # projections: [..., fan_in, fan_out]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(w: jax.Array, expert_format: str):
+    from pallas_kernels.quantized import quantize_int4, quantize_int8
+    return (quantize_int8 if expert_format == "int8" else quantize_int4)(w)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
