@@ -1,0 +1,27 @@
+"""Experiment scripts are importable and run on a small sweep."""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import sys
+
+EXPERIMENTS = pathlib.Path(__file__).parents[1] / "experiments"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefill_sweep_runs_small(tmp_path):
+    exp = _load("prefill_ttft_vs_chunk_size")
+    small = dataclasses.replace(exp.EXPERIMENT, prompt_tokens=80, chunk_sizes=(16, 64), repeats=1)
+    rows = exp.run(small, results_dir=str(tmp_path))
+    assert [r["chunk_size"] for r in rows] == [16, 64]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    saved = json.loads((tmp_path / "prefill_ttft_vs_chunk_size.json").read_text())
+    assert saved["experiment"]["prompt_tokens"] == 80
