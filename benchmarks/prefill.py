@@ -30,6 +30,8 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--attention", default="cudnn", help="jax.nn.dot_product_attention implementation (or 'xla')")
+    p.add_argument("--gdn", default=None, help="gated delta rule implementation (default: pallas on GPU)")
+    p.add_argument("--gmm", default=None, help="grouped matmul implementation (default: pallas on GPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also one profiled pass per configuration")
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
@@ -37,6 +39,7 @@ def main(argv=None):
 
     config = hybridlm.get_config(a.preset)
     config = dataclasses.replace(config, attention_implementation=None if a.attention == "none" else a.attention,
+                                 gdn_implementation=a.gdn, moe_implementation=a.gmm,
                                  **({"num_layers": a.num_layers} if a.num_layers else {}))
     dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
     t0 = time.perf_counter()
@@ -50,6 +53,7 @@ def main(argv=None):
     header = {"device": device.device_kind, "jax_version": jax.__version__,
               "date": datetime.date.today().isoformat(), "preset": config.name, "num_layers": config.num_layers,
               "dtype": a.dtype, "expert_format": a.expert_format, "attention": a.attention,
+              "gdn": a.gdn or "default", "gmm": a.gmm or "default",
               "weight_bytes": weight_bytes, "init_s": round(init_s, 1)}
     print(json.dumps(header), flush=True)
     rows = []

@@ -42,7 +42,7 @@ def _tensor_index(directory: str) -> dict[str, str]:
         try:
             with safe_open(path, framework="numpy") as f:
                 out.update(dict.fromkeys(f.keys(), path))
-        except Exception as e:   # safetensors raises its own error types for corrupt headers
+        except Exception as e:  # noqa: BLE001 - safetensors raises several error types for corrupt headers
             raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
     return out
 

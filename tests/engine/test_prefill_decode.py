@@ -92,7 +92,7 @@ def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt):
 
 
 def test_generate_sampling_is_seeded(tiny_runner, prompt):
-    kw = dict(max_new_tokens=5, temperature=1.0, top_k=50, top_p=0.9, chunk_size=16)
+    kw = {"max_new_tokens": 5, "temperature": 1.0, "top_k": 50, "top_p": 0.9, "chunk_size": 16}
     a = hybridlm.generate(tiny_runner, prompt[0, :10], seed=3, **kw).tokens
     b = hybridlm.generate(tiny_runner, prompt[0, :10], seed=3, **kw).tokens
     np.testing.assert_array_equal(a, b)
