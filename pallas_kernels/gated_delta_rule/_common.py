@@ -13,16 +13,22 @@ def check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens):
       ValueError: naming the shapes that disagree.
     """
     if query.ndim != 4 or query.shape != key.shape:
-        raise ValueError(f"query and key must both be [batch, seq, k_heads, key_dim]; got query.shape="
-                         f"{query.shape} and key.shape={key.shape}")
+        raise ValueError(
+            f"query and key must both be [batch, seq, k_heads, key_dim]; got query.shape="
+            f"{query.shape} and key.shape={key.shape}"
+        )
     batch, seq, k_heads, key_dim = key.shape
     if value.ndim != 4 or value.shape[:2] != (batch, seq):
-        raise ValueError(f"value must be [batch, seq, v_heads, value_dim] with batch, seq of key.shape="
-                         f"{key.shape}; got value.shape={value.shape}")
+        raise ValueError(
+            f"value must be [batch, seq, v_heads, value_dim] with batch, seq of key.shape="
+            f"{key.shape}; got value.shape={value.shape}"
+        )
     v_heads, value_dim = value.shape[2:]
     if v_heads % k_heads:
-        raise ValueError(f"v_heads={v_heads} (value.shape={value.shape}) is not a multiple of k_heads="
-                         f"{k_heads} (key.shape={key.shape})")
+        raise ValueError(
+            f"v_heads={v_heads} (value.shape={value.shape}) is not a multiple of k_heads="
+            f"{k_heads} (key.shape={key.shape})"
+        )
     for name, x in (("log_decay", log_decay), ("beta", beta)):
         if x.shape != (batch, seq, v_heads):
             raise ValueError(f"{name}.shape={x.shape} must be [batch, seq, v_heads]={(batch, seq, v_heads)}")
@@ -34,27 +40,35 @@ def check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens):
             raise ValueError(f"cu_seqlens must be [num_seqs + 1] with num_seqs >= 1; got {cu_seqlens.shape}")
         num_states = cu_seqlens.shape[0] - 1
     if initial_state is not None and initial_state.shape != (num_states, v_heads, key_dim, value_dim):
-        raise ValueError(f"initial_state.shape={initial_state.shape} must be [batch or num_seqs, v_heads, key_dim,"
-                         f" value_dim]={(num_states, v_heads, key_dim, value_dim)}")
+        raise ValueError(
+            f"initial_state.shape={initial_state.shape} must be [batch or num_seqs, v_heads, key_dim,"
+            f" value_dim]={(num_states, v_heads, key_dim, value_dim)}"
+        )
     return batch, seq, k_heads, key_dim, v_heads, value_dim, num_states
 
 
 def check_step_shapes(query, key, value, log_decay, beta, state):
     """Validates decode-step shapes. Raises ValueError naming the shapes that disagree."""
     if query.ndim != 3 or query.shape != key.shape:
-        raise ValueError(f"query and key must both be [batch, k_heads, key_dim]; got query.shape={query.shape}"
-                         f" and key.shape={key.shape}")
+        raise ValueError(
+            f"query and key must both be [batch, k_heads, key_dim]; got query.shape={query.shape}"
+            f" and key.shape={key.shape}"
+        )
     batch, k_heads, key_dim = key.shape
     if value.ndim != 3 or value.shape[0] != batch or value.shape[1] % k_heads:
-        raise ValueError(f"value must be [batch, v_heads, value_dim] with v_heads a multiple of k_heads; got "
-                         f"value.shape={value.shape}, key.shape={key.shape}")
+        raise ValueError(
+            f"value must be [batch, v_heads, value_dim] with v_heads a multiple of k_heads; got "
+            f"value.shape={value.shape}, key.shape={key.shape}"
+        )
     _, v_heads, value_dim = value.shape
     for name, x in (("log_decay", log_decay), ("beta", beta)):
         if x.shape != (batch, v_heads):
             raise ValueError(f"{name}.shape={x.shape} must be [batch, v_heads]={(batch, v_heads)}")
     if state.shape != (batch, v_heads, key_dim, value_dim):
-        raise ValueError(f"state.shape={state.shape} must be [batch, v_heads, key_dim, value_dim]="
-                         f"{(batch, v_heads, key_dim, value_dim)}")
+        raise ValueError(
+            f"state.shape={state.shape} must be [batch, v_heads, key_dim, value_dim]="
+            f"{(batch, v_heads, key_dim, value_dim)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +81,6 @@ class PackedLayout:
       scatter: [seq] padded slot of each source token.
       chunk_seq: [num_chunks] sequence index of each chunk.
       chunk_first / chunk_last: [num_chunks] bool, chunk opens / closes its (non-empty) sequence.
-      seq_chunk_start: [num_seqs + 1] first chunk of each sequence (and the end of the last one).
     """
 
     gather: jax.Array
@@ -76,7 +89,6 @@ class PackedLayout:
     chunk_seq: jax.Array
     chunk_first: jax.Array
     chunk_last: jax.Array
-    seq_chunk_start: jax.Array
 
 
 def num_packed_chunks(seq: int, num_seqs: int, chunk_size: int) -> int:
@@ -85,28 +97,28 @@ def num_packed_chunks(seq: int, num_seqs: int, chunk_size: int) -> int:
 
 
 def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
-    """Computes the chunk-aligned layout of packed sequences (cu_seqlens: int32 [num_seqs + 1], cu[-1] == seq)."""
+    """Chunk-aligned layout of packed sequences (cu_seqlens: int32 [num_seqs + 1], cu[-1] == seq)."""
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     num_seqs = cu.shape[0] - 1
     num_chunks = num_packed_chunks(seq, num_seqs, chunk_size)
-    lengths = cu[1:] - cu[:-1]                                                  # [num_seqs]
+    lengths = cu[1:] - cu[:-1]  # [num_seqs]
     chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
     chunk_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(chunks_per_seq)]).astype(jnp.int32)
     chunk = jnp.arange(num_chunks, dtype=jnp.int32)
     chunk_seq = jnp.clip(jnp.searchsorted(chunk_start[1:], chunk, side="right"), 0, num_seqs - 1)
     chunk_seq = chunk_seq.astype(jnp.int32)
-    offset_in_seq = chunk - chunk_start[chunk_seq]                              # [num_chunks]
+    offset_in_seq = chunk - chunk_start[chunk_seq]  # [num_chunks]
     chunk_first = (offset_in_seq == 0) & (lengths[chunk_seq] > 0)
     chunk_last = (offset_in_seq == chunks_per_seq[chunk_seq] - 1) & (lengths[chunk_seq] > 0)
     slot = jnp.arange(num_chunks * chunk_size, dtype=jnp.int32)
     slot_seq = chunk_seq[slot // chunk_size]
-    pos = slot - chunk_start[slot_seq] * chunk_size                             # position inside its sequence
+    pos = slot - chunk_start[slot_seq] * chunk_size  # position inside its sequence
     valid = (pos >= 0) & (pos < lengths[slot_seq])
     gather = jnp.where(valid, cu[slot_seq] + pos, 0)
     token = jnp.arange(seq, dtype=jnp.int32)
     token_seq = jnp.clip(jnp.searchsorted(cu[1:], token, side="right"), 0, num_seqs - 1)
     scatter = chunk_start[token_seq] * chunk_size + token - cu[token_seq]
-    return PackedLayout(gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last, chunk_start)
+    return PackedLayout(gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last)
 
 
 def pad_to_chunks(query, key, value, log_decay, beta, chunk_size: int, layout: PackedLayout | None):

@@ -1,6 +1,7 @@
-"""The public gated-delta-rule entry points: `gated_delta_rule` (prefill) and `gated_delta_rule_step` (decode)."""
+"""Public gated-delta-rule entry points: `gated_delta_rule` (prefill), `gated_delta_rule_step` (decode)."""
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 
@@ -19,10 +20,20 @@ _STEP_IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
 }
 
 
-def gated_delta_rule(query: jax.Array, key: jax.Array, value: jax.Array, log_decay: jax.Array, beta: jax.Array,
-                     *, initial_state: jax.Array | None = None, scale: float | None = None, chunk_size: int = 64,
-                     cu_seqlens: jax.Array | None = None, implementation: Implementation | None = None,
-                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def gated_delta_rule(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    log_decay: jax.Array,
+    beta: jax.Array,
+    *,
+    initial_state: jax.Array | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: jax.Array | None = None,
+    implementation: Implementation | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Gated delta rule over a whole prompt (prefill).
 
     Per value head, state S [key_dim, value_dim] in float32, for each token t:
@@ -59,13 +70,30 @@ def gated_delta_rule(query: jax.Array, key: jax.Array, value: jax.Array, log_dec
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(_IMPLEMENTATIONS)}")
     return _IMPLEMENTATIONS[implementation](
-        query, key, value, log_decay, beta, initial_state=initial_state, scale=scale, chunk_size=chunk_size,
-        cu_seqlens=cu_seqlens, interpret=interpret)
+        query,
+        key,
+        value,
+        log_decay,
+        beta,
+        initial_state=initial_state,
+        scale=scale,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+        interpret=interpret,
+    )
 
 
-def gated_delta_rule_step(query: jax.Array, key: jax.Array, value: jax.Array, log_decay: jax.Array,
-                          beta: jax.Array, state: jax.Array, *, scale: float | None = None,
-                          implementation: StepImplementation | None = None) -> tuple[jax.Array, jax.Array]:
+def gated_delta_rule_step(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    log_decay: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+    implementation: StepImplementation | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """One decode step (a single token per sequence) of the gated delta rule.
 
     Same recurrence as `gated_delta_rule` with seq = 1. Source: arXiv:2412.06464; spec §4.5, §8.
@@ -87,5 +115,6 @@ def gated_delta_rule_step(query: jax.Array, key: jax.Array, value: jax.Array, lo
     implementation = "reference" if implementation is None else implementation
     if implementation not in _STEP_IMPLEMENTATIONS:
         raise ValueError(
-            f"unknown implementation {implementation!r}; choose from {sorted(_STEP_IMPLEMENTATIONS)}")
+            f"unknown implementation {implementation!r}; choose from {sorted(_STEP_IMPLEMENTATIONS)}"
+        )
     return _STEP_IMPLEMENTATIONS[implementation](query, key, value, log_decay, beta, state, scale=scale)

@@ -19,8 +19,19 @@ def _einsum(spec, *operands):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret"))
-def gated_delta_rule_chunked(query, key, value, log_decay, beta, *, initial_state=None, scale=None,
-                             chunk_size=64, cu_seqlens=None, interpret=None):
+def gated_delta_rule_chunked(
+    query,
+    key,
+    value,
+    log_decay,
+    beta,
+    *,
+    initial_state=None,
+    scale=None,
+    chunk_size=64,
+    cu_seqlens=None,
+    interpret=None,
+):
     """Chunked gated delta rule: chunk-parallel WY form plus a lax.scan over chunks carrying the state.
 
     Per chunk of C tokens (gamma = log-decay prefix sum restarting at the chunk start):
@@ -56,37 +67,45 @@ def gated_delta_rule_chunked(query, key, value, log_decay, beta, *, initial_stat
     scale = key_dim**-0.5 if scale is None else scale
     layout = None if cu_seqlens is None else _common.packed_layout(cu_seqlens, seq, c)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    q, k, v, g, bt = _common.pad_to_chunks(f32(query) * scale, f32(key), f32(value), f32(log_decay), f32(beta),
-                                           c, layout)
+    q, k, v, g, bt = _common.pad_to_chunks(
+        f32(query) * scale, f32(key), f32(value), f32(log_decay), f32(beta), c, layout
+    )
     n = k.shape[1] // c
-    q = q.reshape(batch, n, c, k_heads, key_dim).transpose(0, 1, 3, 2, 4)                 # [b, n, h, c, k]
+    q = q.reshape(batch, n, c, k_heads, key_dim).transpose(0, 1, 3, 2, 4)  # [b, n, h, c, k]
     k = k.reshape(batch, n, c, k_heads, key_dim).transpose(0, 1, 3, 2, 4)
-    v = v.reshape(batch, n, c, k_heads, group, value_dim).transpose(0, 1, 3, 4, 2, 5)    # [b, n, h, g, c, v]
-    g = g.reshape(batch, n, c, k_heads, group).transpose(0, 1, 3, 4, 2)                  # [b, n, h, g, c]
+    v = v.reshape(batch, n, c, k_heads, group, value_dim).transpose(0, 1, 3, 4, 2, 5)  # [b, n, h, g, c, v]
+    g = g.reshape(batch, n, c, k_heads, group).transpose(0, 1, 3, 4, 2)  # [b, n, h, g, c]
     bt = bt.reshape(batch, n, c, k_heads, group).transpose(0, 1, 3, 4, 2)
 
-    gamma = jnp.cumsum(g, axis=-1)                                                        # [b, n, h, g, c]
+    gamma = jnp.cumsum(g, axis=-1)  # [b, n, h, g, c]
     lower = jnp.tril(jnp.ones((c, c), bool))
-    diff = gamma[..., :, None] - gamma[..., None, :]                                      # [b, n, h, g, i, j]
-    decay_ij = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)               # masked before exp
-    kk = _einsum("bnhik,bnhjk->bnhij", k, k)[:, :, :, None]                               # [b, n, h, 1, i, j]
+    diff = gamma[..., :, None] - gamma[..., None, :]  # [b, n, h, g, i, j]
+    decay_ij = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # masked before exp
+    kk = _einsum("bnhik,bnhjk->bnhij", k, k)[:, :, :, None]  # [b, n, h, 1, i, j]
     a = jnp.tril(bt[..., :, None] * kk * decay_ij, -1)
-    rhs = jnp.concatenate([
-        (bt * jnp.exp(gamma))[..., None] * k[:, :, :, None],                             # [b, n, h, g, c, k]
-        bt[..., None] * v], axis=-1)                                                      # [b, n, h, g, c, v]
+    rhs = jnp.concatenate(
+        [
+            (bt * jnp.exp(gamma))[..., None] * k[:, :, :, None],  # [b, n, h, g, c, k]
+            bt[..., None] * v,
+        ],
+        axis=-1,
+    )  # [b, n, h, g, c, v]
     eye = jnp.eye(c, dtype=jnp.float32)
     wu = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
     w, u = wu[..., :key_dim], wu[..., key_dim:]
-    qk = _einsum("bnhik,bnhjk->bnhij", q, k)[:, :, :, None] * decay_ij                   # [b, n, h, g, i, j]
-    q_decayed = q[:, :, :, None] * jnp.exp(gamma)[..., None]                               # [b, n, h, g, c, k]
-    k_decayed = k[:, :, :, None] * jnp.exp(gamma[..., -1:] - gamma)[..., None]            # [b, n, h, g, c, k]
-    chunk_decay = jnp.exp(gamma[..., -1])                                                  # [b, n, h, g]
+    qk = _einsum("bnhik,bnhjk->bnhij", q, k)[:, :, :, None] * decay_ij  # [b, n, h, g, i, j]
+    q_decayed = q[:, :, :, None] * jnp.exp(gamma)[..., None]  # [b, n, h, g, c, k]
+    k_decayed = k[:, :, :, None] * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # [b, n, h, g, c, k]
+    chunk_decay = jnp.exp(gamma[..., -1])  # [b, n, h, g]
 
     state_shape = (num_states, k_heads, group, key_dim, value_dim)
-    init = jnp.zeros(state_shape, jnp.float32) if initial_state is None else f32(initial_state).reshape(
-        state_shape)
+    init = (
+        jnp.zeros(state_shape, jnp.float32)
+        if initial_state is None
+        else f32(initial_state).reshape(state_shape)
+    )
 
-    def advance(state, w_n, u_n, kd_n, decay_n):                                          # state [b, h, g, k, v]
+    def advance(state, w_n, u_n, kd_n, decay_n):  # state [b, h, g, k, v]
         v_new = u_n - _einsum("bhgck,bhgkv->bhgcv", w_n, state)
         state_out = decay_n[..., None, None] * state + _einsum("bhgck,bhgcv->bhgkv", kd_n, v_new)
         return state_out, v_new
@@ -94,14 +113,16 @@ def gated_delta_rule_chunked(query, key, value, log_decay, beta, *, initial_stat
     chunk_major = lambda x: jnp.moveaxis(x, 1, 0)
     xs = tuple(map(chunk_major, (w, u, k_decayed, chunk_decay)))
     if layout is None:
+
         def step(state, x):
             state_out, v_new = advance(state, *x)
             return state_out, (state, v_new)
 
         final_state, (chunk_states, v_new) = jax.lax.scan(step, init, xs)
     else:
+
         def step(carry, x):
-            state, finals = carry                                                         # [1, h, g, k, v], [s, ...]
+            state, finals = carry  # [1, h, g, k, v], [s, ...]
             x, sid, first, last = x
             state = jnp.where(first, init[sid][None], state)
             state_out, v_new = advance(state, *x)
@@ -111,9 +132,11 @@ def gated_delta_rule_chunked(query, key, value, log_decay, beta, *, initial_stat
         carry0 = (jnp.zeros((1,) + state_shape[1:], jnp.float32), init)
         xs = (xs, layout.chunk_seq, layout.chunk_first, layout.chunk_last)
         (_, final_state), (chunk_states, v_new) = jax.lax.scan(step, carry0, xs)
-    chunk_states = jnp.moveaxis(chunk_states, 0, 1)                                       # [b, n, h, g, k, v]
-    v_new = jnp.moveaxis(v_new, 0, 1)                                                     # [b, n, h, g, c, v]
-    out = _einsum("bnhgck,bnhgkv->bnhgcv", q_decayed, chunk_states) + _einsum("bnhgij,bnhgjv->bnhgiv", qk, v_new)
+    chunk_states = jnp.moveaxis(chunk_states, 0, 1)  # [b, n, h, g, k, v]
+    v_new = jnp.moveaxis(v_new, 0, 1)  # [b, n, h, g, c, v]
+    out = _einsum("bnhgck,bnhgkv->bnhgcv", q_decayed, chunk_states) + _einsum(
+        "bnhgij,bnhgjv->bnhgiv", qk, v_new
+    )
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, n * c, v_heads, value_dim)
     out = _common.unpad_output(out, seq, layout)
     return out.astype(value.dtype), final_state.reshape(num_states, v_heads, key_dim, value_dim)

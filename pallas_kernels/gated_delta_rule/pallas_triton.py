@@ -5,15 +5,21 @@ Launches, like flash-linear-attention's `chunk_gated_delta_rule_fwd` (spec §9):
      diag(beta) K K^T * Gamma); T = (I + A)^-1 block by block (16-row diagonal blocks inverted exactly, then
      merged); W = T diag(beta e^gamma) K, U = T diag(beta) V. With `fuse_output` it also writes the masked,
      scaled intra-chunk attention P = scale lower_incl(Q K^T * Gamma).
-  2. `_state_kernel`, one program per (sequence, v-head, value block): the only sequential part. Walks its
-     sequence's chunks: V' = U - W h, h <- e^{gamma_C} h + (K e^{gamma_C - gamma})^T V'. Either it stores each
-     chunk-start state h and V' for
-  3. `_output_kernel`, one program per (chunk, v-head, value block): O = scale (Q e^gamma) h + P V';
-     or (`fuse_output`) it computes O itself in the same walk, so no chunk state ever goes to memory.
-Packed sequences (cu_seqlens) are regathered so each starts a chunk; each gets its own state-pass programs.
+  2. `_state_kernel`, one program per (batch row, v-head, value block): the only sequential part. Walks the
+     chunks: V' = U - W h, h <- e^{gamma_C} h + (K e^{gamma_C - gamma})^T V', and stores each chunk-start
+     state h and V' for
+  3. `_output_kernel`, one program per (chunk, v-head, value block): O = scale (Q e^gamma) h + P V'
+     (P recomputed there). With `fuse_output` the state pass computes O itself and no chunk state goes to
+     memory (measured no faster on an H100 so far; off by default).
+With `segments` > 1 (unpacked inputs) the walk is split: `_segment_summary_kernel` computes, per segment and
+in parallel, its end state from zero and its transition M (end = M start + end_from_zero); a short scan
+combines them into each segment's start state; then every segment walks its chunks at the same time.
+Packed sequences (cu_seqlens) are regathered so each starts a chunk; the state pass restarts h from the
+sequence's initial state at its first chunk and stores the final state after its last.
 Grouped heads: v-head h reads q/k head h // (v_heads // k_heads) straight from the un-repeated arrays.
 Matrix products take the input dtype (bf16 -> tensor cores) and accumulate in f32; g, beta, gamma, A, T and
-the carried state are f32 (f32 inputs: every product in IEEE f32, precision=HIGHEST).
+the carried state are f32 (f32 inputs: every product in IEEE f32, precision=HIGHEST; bf16 inputs: the
+f32 inverse tiles use TF32 before they are rounded to bf16).
 """
 
 import dataclasses
@@ -26,29 +32,35 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gated_delta_rule import _common
 
-_PLAIN = (((1,), (0,)), ((), ()))     # dot_general dims for a b
-_TRANS_A = (((0,), (0,)), ((), ()))   # dot_general dims for a^T b
-_TRANS_B = (((1,), (1,)), ((), ()))   # dot_general dims for a b^T
+_PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
+_TRANS_A = (((0,), (0,)), ((), ()))  # dot_general dims for a^T b
+_TRANS_B = (((1,), (1,)), ((), ()))  # dot_general dims for a b^T
 
 
-def _dot(a, b, dims=_PLAIN):
-    """2-D product accumulated in f32; HIGHEST keeps f32 operands in IEEE f32 (Triton's default is TF32)."""
-    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
+def _dot(a, b, dims=_PLAIN, exact=False):
+    """2-D product accumulated in f32. exact=True (f32 inputs) keeps f32 operands in IEEE f32; otherwise f32
+    operands run as TF32 (Triton's default; only the f32 triangular-inverse tiles, which are then rounded to
+    bf16 anyway). bf16 operands are unaffected."""
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """Tile sizes and Triton launch parameters of the three kernels."""
 
-    solve_block: int = 16          # rows per diagonal block of the chunk's triangular solve
-    state_block_v: int = 32        # value columns per program in the sequential state pass
-    output_block_v: int = 128      # value columns per program in the output kernel (capped at value_dim)
+    solve_block: int = 16  # rows per diagonal block of the chunk's triangular solve
+    state_block_v: int = 32  # value columns per program in the sequential state pass
+    output_block_v: int = 128  # value columns per program in the output kernel (capped at value_dim)
     prepare_warps: int = 4
     state_warps: int = 4
     output_warps: int = 4
     state_stages: int = 2
-    fuse_output: bool = False      # compute the output inside the state pass (no chunk states in memory)
+    fuse_output: bool = False
+    # Split each (unpacked) sequence into this many segments for the state pass: their end states from zero
+    # and transitions are computed in parallel, combined by a short scan, then each segment is rerun from its
+    # true start state. 1 = one sequential walk (the default; segments > 1 is not yet timed on a GPU).
+    segments: int = 1  # compute the output inside the state pass (no chunk states in memory)
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -59,57 +71,79 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def _unit_lower_inverse(a):
+def _unit_lower_inverse(a, exact):
     """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two), by the exact product
     (I - a)(I + a^2)(I + a^4)...: a is nilpotent, so the product ends after log2(s) factors."""
     s = a.shape[0]
-    eye = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (s, s), 0) == jax.lax.broadcasted_iota(
-        jnp.int32, (s, s), 1), 1.0, 0.0)
+    eye = jnp.where(
+        jax.lax.broadcasted_iota(jnp.int32, (s, s), 0) == jax.lax.broadcasted_iota(jnp.int32, (s, s), 1),
+        1.0,
+        0.0,
+    )
     inv = eye - a
     power = a
-    for _ in range(max(s.bit_length() - 2, 0)):                              # factors (I + a^2), (I + a^4), ...
-        power = _dot(power, power)
-        inv = _dot(inv, eye + power)
+    for _ in range(max(s.bit_length() - 2, 0)):  # factors (I + a^2), (I + a^4), ...
+        power = _dot(power, power, exact=exact)
+        inv = _dot(inv, eye + power, exact=exact)
     return inv
 
 
-def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, p_ref, *, chunk_size, group,
-                    compute_dtype, sub, scale, with_p):
+def _prepare_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    w_ref,
+    u_ref,
+    gamma_ref,
+    p_ref,
+    *,
+    chunk_size,
+    group,
+    compute_dtype,
+    sub,
+    scale,
+    with_p,
+):
     # q_ref/k_ref [b, t, k_heads, key_dim]; v_ref/u_ref [b, t, v_heads, value_dim]; w_ref [b, t, v_heads,
     # key_dim]; g_ref/beta_ref/gamma_ref [b, v_heads, t] f32; p_ref [b, t, v_heads, chunk_size] (with_p).
     # Program (chunk n, batch*v_heads bh). The chunk is cut into chunk_size // sub row blocks and
     #   T_dd = (I + A_dd)^-1,   T_de = -T_dd sum_{e <= m < d} A_dm T_me   (d > e).
-    # Tiles are re-loaded where used (L1/L2 hits) rather than kept live, to keep registers free.
+    exact = compute_dtype == jnp.float32
     n, bh = pl.program_id(0), pl.program_id(1)
     v_heads = v_ref.shape[2]
     b, h = bh // v_heads, bh % v_heads
     num_blocks = chunk_size // sub
     rows = [pl.ds(n * chunk_size + d * sub, sub) for d in range(num_blocks)]
-    load_k = lambda d: k_ref[b, rows[d], h // group, :]                       # [sub, key_dim]
     i = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
-    gammas, betas = [], []
+    ks, gammas, betas, rhs_w, rhs_u = [], [], [], [], []
     offset = jnp.float32(0.0)
     for d in range(num_blocks):
-        g = g_ref[b, h, rows[d]]                                             # [sub] f32
-        gamma = jnp.cumsum(g, axis=0) + offset                               # chunk-local prefix sum
+        k = k_ref[b, rows[d], h // group, :]  # [sub, key_dim]
+        g = g_ref[b, h, rows[d]]  # [sub] f32
+        gamma = jnp.cumsum(g, axis=0) + offset  # chunk-local prefix sum
         offset = offset + jnp.sum(g)
+        beta = beta_ref[b, h, rows[d]]
         gamma_ref[b, h, rows[d]] = gamma
+        ks.append(k)
         gammas.append(gamma)
-        betas.append(beta_ref[b, h, rows[d]])
+        betas.append(beta)
+        rhs_w.append((k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype))
+        rhs_u.append((v_ref[b, rows[d], h, :].astype(jnp.float32) * beta[:, None]).astype(compute_dtype))
 
-    def decay(d, e, inclusive):                                              # exp(gamma_i - gamma_j), masked
+    def decay(d, e, inclusive):  # exp(gamma_i - gamma_j), masked
         diff = gammas[d][:, None] - gammas[e][None, :]
         if d != e:
-            return jnp.exp(diff)                                             # <= 1 below the diagonal
+            return jnp.exp(diff)  # <= 1 below the diagonal
         keep = i >= j if inclusive else i > j
         return jnp.where(keep, jnp.exp(jnp.where(keep, diff, 0.0)), 0.0)
 
     a, t = {}, {}
     for d in range(num_blocks):
-        k_d = load_k(d)
         for e in range(d + 1):
-            a[d, e] = betas[d][:, None] * _dot(k_d, load_k(e), _TRANS_B) * decay(d, e, inclusive=False)
+            a[d, e] = betas[d][:, None] * _dot(ks[d], ks[e], _TRANS_B, exact) * decay(d, e, inclusive=False)
         if with_p:
             q_d = q_ref[b, rows[d], h // group, :]
             for e in range(num_blocks):
@@ -117,101 +151,254 @@ def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_re
                 if e > d:
                     p_ref[b, rows[d], h, cols] = jnp.zeros((sub, sub), p_ref.dtype)
                 else:
-                    p = _dot(q_d, load_k(e), _TRANS_B) * decay(d, e, inclusive=True) * scale
+                    p = _dot(q_d, ks[e], _TRANS_B, exact) * decay(d, e, inclusive=True) * scale
                     p_ref[b, rows[d], h, cols] = p.astype(p_ref.dtype)
     for d in range(num_blocks):
-        t[d, d] = _unit_lower_inverse(a[d, d])
+        t[d, d] = _unit_lower_inverse(a[d, d], exact)
         for e in range(d - 1, -1, -1):
-            acc = _dot(a[d, e], t[e, e])
+            acc = _dot(a[d, e], t[e, e], exact=exact)
             for m in range(e + 1, d):
-                acc += _dot(a[d, m], t[m, e])
-            t[d, e] = -_dot(t[d, d], acc)
+                acc += _dot(a[d, m], t[m, e], exact=exact)
+            t[d, e] = -_dot(t[d, d], acc, exact=exact)
     for d in range(num_blocks):
         w = u = 0.0
         for e in range(d + 1):
             t_de = t[d, e].astype(compute_dtype)
-            k_scaled = load_k(e).astype(jnp.float32) * (betas[e] * jnp.exp(gammas[e]))[:, None]
-            v_scaled = v_ref[b, rows[e], h, :].astype(jnp.float32) * betas[e][:, None]
-            w += _dot(t_de, k_scaled.astype(compute_dtype))
-            u += _dot(t_de, v_scaled.astype(compute_dtype))
+            w += _dot(t_de, rhs_w[e], exact=exact)
+            u += _dot(t_de, rhs_u[e], exact=exact)
         w_ref[b, rows[d], h, :] = w.astype(w_ref.dtype)
         u_ref[b, rows[d], h, :] = u.astype(u_ref.dtype)
 
 
-def _state_kernel(q_ref, k_ref, w_ref, u_ref, gamma_ref, p_ref, init_ref, seq_chunk_start_ref,
-                  states_ref, v_new_ref, o_ref, final_ref, *, chunk_size, group, block_v, packed, fuse_output,
-                  scale, compute_dtype):
+def _state_kernel(
+    q_ref,
+    k_ref,
+    w_ref,
+    u_ref,
+    gamma_ref,
+    p_ref,
+    init_ref,
+    chunk_seq_ref,
+    chunk_first_ref,
+    chunk_last_ref,
+    states_ref,
+    v_new_ref,
+    o_ref,
+    final_ref,
+    *,
+    chunk_size,
+    group,
+    block_v,
+    packed,
+    fuse_output,
+    scale,
+    compute_dtype,
+    segments,
+):
     # states_ref [b, num_chunks, v_heads, key_dim, value_dim] (unfused); v_new_ref like u_ref (unfused);
     # o_ref [b, t, v_heads, value_dim] (fused); init/final [num_states, v_heads, key_dim, value_dim] f32;
-    # seq_chunk_start_ref [num_states + 1] (packed). Program (state s * v_heads + h, value block vb).
+    # chunk_* [num_chunks] int32 (packed: sequence of each chunk, opens it, closes it).
+    # Program ((batch*segments + segment)*v_heads + h, value block vb); it walks its segment's chunks in
+    # order, from init_ref[batch*segments + segment] (unpacked) or from each sequence's initial state.
     c = chunk_size
-    sh, vb = pl.program_id(0), pl.program_id(1)
+    exact = compute_dtype == jnp.float32
+    bh, vb = pl.program_id(0), pl.program_id(1)
     v_heads = u_ref.shape[2]
-    s, h = sh // v_heads, sh % v_heads
+    row, h = bh // v_heads, bh % v_heads
+    b, segment = (row, 0) if segments == 1 else (row // segments, row % segments)
     cols = pl.ds(vb * block_v, block_v)
-    if packed:                                                               # batch 1; this sequence's chunks
-        b, first, stop = 0, seq_chunk_start_ref[s], seq_chunk_start_ref[s + 1]
-    else:
-        b, first, stop = s, 0, u_ref.shape[1] // c
+    per_segment = u_ref.shape[1] // c // segments
 
-    def body(n, state):                                                      # state [key_dim, block_v] f32
+    def body(n, state):  # state [key_dim, block_v] f32
         rows = pl.ds(n * c, c)
+        if packed:
+            sid = chunk_seq_ref[n]
+            state = jax.lax.cond(chunk_first_ref[n] != 0, lambda: init_ref[sid, h, :, cols], lambda: state)
         state_in = state.astype(compute_dtype)
         if not fuse_output:
             states_ref[b, n, h, :, cols] = state_in.astype(states_ref.dtype)
-        v_new = u_ref[b, rows, h, cols].astype(jnp.float32) - _dot(w_ref[b, rows, h, :], state_in)
-        v_new_in = v_new.astype(compute_dtype)                               # [c, block_v]
-        gamma = gamma_ref[b, h, rows]                                        # [c]
+        v_new = u_ref[b, rows, h, cols].astype(jnp.float32) - _dot(
+            w_ref[b, rows, h, :], state_in, exact=exact
+        )
+        v_new_in = v_new.astype(compute_dtype)  # [c, block_v]
+        gamma = gamma_ref[b, h, rows]  # [c]
         gamma_last = gamma_ref[b, h, n * c + c - 1]
         if fuse_output:
             q = q_ref[b, rows, h // group, :].astype(jnp.float32) * (jnp.exp(gamma) * scale)[:, None]
-            out = _dot(q.astype(compute_dtype), state_in) + _dot(p_ref[b, rows, h, :], v_new_in)
+            out = _dot(q.astype(compute_dtype), state_in, exact=exact) + _dot(
+                p_ref[b, rows, h, :], v_new_in, exact=exact
+            )
             o_ref[b, rows, h, cols] = out.astype(o_ref.dtype)
         else:
             v_new_ref[b, rows, h, cols] = v_new_in.astype(v_new_ref.dtype)
         k = k_ref[b, rows, h // group, :].astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
-        return jnp.exp(gamma_last) * state + _dot(k.astype(compute_dtype), v_new_in, _TRANS_A)
+        state = jnp.exp(gamma_last) * state + _dot(k.astype(compute_dtype), v_new_in, _TRANS_A, exact)
+        if packed:
 
-    state = jax.lax.fori_loop(first, stop, body, init_ref[s, h, :, cols])
-    final_ref[s, h, :, cols] = state
+            @pl.when(chunk_last_ref[n] != 0)
+            def _():
+                final_ref[sid, h, :, cols] = state
+
+        return state
+
+    state = init_ref[row, h, :, cols] if not packed else jnp.zeros((init_ref.shape[2], block_v), jnp.float32)
+    if segments == 1:
+        state = jax.lax.fori_loop(0, per_segment, body, state)
+    else:
+        state = jax.lax.fori_loop(0, per_segment, lambda i, st: body(segment * per_segment + i, st), state)
+    if not packed:
+        final_ref[row, h, :, cols] = state
 
 
-def _output_kernel(q_ref, k_ref, gamma_ref, states_ref, v_new_ref, o_ref, *, chunk_size, group, block_v, scale,
-                   compute_dtype):
+def _segment_summary_kernel(
+    k_ref,
+    w_ref,
+    u_ref,
+    gamma_ref,
+    end_ref,
+    transition_ref,
+    *,
+    chunk_size,
+    group,
+    block_v,
+    segments,
+    compute_dtype,
+):
+    # end_ref [batch*segments, v_heads, key_dim, value_dim]: the segment's end state from a zero start;
+    # transition_ref [batch*segments, v_heads, key_dim, key_dim]: M with end = M start + end_from_zero.
+    # Both follow h <- e^{gamma_C} h + (K e^{gamma_C - gamma})^T (U - W h): value blocks start at 0 with
+    # U; key blocks (program vb >= value_dim / block_v) start at columns of I with U = 0, giving M.
+    # Program ((batch*segments + segment)*v_heads + h, block vb over value_dim + key_dim columns).
+    c = chunk_size
+    exact = compute_dtype == jnp.float32
+    bh, vb = pl.program_id(0), pl.program_id(1)
+    v_heads, value_dim = u_ref.shape[2], u_ref.shape[3]
+    key_dim = w_ref.shape[3]
+    row, h = bh // v_heads, bh % v_heads
+    b, segment = row // segments, row % segments
+    value_blocks = value_dim // block_v
+    is_value = vb < value_blocks
+    u_cols = pl.ds(jnp.where(is_value, vb, 0) * block_v, block_v)
+    m_cols = pl.ds(jnp.maximum(vb - value_blocks, 0) * block_v, block_v)
+    per_segment = u_ref.shape[1] // c // segments
+    keep_u = jnp.where(is_value, 1.0, 0.0)
+
+    def body(i, state):  # state [key_dim, block_v] f32
+        n = segment * per_segment + i
+        rows = pl.ds(n * c, c)
+        v_new = keep_u * u_ref[b, rows, h, u_cols].astype(jnp.float32) - _dot(
+            w_ref[b, rows, h, :], state.astype(compute_dtype), exact=exact
+        )
+        gamma = gamma_ref[b, h, rows]
+        gamma_last = gamma_ref[b, h, n * c + c - 1]
+        k = k_ref[b, rows, h // group, :].astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
+        return jnp.exp(gamma_last) * state + _dot(
+            k.astype(compute_dtype), v_new.astype(compute_dtype), _TRANS_A, exact
+        )
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (key_dim, block_v), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (key_dim, block_v), 1) + (vb - value_blocks) * block_v
+    state = jnp.where(jnp.logical_and(jnp.logical_not(is_value), r == col), 1.0, 0.0)
+    state = jax.lax.fori_loop(0, per_segment, body, state)
+
+    @pl.when(is_value)
+    def _():
+        end_ref[row, h, :, u_cols] = state
+
+    @pl.when(jnp.logical_not(is_value))
+    def _():
+        transition_ref[row, h, :, m_cols] = state
+
+
+def _segment_starts(
+    k, w, u, gamma, initial_state, *, chunk_size, group, compute_dtype, block_sizes, interpret
+):
+    """Start state of every segment [batch*segments, v_heads, key_dim, value_dim] f32 and the final state."""
+    batch, _, v_heads, value_dim = u.shape
+    key_dim = w.shape[3]
+    segments = block_sizes.segments
+    block_v = min(block_sizes.state_block_v, value_dim, key_dim)
+    end, transition = pl.pallas_call(
+        functools.partial(
+            _segment_summary_kernel,
+            chunk_size=chunk_size,
+            group=group,
+            block_v=block_v,
+            segments=segments,
+            compute_dtype=compute_dtype,
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((batch * segments, v_heads, key_dim, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch * segments, v_heads, key_dim, key_dim), jnp.float32),
+        ),
+        grid=(batch * segments * v_heads, (value_dim + key_dim) // block_v),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.state_warps, num_stages=block_sizes.state_stages
+        ),
+        interpret=interpret,
+        name="gdn_segment_summary",
+    )(k, w, u, gamma)
+    end = end.reshape(batch, segments, v_heads, key_dim, value_dim).swapaxes(0, 1)
+    transition = transition.reshape(batch, segments, v_heads, key_dim, key_dim).swapaxes(0, 1)
+
+    def combine(state, xs):  # state [batch, v_heads, key_dim, value_dim]
+        m, e = xs
+        new = jnp.einsum("bhij,bhjv->bhiv", m, state, precision=jax.lax.Precision.HIGHEST) + e
+        return new, state
+
+    final_state, starts = jax.lax.scan(combine, initial_state, (transition, end))
+    starts = starts.swapaxes(0, 1).reshape(batch * segments, v_heads, key_dim, value_dim)
+    return starts, final_state
+
+
+def _output_kernel(
+    q_ref, k_ref, gamma_ref, states_ref, v_new_ref, o_ref, *, chunk_size, group, block_v, scale, compute_dtype
+):
     # Program (chunk n, batch*v_heads bh, value block vb).
     c = chunk_size
     n, bh, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     v_heads = o_ref.shape[2]
     b, h = bh // v_heads, bh % v_heads
     rows, cols = pl.ds(n * c, c), pl.ds(vb * block_v, block_v)
-    q = q_ref[b, rows, h // group, :]                                        # [c, key_dim]
+    q = q_ref[b, rows, h // group, :]  # [c, key_dim]
     k = k_ref[b, rows, h // group, :]
     gamma = gamma_ref[b, h, rows]
     i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    qk = _dot(q, k, _TRANS_B)                                                # [c, c]
+    exact = compute_dtype == jnp.float32
+    qk = _dot(q, k, _TRANS_B, exact)  # [c, c]
     qk = jnp.where(i >= j, qk * jnp.exp(jnp.where(i >= j, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
     q_decayed = (q.astype(jnp.float32) * jnp.exp(gamma)[:, None]).astype(compute_dtype)
-    state = states_ref[b, n, h, :, cols].astype(compute_dtype)              # [key_dim, block_v]
-    v_new = v_new_ref[b, rows, h, cols].astype(compute_dtype)               # [c, block_v]
-    out = _dot(q_decayed, state) + _dot(qk.astype(compute_dtype), v_new)
+    state = states_ref[b, n, h, :, cols].astype(compute_dtype)  # [key_dim, block_v]
+    v_new = v_new_ref[b, rows, h, cols].astype(compute_dtype)  # [c, block_v]
+    out = _dot(q_decayed, state, exact=exact) + _dot(qk.astype(compute_dtype), v_new, exact=exact)
     o_ref[b, rows, h, cols] = (out * scale).astype(o_ref.dtype)
 
 
 def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret):
-    """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma [b, v_heads, t]
-    f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype; else a dummy)."""
+    """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
+    [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
+    else a dummy)."""
     batch, padded, _, key_dim = k.shape
     v_heads, value_dim = v.shape[2:]
     with_p = block_sizes.fuse_output
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
     return pl.pallas_call(
-        functools.partial(_prepare_kernel, chunk_size=chunk_size, group=group, compute_dtype=compute_dtype,
-                          sub=min(block_sizes.solve_block, chunk_size), scale=scale, with_p=with_p),
-        out_shape=(jax.ShapeDtypeStruct((batch, padded, v_heads, key_dim), compute_dtype),
-                   jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
-                   jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
-                   jax.ShapeDtypeStruct(p_shape, compute_dtype)),
+        functools.partial(
+            _prepare_kernel,
+            chunk_size=chunk_size,
+            group=group,
+            compute_dtype=compute_dtype,
+            sub=min(block_sizes.solve_block, chunk_size),
+            scale=scale,
+            with_p=with_p,
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, padded, v_heads, key_dim), compute_dtype),
+            jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
+            jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
+            jax.ShapeDtypeStruct(p_shape, compute_dtype),
+        ),
         grid=(padded // chunk_size, batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
         interpret=interpret,
@@ -219,8 +406,25 @@ def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_s
     )(q, k, v, g, bt)
 
 
-def _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start, *, packed, scale, out_dtype, chunk_size,
-                group, compute_dtype, block_sizes, interpret):
+def _state_pass(
+    q,
+    k,
+    w,
+    u,
+    gamma,
+    p,
+    initial_state,
+    chunk_flags,
+    *,
+    packed,
+    scale,
+    out_dtype,
+    chunk_size,
+    group,
+    compute_dtype,
+    block_sizes,
+    interpret,
+):
     """Stage 2. Returns (chunk-start states [b, num_chunks, v_heads, key_dim, value_dim], V' [b, t, v_heads,
     value_dim], final state f32) or, with `block_sizes.fuse_output`, (output [b, t, v_heads, value_dim], final
     state)."""
@@ -230,32 +434,54 @@ def _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start, *, packed,
     block_v = min(block_sizes.state_block_v, value_dim)
     fuse = block_sizes.fuse_output
     dummy = jax.ShapeDtypeStruct((1,), compute_dtype)
-    out_shape = (dummy if fuse else jax.ShapeDtypeStruct((batch, num_chunks, v_heads, key_dim, value_dim),
-                                                         compute_dtype),
-                 dummy if fuse else jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
-                 jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), out_dtype) if fuse else dummy,
-                 jax.ShapeDtypeStruct(initial_state.shape, jnp.float32))
+    out_shape = (
+        dummy
+        if fuse
+        else jax.ShapeDtypeStruct((batch, num_chunks, v_heads, key_dim, value_dim), compute_dtype),
+        dummy if fuse else jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
+        jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), out_dtype) if fuse else dummy,
+        jax.ShapeDtypeStruct(initial_state.shape, jnp.float32),
+    )
     states, v_new, out, final_state = pl.pallas_call(
-        functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, packed=packed,
-                          fuse_output=fuse, scale=scale, compute_dtype=compute_dtype),
+        functools.partial(
+            _state_kernel,
+            chunk_size=chunk_size,
+            group=group,
+            block_v=block_v,
+            packed=packed,
+            fuse_output=fuse,
+            scale=scale,
+            compute_dtype=compute_dtype,
+            segments=1 if packed else block_sizes.segments,
+        ),
         out_shape=out_shape,
-        grid=(initial_state.shape[0] * v_heads, value_dim // block_v),
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.state_warps,
-                                             num_stages=block_sizes.state_stages),
+        grid=(initial_state.shape[0] * v_heads if not packed else batch * v_heads, value_dim // block_v),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.state_warps, num_stages=block_sizes.state_stages
+        ),
         interpret=interpret,
         name="gdn_state",
-    )(q, k, w, u, gamma, p, initial_state, seq_chunk_start)
+        # Packed: sequences that own no chunk keep their initial state, so final starts as a copy of it.
+        input_output_aliases={6: 3} if packed else {},
+    )(q, k, w, u, gamma, p, initial_state, *chunk_flags)
     return (out, final_state) if fuse else (states, v_new, final_state)
 
 
-def _output(q, k, gamma, states, v_new, *, scale, out_dtype, chunk_size, group, compute_dtype, block_sizes,
-            interpret):
+def _output(
+    q, k, gamma, states, v_new, *, scale, out_dtype, chunk_size, group, compute_dtype, block_sizes, interpret
+):
     """Stage 3 (unfused): output [b, t, v_heads, value_dim] in out_dtype."""
     batch, padded, v_heads, value_dim = v_new.shape
     block_v = min(block_sizes.output_block_v, value_dim)
     return pl.pallas_call(
-        functools.partial(_output_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
-                          compute_dtype=compute_dtype),
+        functools.partial(
+            _output_kernel,
+            chunk_size=chunk_size,
+            group=group,
+            block_v=block_v,
+            scale=scale,
+            compute_dtype=compute_dtype,
+        ),
         out_shape=jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), out_dtype),
         grid=(padded // chunk_size, batch * v_heads, value_dim // block_v),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.output_warps),
@@ -264,21 +490,38 @@ def _output(q, k, gamma, states, v_new, *, scale, out_dtype, chunk_size, group, 
     )(q, k, gamma, states, v_new)
 
 
-def _run_stages(q, k, v, g, bt, initial_state, seq_chunk_start, *, packed, scale, out_dtype, **common):
+def _run_stages(q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, **common):
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
     compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state)."""
+    block_sizes = common["block_sizes"]
     w, u, gamma, p = _prepare(q, k, v, g, bt, scale=scale, **common)
-    if common["block_sizes"].fuse_output:
-        return _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start, packed=packed, scale=scale,
-                           out_dtype=out_dtype, **common)
-    states, v_new, final_state = _state_pass(q, k, w, u, gamma, p, initial_state, seq_chunk_start,
-                                             packed=packed, scale=scale, out_dtype=out_dtype, **common)
-    return _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common), final_state
+    final_state = None
+    if block_sizes.segments > 1 and not packed:
+        initial_state, final_state = _segment_starts(k, w, u, gamma, initial_state, **common)
+    kwargs = {"packed": packed, "scale": scale, "out_dtype": out_dtype, **common}
+    if block_sizes.fuse_output:
+        out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
+    else:
+        states, v_new, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
+        out = _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common)
+    return out, last if final_state is None else final_state
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes"))
-def gated_delta_rule_pallas(query, key, value, log_decay, beta, *, initial_state=None, scale=None, chunk_size=64,
-                            cu_seqlens=None, interpret=None, block_sizes: BlockSizes | None = None):
+def gated_delta_rule_pallas(
+    query,
+    key,
+    value,
+    log_decay,
+    beta,
+    *,
+    initial_state=None,
+    scale=None,
+    chunk_size=64,
+    cu_seqlens=None,
+    interpret=None,
+    block_sizes: BlockSizes | None = None,
+):
     """Chunked gated delta rule in Pallas (Triton lowering) kernels; see the module docstring.
 
     Source: arXiv:2412.06464; spec §9; stages as in flash-linear-attention `chunk_gated_delta_rule_fwd`.
@@ -304,7 +547,7 @@ def gated_delta_rule_pallas(query, key, value, log_decay, beta, *, initial_state
       ValueError: shapes that disagree, or chunk_size / key_dim / value_dim that are not powers of two.
     """
     dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
-    batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
+    _, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
     for name, x in (("chunk_size", chunk_size), ("key_dim", key_dim), ("value_dim", value_dim)):
         if not _pow2(x) or x < 16:
             raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas Triton kernels")
@@ -316,17 +559,51 @@ def gated_delta_rule_pallas(query, key, value, log_decay, beta, *, initial_state
     compute_dtype = jnp.float32 if jnp.float32 in (query.dtype, key.dtype, value.dtype) else jnp.bfloat16
     packed = cu_seqlens is not None
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed else None
-    q, k, v, g, bt = _common.pad_to_chunks(query.astype(compute_dtype), key.astype(compute_dtype),
-                                           value.astype(compute_dtype), log_decay.astype(jnp.float32),
-                                           beta.astype(jnp.float32), c, layout)
-    g = jnp.swapaxes(g, 1, 2)                                                # [batch, v_heads, padded]
+    q, k, v, g, bt = _common.pad_to_chunks(
+        query.astype(compute_dtype),
+        key.astype(compute_dtype),
+        value.astype(compute_dtype),
+        log_decay.astype(jnp.float32),
+        beta.astype(jnp.float32),
+        c,
+        layout,
+    )
+    extra = (-k.shape[1]) % (c * block_sizes.segments) if not packed else 0
+    if extra:  # whole zero chunks (identity transitions) so that every segment has as many chunks
+        q, k, v, g, bt = (
+            jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, bt)
+        )
+    g = jnp.swapaxes(g, 1, 2)  # [batch, v_heads, padded]
     bt = jnp.swapaxes(bt, 1, 2)
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, key_dim, value_dim), jnp.float32)
     initial_state = initial_state.astype(jnp.float32)
-    seq_chunk_start = layout.seq_chunk_start if packed else jnp.zeros((2,), jnp.int32)
-    common = dict(chunk_size=c, group=group, compute_dtype=compute_dtype, block_sizes=block_sizes,
-                  interpret=interpret)
-    out, final_state = _run_stages(q, k, v, g, bt, initial_state, seq_chunk_start, packed=packed, scale=scale,
-                                   out_dtype=value.dtype, **common)
+    if packed:
+        chunk_flags = (
+            layout.chunk_seq,
+            layout.chunk_first.astype(jnp.int32),
+            layout.chunk_last.astype(jnp.int32),
+        )
+    else:
+        chunk_flags = (jnp.zeros((1,), jnp.int32),) * 3
+    common = {
+        "chunk_size": c,
+        "group": group,
+        "compute_dtype": compute_dtype,
+        "block_sizes": block_sizes,
+        "interpret": interpret,
+    }
+    out, final_state = _run_stages(
+        q,
+        k,
+        v,
+        g,
+        bt,
+        initial_state,
+        chunk_flags,
+        packed=packed,
+        scale=scale,
+        out_dtype=value.dtype,
+        **common,
+    )
     return _common.unpad_output(out, seq, layout), final_state

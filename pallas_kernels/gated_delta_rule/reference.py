@@ -14,8 +14,19 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret"))
-def gated_delta_rule_reference(query, key, value, log_decay, beta, *, initial_state=None, scale=None,
-                               chunk_size=64, cu_seqlens=None, interpret=None):
+def gated_delta_rule_reference(
+    query,
+    key,
+    value,
+    log_decay,
+    beta,
+    *,
+    initial_state=None,
+    scale=None,
+    chunk_size=64,
+    cu_seqlens=None,
+    interpret=None,
+):
     """Token-by-token gated delta rule: the oracle for every faster implementation.
 
     Per value head, with state S of shape [key_dim, value_dim] kept in float32:
@@ -48,9 +59,9 @@ def gated_delta_rule_reference(query, key, value, log_decay, beta, *, initial_st
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    q = f32(query) * scale                                                  # [b, t, h, k]
+    q = f32(query) * scale  # [b, t, h, k]
     k = f32(key)
-    v = f32(value).reshape(batch, seq, k_heads, group, value_dim)          # [b, t, h, g, v]
+    v = f32(value).reshape(batch, seq, k_heads, group, value_dim)  # [b, t, h, g, v]
     g = f32(log_decay).reshape(batch, seq, k_heads, group)
     bt = f32(beta).reshape(batch, seq, k_heads, group)
     state_shape = (num_states, k_heads, group, key_dim, value_dim)
@@ -59,7 +70,7 @@ def gated_delta_rule_reference(query, key, value, log_decay, beta, *, initial_st
     else:
         init = f32(initial_state).reshape(state_shape)
 
-    def update(state, q_t, k_t, v_t, g_t, b_t):                            # state [b, h, g, k, v]
+    def update(state, q_t, k_t, v_t, g_t, b_t):  # state [b, h, g, k, v]
         state = state * jnp.exp(g_t)[..., None, None]
         delta = b_t[..., None] * (v_t - jnp.einsum("bhk,bhgkv->bhgv", k_t, state, precision=_HIGHEST))
         state = state + jnp.einsum("bhk,bhgv->bhgkv", k_t, delta, precision=_HIGHEST)
@@ -68,6 +79,7 @@ def gated_delta_rule_reference(query, key, value, log_decay, beta, *, initial_st
     time_major = lambda x: jnp.moveaxis(x, 1, 0)
     xs = tuple(map(time_major, (q, k, v, g, bt)))
     if cu_seqlens is None:
+
         def step(state, x):
             return update(state, *x)
 
@@ -75,13 +87,13 @@ def gated_delta_rule_reference(query, key, value, log_decay, beta, *, initial_st
     else:
         cu = jnp.asarray(cu_seqlens, jnp.int32)
         positions = jnp.arange(seq, dtype=jnp.int32)
-        seq_id = jnp.searchsorted(cu[1:], positions, side="right").astype(jnp.int32)   # [t]
+        seq_id = jnp.searchsorted(cu[1:], positions, side="right").astype(jnp.int32)  # [t]
         seq_id = jnp.minimum(seq_id, num_states - 1)
         is_first = positions == cu[seq_id]
         is_last = positions == cu[seq_id + 1] - 1
 
         def step(carry, x):
-            state, finals = carry                                           # [1, h, g, k, v], [n, h, g, k, v]
+            state, finals = carry  # [1, h, g, k, v], [n, h, g, k, v]
             (q_t, k_t, v_t, g_t, b_t), sid, first, last = x
             state = jnp.where(first, init[sid][None], state)
             state, o_t = update(state, q_t, k_t, v_t, g_t, b_t)
@@ -119,7 +131,7 @@ def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    q = f32(query) * scale                                                  # [b, h, k]
+    q = f32(query) * scale  # [b, h, k]
     k = f32(key)
     v = f32(value).reshape(batch, k_heads, group, value_dim)
     g = f32(log_decay).reshape(batch, k_heads, group)
@@ -128,5 +140,7 @@ def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *
     delta = b[..., None] * (v - jnp.einsum("bhk,bhgkv->bhgv", k, s, precision=_HIGHEST))
     s = s + jnp.einsum("bhk,bhgv->bhgkv", k, delta, precision=_HIGHEST)
     out = jnp.einsum("bhk,bhgkv->bhgv", q, s, precision=_HIGHEST)
-    return (out.reshape(batch, v_heads, value_dim).astype(value.dtype),
-            s.reshape(batch, v_heads, key_dim, value_dim))
+    return (
+        out.reshape(batch, v_heads, value_dim).astype(value.dtype),
+        s.reshape(batch, v_heads, key_dim, value_dim),
+    )

@@ -13,12 +13,12 @@ class Workload:
 
     name: str
     batch: int = 1
-    seq: int                      # tokens per batch row (all packed sequences together when seqlens is set)
+    seq: int  # tokens per batch row (all packed sequences together when seqlens is set)
     k_heads: int = 16
     v_heads: int = 32
     key_dim: int = 128
     value_dim: int = 128
-    seqlens: tuple[int, ...] | None = None   # packed variable-length sequences (batch must be 1)
+    seqlens: tuple[int, ...] | None = None  # packed variable-length sequences (batch must be 1)
 
     def __post_init__(self):
         if self.v_heads % self.k_heads:
@@ -33,12 +33,20 @@ QWEN35_PREFILL_4K = Workload(name="qwen35_prefill_4k", seq=4096)
 QWEN35_PREFILL_16K = Workload(name="qwen35_prefill_16k", seq=16384)
 QWEN35_PACKED_8X8K = Workload(name="qwen35_packed_8x8k", seq=8 * 8192, seqlens=(8192,) * 8)
 
-WORKLOADS = {w.name: w for w in (TINY, QWEN35_PREFILL_512, QWEN35_PREFILL_4K, QWEN35_PREFILL_16K,
-                                 QWEN35_PACKED_8X8K)}
+WORKLOADS = {
+    w.name: w for w in (TINY, QWEN35_PREFILL_512, QWEN35_PREFILL_4K, QWEN35_PREFILL_16K, QWEN35_PACKED_8X8K)
+}
 
 
-def make_inputs(workload: Workload, *, seq: int | None = None, dtype=jnp.bfloat16, seed: int = 0,
-                initial_state: bool = True, seqlens: tuple[int, ...] | None = None) -> dict[str, jax.Array]:
+def make_inputs(
+    workload: Workload,
+    *,
+    seq: int | None = None,
+    dtype=jnp.bfloat16,
+    seed: int = 0,
+    initial_state: bool = True,
+    seqlens: tuple[int, ...] | None = None,
+) -> dict[str, jax.Array]:
     """Random inputs for `gated_delta_rule` in the caller's distribution.
 
     q, k: L2-normalised Gaussian vectors; v Gaussian; log_decay = log_sigmoid(N(0,1))
@@ -58,7 +66,13 @@ def make_inputs(workload: Workload, *, seq: int | None = None, dtype=jnp.bfloat1
     seqlens = workload.seqlens if seqlens is None else seqlens
     seq = sum(seqlens) if seqlens is not None else (workload.seq if seq is None else seq)
     rng = np.random.default_rng(seed)
-    b, hk, hv, dk, dv = workload.batch, workload.k_heads, workload.v_heads, workload.key_dim, workload.value_dim
+    b, hk, hv, dk, dv = (
+        workload.batch,
+        workload.k_heads,
+        workload.v_heads,
+        workload.key_dim,
+        workload.value_dim,
+    )
     if seqlens is not None:
         b = 1
 
@@ -78,7 +92,8 @@ def make_inputs(workload: Workload, *, seq: int | None = None, dtype=jnp.bfloat1
     num_states = b if seqlens is None else len(seqlens)
     if initial_state:
         inputs["initial_state"] = jnp.asarray(
-            0.1 * rng.standard_normal((num_states, hv, dk, dv), dtype=np.float32))
+            0.1 * rng.standard_normal((num_states, hv, dk, dv), dtype=np.float32)
+        )
     if seqlens is not None:
         inputs["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(seqlens)]), jnp.int32)
     return inputs

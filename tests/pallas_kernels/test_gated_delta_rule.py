@@ -1,19 +1,20 @@
-"""Every gated-delta-rule implementation against the token-by-token f32 reference (Pallas in interpret mode)."""
+"""Every gated-delta-rule implementation against the token-by-token f32 reference (Pallas interpreted)."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta_rule import api, reference, workloads
+from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
 
 # Max |got - want| / max |want| against the f32 reference, by input dtype. The bf16 bound covers bf16 tiles
 # (W, U, V', chunk states) feeding the matrix products; the f32 bound is f32 rounding over ~100 tokens.
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 IMPLEMENTATIONS = ["chunked", "pallas"]
-CHUNK = 16   # small chunks keep interpret mode quick; the model uses 64 (covered by test_chunk_size_64)
+CHUNK = 16  # small chunks keep interpret mode quick; the model uses 64 (covered by test_chunk_size_64)
 SMALL = dataclasses.replace(workloads.TINY, name="small", k_heads=2, v_heads=4, key_dim=16, value_dim=16)
 
 
@@ -29,7 +30,9 @@ def assert_close(name, got, want, dtype):
 
 def expected(inputs):
     """The oracle on the same (already rounded) inputs, in f32."""
-    as_f32 = {n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
+    as_f32 = {
+        n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()
+    }
     return reference.gated_delta_rule_reference(**as_f32)
 
 
@@ -41,19 +44,32 @@ def check(inputs, implementation, dtype, chunk_size=CHUNK):
         assert_close(name, g, w, dtype)
 
 
+# One token, chunk - 1 (all tail), exactly one chunk, several chunks + tail; bf16 on the last two only.
+CASES = [
+    (jnp.float32, 1),
+    (jnp.float32, CHUNK - 1),
+    (jnp.float32, CHUNK),
+    (jnp.float32, 2 * CHUNK + 5),
+    (jnp.bfloat16, CHUNK),
+    (jnp.bfloat16, 2 * CHUNK + 5),
+]
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq", [1, CHUNK - 1, CHUNK, 2 * CHUNK + 5], ids=lambda s: f"seq{s}")
+@pytest.mark.parametrize("dtype,seq", CASES, ids=[f"{d.__name__}-seq{s}" for d, s in CASES])
 def test_matches_reference(implementation, dtype, seq):
     check(workloads.make_inputs(SMALL, seq=seq, dtype=dtype, seed=seq), implementation, dtype)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("k_heads,v_heads,initial_state", [(3, 3, True), (2, 6, False)],
-                         ids=["ratio1", "ratio3-no-initial-state"])
+@pytest.mark.parametrize(
+    "k_heads,v_heads,initial_state", [(3, 3, True), (2, 6, False)], ids=["ratio1", "ratio3-no-initial-state"]
+)
 def test_grouped_heads(implementation, k_heads, v_heads, initial_state):
     shapes = dataclasses.replace(SMALL, k_heads=k_heads, v_heads=v_heads)
-    inputs = workloads.make_inputs(shapes, seq=37, dtype=jnp.float32, seed=v_heads, initial_state=initial_state)
+    inputs = workloads.make_inputs(
+        shapes, seq=37, dtype=jnp.float32, seed=v_heads, initial_state=initial_state
+    )
     check(inputs, implementation, jnp.float32)
 
 
@@ -82,15 +98,15 @@ def test_packed_sequences_match_separate_runs(implementation):
     inputs = workloads.make_inputs(SMALL, dtype=jnp.float32, seed=11, seqlens=seqlens)
     out, final = api.gated_delta_rule(**inputs, chunk_size=CHUNK, implementation=implementation)
     cu = np.asarray(inputs["cu_seqlens"])
-    for i, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+    for i, (start, stop) in enumerate(itertools.pairwise(cu)):
         piece = {n: inputs[n][:, start:stop] for n in ("query", "key", "value", "log_decay", "beta")}
-        init = inputs["initial_state"][i:i + 1]
+        init = inputs["initial_state"][i : i + 1]
         if stop == start:
-            assert_close(f"final_state[{i}]", final[i:i + 1], init, jnp.float32)
+            assert_close(f"final_state[{i}]", final[i : i + 1], init, jnp.float32)
             continue
         want_out, want_final = reference.gated_delta_rule_reference(**piece, initial_state=init)
         assert_close(f"output[{i}]", out[:, start:stop], want_out, jnp.float32)
-        assert_close(f"final_state[{i}]", final[i:i + 1], want_final, jnp.float32)
+        assert_close(f"final_state[{i}]", final[i : i + 1], want_final, jnp.float32)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -98,8 +114,10 @@ def test_padding_preserves_outputs_and_state(implementation):
     """Trailing tokens with k = v = 0, g = 0, beta = 0 change neither the outputs nor the final state."""
     inputs = workloads.make_inputs(SMALL, seq=21, dtype=jnp.float32, seed=5)
     out, final = api.gated_delta_rule(**inputs, chunk_size=CHUNK, implementation=implementation)
-    padded = {n: (jnp.pad(x, [(0, 0), (0, 9)] + [(0, 0)] * (x.ndim - 2)) if n != "initial_state" else x)
-              for n, x in inputs.items()}
+    padded = {
+        n: (jnp.pad(x, [(0, 0), (0, 9)] + [(0, 0)] * (x.ndim - 2)) if n != "initial_state" else x)
+        for n, x in inputs.items()
+    }
     out_p, final_p = api.gated_delta_rule(**padded, chunk_size=CHUNK, implementation=implementation)
     assert_close("output", out_p[:, :21], out, jnp.float32)
     assert_close("final_state", final_p, final, jnp.float32)
@@ -111,7 +129,9 @@ def test_prefill_in_two_parts_and_chunk_size_independence():
     first = {n: (x[:, :23] if n != "initial_state" else x) for n, x in inputs.items()}
     second = {n: x[:, 23:] for n, x in inputs.items() if n != "initial_state"}
     out_a, state_a = api.gated_delta_rule(**first, implementation="chunked", chunk_size=CHUNK)
-    out_b, state_b = api.gated_delta_rule(**second, initial_state=state_a, implementation="chunked", chunk_size=7)
+    out_b, state_b = api.gated_delta_rule(
+        **second, initial_state=state_a, implementation="chunked", chunk_size=7
+    )
     assert_close("output", jnp.concatenate([out_a, out_b], axis=1), whole_out, jnp.float32)
     assert_close("final_state", state_b, whole_final, jnp.float32)
 
@@ -150,3 +170,23 @@ def test_default_implementation_and_errors():
     with pytest.raises(ValueError, match="state.shape"):
         token = {n: inputs[n][:, 0] for n in ("query", "key", "value", "log_decay", "beta")}
         api.gated_delta_rule_step(**token, state=inputs["initial_state"][:, :2])
+
+
+def test_pallas_fused_output_variant():
+    """The state pass that also writes the output (no chunk states in memory), on packed bf16 sequences."""
+    seqlens = (CHUNK + 3, 0, 2 * CHUNK)
+    inputs = workloads.make_inputs(SMALL, dtype=jnp.bfloat16, seed=4, seqlens=seqlens)
+    fused = dataclasses.replace(pallas_triton.BlockSizes.get_default(), fuse_output=True, state_block_v=16)
+    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=fused)
+    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
+        assert_close(name, g, w, jnp.bfloat16)
+
+
+def test_pallas_segmented_state_pass():
+    """Sequence split into segments (parallel end states + transitions, then a combine) == the reference."""
+    shapes = dataclasses.replace(SMALL, batch=2, key_dim=32)
+    inputs = workloads.make_inputs(shapes, seq=4 * CHUNK + 3, dtype=jnp.float32, seed=6)
+    split = dataclasses.replace(pallas_triton.BlockSizes.get_default(), segments=3, state_block_v=16)
+    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=split)
+    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
+        assert_close(name, g, w, jnp.float32)
