@@ -84,8 +84,11 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
     rows = x[d.order // top_k]                                                  # [tokens*top_k, hidden]
     h = gmm_swiglu(rows, gate_up, d.group_sizes, implementation=implementation)   # [tokens*top_k, ffn]
     y = gmm(h.astype(x.dtype), down, d.group_sizes, implementation=implementation)  # [tokens*top_k, hidden]
-    unsorted = jnp.zeros_like(y).at[d.order].set(y).reshape(tokens, top_k, -1)   # [tokens, top_k, hidden]
-    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), unsorted.astype(jnp.float32)).astype(x.dtype)
+    # Un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows).
+    inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
+    per_token = y[inverse].reshape(tokens, top_k, -1)                            # [tokens, top_k, hidden]
+    out = jnp.einsum("tk,tkh->th", weights.astype(y.dtype), per_token, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
 
 
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
