@@ -4,13 +4,14 @@ Public surface: configuration (`ModelConfig`, `get_config`), the model (`HybridL
 the engine (`prefill`, `generate`, `decode_step`) and the tokenizer (`Tokenizer`).
 """
 
+from hybridlm.checkpoints.gguf import save_gguf
 from hybridlm.config import PRESETS, AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig, get_config
 from hybridlm.engine import LayerwiseRunner, PrefillResult, decode_step, generate, prefill
 from hybridlm.loading import load
 from hybridlm.model import HybridLM, init_random
 from hybridlm.tokenizer import Tokenizer
 
-__all__ = ["PRESETS", "AttentionConfig", "GatedDeltaNetConfig", "HybridLM", "LayerwiseRunner", "ModelConfig",
-           "MoEConfig", "PrefillResult", "Tokenizer", "decode_step", "generate", "get_config", "init_random", "load",
-           "prefill"]
+__all__ = ["PRESETS", "AttentionConfig", "GatedDeltaNetConfig", "HybridLM", "LayerwiseRunner", "MoEConfig",
+           "ModelConfig", "PrefillResult", "Tokenizer", "decode_step", "generate", "get_config", "init_random", "load",
+           "prefill", "save_gguf"]
 __version__ = "0.1.0"

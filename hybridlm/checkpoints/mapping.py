@@ -2,8 +2,9 @@
 
 A `ParamSource` says, for one parameter of `HybridLM` (its nnx path), which HF tensors it is built from and how
 (transpose, stacking per-expert tensors, un-grouping Qwen3-Next's fused projections). Loaders read only the
-tensors a parameter needs, one parameter at a time. Checkpoint names appear only in this module (and gguf.py
-for GGUF names).
+tensors a parameter needs, one parameter at a time. A `GGUFSource` does the same for llama.cpp GGUF names, in
+both directions (the converter's transform for `save_gguf`, its inverse for loading). Checkpoint names appear
+only in this module.
 """
 
 from __future__ import annotations
@@ -136,3 +137,209 @@ def _ffn_sources(config, names, hf, f) -> Iterator[ParamSource]:
 
 # Tensors a text-only model never reads.
 IGNORED_HF_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GGUF (llama.cpp) names: the converter's transforms and their inverses (spec §10)
+# ----------------------------------------------------------------------------------------------------------
+# Arrays on the GGUF side are numpy-order (the reverse of ggml's `ne`), i.e. torch layout: a matrix is
+# [out, in], an expert tensor is [experts, out, in].
+
+@dataclasses.dataclass(frozen=True)
+class GGUFSource:
+    """One row of the GGUF table: parameters <-> GGUF tensors, with the converter's transform both ways.
+
+    Most rows are one parameter <-> one tensor; gate/up halves make one parameter from two tensors, and Qwen3-Next's
+    `ssm_ba` makes two parameters from one tensor.
+    """
+
+    params: tuple[Path, ...]                            # nnx paths in HybridLM
+    tensors: tuple[str, ...]                            # GGUF tensor names
+    load: Callable[..., tuple[np.ndarray, ...]]         # f(*tensors) -> params (hybridlm layout)
+    save: Callable[..., tuple[np.ndarray, ...]] | None  # f(*params) -> tensors; None: read-only (legacy layout)
+    f32: bool = False                                   # the converter always writes these in F32
+    experts: bool = False                               # routed-expert weights (`keep_quantized="experts"`)
+
+
+def v_head_order(config: ModelConfig, arch: str) -> np.ndarray | None:
+    """GGUF v-head j holds HF v-head `order[j]` (Qwen3.5 tiled order, spec §10.2); None: no reorder."""
+    g = config.gdn
+    r = g.num_v_heads // g.num_k_heads
+    if arch == "qwen3next" or r == 1:
+        return None
+    j = np.arange(g.num_v_heads)
+    return (j % g.num_k_heads) * r + j // g.num_k_heads
+
+
+def _head_index(order: np.ndarray, head_size: int) -> np.ndarray:
+    """Row index for per-head blocks of `head_size` rows: x[_head_index] permutes whole heads."""
+    return (order[:, None] * head_size + np.arange(head_size)[None, :]).reshape(-1)
+
+
+def _permuter(order: np.ndarray | None, head_size: int, start: int = 0):
+    """(to_gguf, from_gguf) functions reordering v-head blocks along axis 0, after the first `start` rows."""
+    if order is None:
+        return _same, _same
+    fwd = _head_index(order, head_size)
+    inv = np.argsort(fwd)
+
+    def apply(idx):
+        def f(x):
+            return np.concatenate([x[:start], x[start:][idx]], axis=0) if start else x[idx]
+        return f
+    return apply(fwd), apply(inv)
+
+
+def group_ba(b: np.ndarray, a: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Inverse of `ungroup_ba`: b, a rows [v_heads, hidden] -> Qwen3-Next grouped [b (r) | a (r)] per k-head."""
+    g = config.gdn
+    r = g.num_v_heads // g.num_k_heads
+    grouped = np.concatenate([b.reshape(g.num_k_heads, r, -1), a.reshape(g.num_k_heads, r, -1)], axis=1)
+    return grouped.reshape(2 * g.num_v_heads, -1)
+
+
+def ssm_a_from_a_log(a_log: np.ndarray) -> np.ndarray:
+    """ssm_a = -exp(A_log) in float32, with XLA's exp (the one the model uses), so that loading gets A_log back."""
+    import jax.numpy as jnp
+
+    return -np.asarray(jnp.exp(jnp.asarray(a_log, jnp.float32)))
+
+
+def a_log_from_ssm_a(ssm_a: np.ndarray) -> np.ndarray:
+    """A_log = log(-ssm_a) in float32, nudged by up to 2 ulps so that `jnp.exp(A_log) == -ssm_a` exactly.
+
+    The model computes -exp(A_log) with XLA's float32 exp; the nudge makes it reproduce the file's ssm_a bit for
+    bit (on the backend that loads), so an F32 GGUF round trip gives the same decays as the original weights.
+
+    Raises:
+      ValueError: ssm_a has a value >= 0 or not finite (a decay rate must be negative).
+    """
+    import jax.numpy as jnp
+
+    target = -np.asarray(ssm_a, np.float32)
+    if not (np.isfinite(target).all() and (target > 0).all()):
+        raise ValueError(f"ssm_a must be finite and negative, got values in [{-target.max()}, {-target.min()}]")
+    x = np.log(target.astype(np.float64)).astype(np.float32)
+    best, done = x.copy(), np.asarray(jnp.exp(x)) == target
+    for step in (1, -1, 2, -2):
+        cand = x
+        for _ in range(abs(step)):
+            cand = np.nextafter(cand, np.float32(np.inf if step > 0 else -np.inf))
+        hit = ~done & (np.asarray(jnp.exp(cand)) == target)
+        best, done = np.where(hit, cand, best), done | hit
+    return best
+
+
+def _one(f):
+    """Wraps a one-array function to return a 1-tuple (GGUFSource load/save return tuples)."""
+    return lambda *xs: (f(*xs),)
+
+
+def _gate_up_split(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[hidden, 2*ffn] -> (gate [ffn, hidden], up [ffn, hidden]) torch layout."""
+    f = w.shape[-1] // 2
+    return _t(w[:, :f]), _t(w[:, f:])
+
+
+def _experts_t(w: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+
+
+def gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) -> Iterator[GGUFSource]:
+    """Every parameter of a `HybridLM(config)` with the GGUF tensors of architecture `arch` it comes from.
+
+    Args:
+      config: the model's configuration.
+      arch: "qwen35moe", "qwen35" or "qwen3next" (chooses the V-head reorder and the GDN tensor layout).
+      names: tensor names in the file (chooses split vs fused experts, legacy `ssm_in`); None: what
+        `save_gguf` writes (llama.cpp's current converter).
+    """
+    names = set() if names is None else names
+    plus1, minus1 = (lambda x: x + 1.0), (lambda x: x - 1.0)   # zero-centred norms: GGUF stores 1 + w
+    yield GGUFSource((("embed",),), ("token_embd.weight",), _one(_same), _one(_same))
+    yield GGUFSource((("final_norm", "scale"),), ("output_norm.weight",), _one(minus1), _one(plus1), f32=True)
+    if not config.tie_word_embeddings:
+        yield GGUFSource((("lm_head",),), ("output.weight",), _one(_t), _one(_t))
+    for i, layer_type in enumerate(config.layer_types):
+        b = f"blk.{i}."
+        ours: Path = ("layers", i)
+        yield GGUFSource((ours + ("input_norm", "scale"),), (b + "attn_norm.weight",), _one(minus1), _one(plus1),
+                         f32=True)
+        yield GGUFSource((ours + ("post_norm", "scale"),), (b + "post_attention_norm.weight",), _one(minus1),
+                         _one(plus1), f32=True)
+        m = ours + ("mixer",)
+        if layer_type == "linear_attention":
+            yield from _gguf_gdn(config, arch, names, b, m)
+        else:
+            for proj, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                               ("o_proj", "attn_output")):
+                yield GGUFSource((m + (proj,),), (b + name + ".weight",), _one(_t), _one(_t))
+            yield GGUFSource((m + ("q_norm",),), (b + "attn_q_norm.weight",), _one(minus1), _one(plus1), f32=True)
+            yield GGUFSource((m + ("k_norm",),), (b + "attn_k_norm.weight",), _one(minus1), _one(plus1), f32=True)
+        yield from _gguf_ffn(config, names, b, ours + ("ffn",))
+
+
+def _gguf_gdn(config, arch, names, b, m) -> Iterator[GGUFSource]:
+    g = config.gdn
+    order = v_head_order(config, arch)
+    key_rows = 2 * g.num_k_heads * g.key_dim
+    qkv_to, qkv_from = _permuter(order, g.value_dim, start=key_rows)   # V rows/channels of [Q | K | V]
+    val_to, val_from = _permuter(order, g.value_dim)                     # z rows, out_proj columns
+    head_to, head_from = _permuter(order, 1)                             # per-v-head vectors
+    if arch == "qwen3next" and b + "ssm_in.weight" in names:            # legacy: fused qkvz, grouped per k-head
+        yield GGUFSource((m + ("qkv_proj",), m + ("output_gate_proj",)), (b + "ssm_in.weight",),
+                         lambda w: tuple(_t(x) for x in ungroup_qkvz(w, config)), None)
+    else:
+        yield GGUFSource((m + ("qkv_proj",),), (b + "attn_qkv.weight",),
+                         _one(lambda w: _t(qkv_from(w))), _one(lambda w: qkv_to(_t(w))))
+        yield GGUFSource((m + ("output_gate_proj",),), (b + "attn_gate.weight",),
+                         _one(lambda w: _t(val_from(w))), _one(lambda w: val_to(_t(w))))
+    if arch == "qwen3next":
+        yield GGUFSource((m + ("beta_proj",), m + ("decay_proj",)), (b + "ssm_ba.weight",),
+                         lambda w: tuple(_t(x) for x in ungroup_ba(w, config)),
+                         lambda bw, aw: (group_ba(_t(bw), _t(aw), config),))
+    else:
+        yield GGUFSource((m + ("beta_proj",),), (b + "ssm_beta.weight",),
+                         _one(lambda w: _t(head_from(w))), _one(lambda w: head_to(_t(w))))
+        yield GGUFSource((m + ("decay_proj",),), (b + "ssm_alpha.weight",),
+                         _one(lambda w: _t(head_from(w))), _one(lambda w: head_to(_t(w))))
+    # ssm_a = -exp(A_log); our log_decay_rate is A_log.
+    yield GGUFSource((m + ("log_decay_rate",),), (b + "ssm_a",),
+                     _one(lambda a: a_log_from_ssm_a(head_from(a))),
+                     _one(lambda x: head_to(ssm_a_from_a_log(x))), f32=True)
+    yield GGUFSource((m + ("delta_time_bias",),), (b + "ssm_dt.bias",),
+                     _one(head_from), _one(head_to), f32=True)
+    # conv: ours [kernel, channels]; GGUF numpy [channels, kernel] (ne [kernel, channels]).
+    yield GGUFSource((m + ("conv_weight",),), (b + "ssm_conv1d.weight",),
+                     _one(lambda w: _t(qkv_from(w.reshape(w.shape[0], -1)))), _one(lambda w: qkv_to(_t(w))),
+                     f32=True)
+    yield GGUFSource((m + ("output_norm",),), (b + "ssm_norm.weight",), _one(_same), _one(_same), f32=True)
+    # out_proj: ours [v_heads*value_dim, hidden] = torch columns; reorder our rows.
+    yield GGUFSource((m + ("out_proj",),), (b + "ssm_out.weight",),
+                     _one(lambda w: val_from(_t(w))), _one(lambda w: _t(val_to(w))))
+
+
+def _gguf_ffn(config, names, b, f) -> Iterator[GGUFSource]:
+    concat_t = lambda g, u: _t(np.concatenate([g, u], axis=0))   # gate, up [ffn, hidden] -> [hidden, 2*ffn]
+    if config.moe is None:
+        yield GGUFSource((f + ("gate_up",),), (b + "ffn_gate.weight", b + "ffn_up.weight"),
+                         _one(concat_t), _gate_up_split)
+        yield GGUFSource((f + ("down",),), (b + "ffn_down.weight",), _one(_t), _one(_t))
+        return
+    yield GGUFSource((f + ("router",),), (b + "ffn_gate_inp.weight",), _one(_t), _one(_t), f32=True)
+    if b + "ffn_gate_up_exps.weight" in names:   # fused variant: [experts, 2*ffn, hidden], gate rows first
+        yield GGUFSource((f + ("experts_gate_up",),), (b + "ffn_gate_up_exps.weight",), _one(_experts_t),
+                         _one(_experts_t), experts=True)
+    else:
+        e_ffn = config.moe.expert_ffn_dim
+        yield GGUFSource((f + ("experts_gate_up",),), (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
+                         _one(lambda g, u: _experts_t(np.concatenate([g, u], axis=1))),
+                         lambda w: (_experts_t(w[..., :e_ffn]), _experts_t(w[..., e_ffn:])), experts=True)
+    yield GGUFSource((f + ("experts_down",),), (b + "ffn_down_exps.weight",), _one(_experts_t),
+                     _one(_experts_t), experts=True)
+    yield GGUFSource((f + ("shared_gate_up",),), (b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"),
+                     _one(concat_t), _gate_up_split)
+    yield GGUFSource((f + ("shared_down",),), (b + "ffn_down_shexp.weight",), _one(_t), _one(_t))
+    # torch [1, hidden] squeezed by the converter to 1-D [hidden] (older files: ne [hidden, 1]).
+    yield GGUFSource((f + ("shared_token_gate",),), (b + "ffn_gate_inp_shexp.weight",),
+                     _one(lambda w: w.reshape(-1)), _one(_same), f32=True)
