@@ -1,3 +1,5 @@
-from hybridlm.cli import main
 import sys
+
+from hybridlm.cli import main
+
 sys.exit(main())

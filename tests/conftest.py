@@ -5,24 +5,12 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 
-import pathlib
-
 import jax
 import numpy as np
 import pytest
+from support import FIXTURES, HF_FIXTURES, assert_finite  # noqa: F401  (re-exported for fixtures)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-HF_FIXTURES = ("qwen35moe_text", "qwen35moe_full", "qwen3next")
-
-
-def assert_finite(x, name: str = "array") -> None:
-    """Fails on any NaN or Inf (every test output goes through this)."""
-    x = np.asarray(x, np.float32)
-    bad = ~np.isfinite(x)
-    assert not bad.any(), f"{name} has {bad.sum()} NaN/Inf values of {x.size}"
-
 
 @pytest.fixture(scope="session")
 def tiny_model():

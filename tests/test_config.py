@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 
 import hybridlm
 from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig, config_from_hf

@@ -6,8 +6,8 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES
 from safetensors.numpy import load_file, save_file
+from support import FIXTURES
 
 import hybridlm
 from hybridlm.checkpoints.hf import CheckpointError

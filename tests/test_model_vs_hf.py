@@ -7,7 +7,7 @@ random; logit std 1; sequences of 37 and 70 tokens, crossing chunk boundaries of
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, HF_FIXTURES, assert_finite
+from support import FIXTURES, HF_FIXTURES, assert_finite
 
 import hybridlm
 

@@ -4,12 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_finite
+from support import assert_finite
 
 import hybridlm
 from hybridlm.engine.prefill import cache_capacity, effective_chunk_size
 
 SEQ = 70   # not a multiple of any chunk size below
+# fp32 paths that differ only in summation order (chunked vs whole-sequence delta rule,
+# blocked vs one-shot softmax) agree to ~3e-5 of the logit scale (|logits| ~ 5) after the
+# 8 random layers of the tiny preset; 1.5e-4 absolute was measured at worst (JAX 0.11.2, CPU).
+ATOL = 3e-4
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,7 @@ def test_chunked_prefill_equals_full_forward(tiny_runner, prompt, full_logits, c
     assert_finite(result.logits)
     assert result.logits.shape == (2, 248_320)
     assert result.num_chunks == -(-SEQ // result.chunk_size)
-    np.testing.assert_allclose(np.asarray(result.logits), full_logits[:, -1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(result.logits), full_logits[:, -1], atol=ATOL, rtol=0)
 
 
 def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, full_logits):
@@ -39,7 +43,7 @@ def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, full_l
     for pos in range(40, SEQ):
         logits, states = hybridlm.decode_step(tiny_runner, jnp.asarray(prompt[:, pos]), states, pos)
         assert_finite(logits)
-        np.testing.assert_allclose(np.asarray(logits), full_logits[:, pos], atol=1e-4, rtol=0,
+        np.testing.assert_allclose(np.asarray(logits), full_logits[:, pos], atol=ATOL, rtol=0,
                                    err_msg=f"position {pos}")
 
 
@@ -50,7 +54,7 @@ def test_prefill_in_two_calls_equals_one(tiny_runner, prompt):
     states = first.states
     for pos in range(64, SEQ):
         logits, states = hybridlm.decode_step(tiny_runner, jnp.asarray(prompt[:, pos]), states, pos)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(whole.logits), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(whole.logits), atol=ATOL, rtol=0)
 
 
 def test_profile_reports_every_phase(tiny_runner, prompt):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_finite
+from support import assert_finite
 
 from hybridlm.layers.gated_attention import cached_attention
 from hybridlm.layers.gated_deltanet import causal_depthwise_conv
