@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--preset", default=None, help="named architecture (with --random-weights); default tiny")
         s.add_argument("--random-weights", action="store_true", help="random weights for --preset")
         s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
+        s.add_argument("--expert-format", choices=("int8", "int4"), default=None,
+                       help="with --random-weights: store routed experts quantized (int8 / 4-bit)")
         s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
@@ -32,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--no-profile", action="store_true", help="skip the per-phase timing pass")
+        s.add_argument("--expert-budget", metavar="BYTES", default=None,
+                       help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB")
+        s.add_argument("--cache-policy", choices=("lru", "slru", "lfu", "static", "stream"), default="slru",
+                       help="expert cache eviction policy (with --expert-budget)")
+        s.add_argument("--prefetch", choices=("auto", "router", "layer", "none"), default="auto",
+                       help="expert prefetch (with --expert-budget)")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -45,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Validate cheap things before importing JAX.
     from hybridlm.config import PRESETS
-    if args.model and (args.preset or args.random_weights):
-        return _fail("--model cannot be combined with --preset/--random-weights")
+    if args.model and (args.preset or args.random_weights or args.expert_format):
+        return _fail("--model cannot be combined with --preset/--random-weights/--expert-format")
     if args.model and not os.path.exists(args.model):
         return _fail(f"model path not found: {args.model}")
     if args.preset and args.preset not in PRESETS:
@@ -73,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             source = args.model
         else:
             config = hybridlm.get_config(args.preset or "tiny")
-            model = hybridlm.init_random(config, args.seed, dtype=dtype)
+            model = hybridlm.init_random(config, args.seed, dtype=dtype, expert_format=args.expert_format)
             source = f"{config.name} (random weights, seed {args.seed})"
-        tokenizer = Tokenizer()
+        tokenizer = None
+        if args.model and args.model.endswith(".gguf"):  # the file's own vocabulary, when it has one
+            from hybridlm.checkpoints.gguf import load_gguf_tokenizer
+            tokenizer = load_gguf_tokenizer(args.model)
+        tokenizer = tokenizer or Tokenizer()
         if args.prompt is not None:
             text = args.prompt
         elif args.prompt_file:
@@ -92,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as e:
         return _fail(str(e).strip("'\""))
 
-    runner = hybridlm.LayerwiseRunner(model)
+    if args.expert_budget is not None:
+        from hybridlm.offload import OffloadedRunner
+        try:
+            runner = OffloadedRunner(model, expert_budget=args.expert_budget, cache_policy=args.cache_policy,
+                                     prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)))
+        except ValueError as e:
+            return _fail(str(e))
+    else:
+        runner = hybridlm.LayerwiseRunner(model)
     report = {"command": args.command, "model": source, "device": str(jax.devices()[0].device_kind),
               "jax_version": jax.__version__, "dtype": jnp.dtype(model.dtype).name}
     if args.command == "prefill":
@@ -101,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         result = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
         report.update(result.summary())
         report["compile_excluded"] = True
+        if args.expert_budget is not None:
+            report["offload"] = runner.stats()
         if not args.no_profile:
             profiled = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, profile=True,
                                         max_new_tokens=args.max_new_tokens)
@@ -116,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         report["new_tokens"] = gen.tokens[0].tolist()
         report["text"] = tokenizer.decode(gen.tokens[0])
         report["decode_tokens_per_s"] = gen.decode_tokens_per_s
+        if args.expert_budget is not None:
+            report["offload"] = runner.stats()
     if args.json:
         print(json.dumps(report))
     else:
@@ -134,11 +158,34 @@ def _print_report(r: dict) -> None:
         print("per phase (profiled pass, synchronised after each phase):")
         for phase, sec in r["phase_seconds"].items():
             print(f"  {phase:10s} {sec * 1e3:9.2f} ms  {100 * sec / total:5.1f}%")
+    if "offload" in r:
+        _print_offload(r["offload"])
     if "next_token" in r:
         print(f"next token     {r['next_token']['id']} {r['next_token']['text']!r}")
     if "text" in r:
         print(f"generated      {r['text']!r}")
         print(f"decode         {r['decode_tokens_per_s']:.1f} tokens/s")
+
+
+def _print_offload(o: dict) -> None:
+    pool = o["pool"]
+    from hybridlm.offload.expert_cache import format_bytes
+    print(f"expert offload budget {format_bytes(pool['budget_bytes'])}, {pool['slots']} slots of "
+          f"{pool['expert_bytes']} B (+{pool['staging_slots']} staging), policy {pool['policy']}, "
+          f"prefetch {pool['prefetch']}")
+    for kind in ("prefill", "decode"):
+        s = o[kind]
+        if not s["chunks"]:
+            continue
+        print(f"  {kind:8s} lookups {s['lookups']}  hits {s['hits']}  misses {s['misses']}  hit rate "
+              f"{100 * s['hit_rate']:.1f}%  H2D {s['bytes_h2d'] / 1e9:.3f} GB  {s['achieved_gbps']:.2f} GB/s  "
+              f"stall {s['stall_s'] * 1e3:.1f} ms  evictions {s['evictions']}  prefetched {s['prefetched']} "
+              f"(used {s['prefetch_used']})")
+    layers = o["prefill"].get("per_layer", [])
+    if layers:
+        print("  per layer (prefill): hit rate % / H2D MB / stall ms")
+        print("   " + "  ".join(f"{i}:{100 * s['hit_rate']:.0f}/{s['bytes_h2d'] / 1e6:.1f}/{s['stall_s'] * 1e3:.1f}"
+                                 for i, s in enumerate(layers)))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, assert_finite
 from flax import nnx
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
+from support import FIXTURES, assert_finite
 
 import hybridlm
 from hybridlm.checkpoints import gguf_quants
@@ -260,13 +260,14 @@ def test_unsupported_arch_and_type_are_named(tmp_path):
         load_gguf(tmp_path / "llama.gguf", keep_quantized="all")
 
 
-def test_loader_accepts_fused_gate_up_experts(gguf_case, forward, tmp_path):
-    """Files converted with the fuse option carry ffn_gate_up_exps [experts, 2*ffn, hidden] (gate rows first)."""
-    model, ids, want, _ = gguf_case["qwen35moe_text"]
-    src = tmp_path / "split.gguf"
+def rewrite_f32_gguf(model, path, rewrite):
+    """Writes `model` as F32 GGUF at `path` with every tensor passed through rewrite(name, data, all tensors),
+    which returns (name, data) or None to drop it; the metadata is kept (as older converters' files differ)."""
+    src = path.with_name(path.stem + ".src.gguf")
     save_gguf(model, src, "f32")
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(tmp_path / "fused.gguf", "qwen35moe")
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
@@ -274,16 +275,28 @@ def test_loader_accepts_fused_gate_up_experts(gguf_case, forward, tmp_path):
                              field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
     for name, data in tensors.items():
-        if name.endswith("ffn_up_exps.weight"):
-            continue
-        if name.endswith("ffn_gate_exps.weight"):
-            up = tensors[name.replace("gate_exps", "up_exps")]
-            name, data = name.replace("gate_exps", "gate_up_exps"), np.concatenate([data, up], axis=1)
-        writer.add_tensor(name, data)
+        out = rewrite(name, data, tensors)
+        if out is not None:
+            writer.add_tensor(*out)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_loader_accepts_fused_gate_up_experts(gguf_case, forward, tmp_path):
+    """Files converted with the fuse option carry ffn_gate_up_exps [experts, 2*ffn, hidden] (gate rows first)."""
+    model, ids, want, _ = gguf_case["qwen35moe_text"]
+
+    def fuse(name, data, tensors):
+        if name.endswith("ffn_up_exps.weight"):
+            return None
+        if name.endswith("ffn_gate_exps.weight"):
+            up = tensors[name.replace("gate_exps", "up_exps")]
+            return name.replace("gate_exps", "gate_up_exps"), np.concatenate([data, up], axis=1)
+        return name, data
+
+    rewrite_f32_gguf(model, tmp_path / "fused.gguf", fuse)
     got = np.asarray(forward(load_gguf(tmp_path / "fused.gguf", progress=False), ids))
     assert np.abs(got - want).max() <= F32_MAX_ABS_ERROR
 
@@ -336,6 +349,20 @@ def test_gguf_tokenizer_matches_qwen_tokenizer(tiny_gguf_with_tokenizer):
         assert ours.encode(text, allow_special=False) == ref.encode(text, allow_special=False), text[:40]
 
 
+def test_cli_prefills_a_gguf_file_with_its_tokenizer(tiny_gguf_with_tokenizer, capsys):
+    import json
+
+    from hybridlm import cli
+    from hybridlm.checkpoints.gguf import load_gguf_tokenizer
+
+    text = "Alice was beginning to get very tired of sitting by her sister on the bank."
+    assert cli.main(["prefill", "--model", str(tiny_gguf_with_tokenizer), "--prompt", text,
+                     "--chunk-size", "16", "--no-profile", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["prompt_tokens"] == len(load_gguf_tokenizer(tiny_gguf_with_tokenizer).encode(text))
+    assert report["next_token"]["id"] < 248_320
+
+
 def test_gguf_without_tokenizer_and_small_vocab(gguf_case, tmp_path):
     from hybridlm.checkpoints.gguf import load_gguf_tokenizer
 
@@ -349,31 +376,20 @@ def test_loader_accepts_legacy_qwen3next_ssm_in(gguf_case, forward, tmp_path):
     model, ids, want, _ = gguf_case["qwen3next"]
     g = model.config.gdn
     r = g.num_v_heads // g.num_k_heads
-    src = tmp_path / "split.gguf"
-    save_gguf(model, src, "f32")
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(tmp_path / "legacy.gguf", "qwen3next")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    for name, data in tensors.items():
+
+    def to_ssm_in(name, data, tensors):
         if name.endswith("attn_gate.weight") and "attn_qkv" not in name:
-            continue
+            return None
         if name.endswith("attn_qkv.weight"):
             z = tensors[name.replace("attn_qkv", "attn_gate")]              # [v_heads*value_dim, hidden]
             kd = g.num_k_heads * g.key_dim
             per_k = lambda x, rows: x.reshape(g.num_k_heads, rows, -1)
             grouped = np.concatenate([per_k(data[:kd], g.key_dim), per_k(data[kd:2 * kd], g.key_dim),
                                       per_k(data[2 * kd:], r * g.value_dim), per_k(z, r * g.value_dim)], axis=1)
-            name, data = name.replace("attn_qkv", "ssm_in"), grouped.reshape(-1, data.shape[-1])
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return name.replace("attn_qkv", "ssm_in"), grouped.reshape(-1, data.shape[-1])
+        return name, data
+
+    rewrite_f32_gguf(model, tmp_path / "legacy.gguf", to_ssm_in)
     assert "blk.0.ssm_in.weight" in read_header(tmp_path / "legacy.gguf").tensors
     got = np.asarray(forward(load_gguf(tmp_path / "legacy.gguf", progress=False), ids))
     assert np.abs(got - want).max() <= F32_MAX_ABS_ERROR

@@ -91,6 +91,9 @@ class LayerwiseRunner:
         self.embed_table = model.embed[...]
         self.whole = nnx.split(model)
 
+    def on_prefill_start(self) -> None:
+        """Hook called by `prefill` before its first chunk (no-op; the offload runner resets its statistics)."""
+
     def head_logits(self, x_last: jax.Array) -> jax.Array:
         """Final norm + lm head: [batch, hidden] -> [batch, vocab] float32."""
         return _head(*self.whole, x_last)

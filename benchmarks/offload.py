@@ -1,0 +1,239 @@
+"""Offloaded prefill: experts in pinned host memory, paged into a device expert pool (hybridlm.offload).
+
+Builds a full-size preset with random weights WITHOUT ever holding all experts on the device: the trunk
+(embeddings, mixers, router, shared expert, head) is drawn on the device, and the experts are drawn, quantized
+and packed one layer at a time, then copied to pinned host memory. For every expert format x budget x policy
+it runs prefills of each prompt length and reports tokens/s, bytes moved host -> device, and the ratio of the
+prefill time to the transfer floor (bytes / pinned host -> device bandwidth measured in the same run) and to
+the all-resident prefill (where the experts fit on the device).
+
+Run on the GPU machine, e.g.:
+    python benchmarks/offload.py --expert-formats int4 int8 --budgets 12GiB 24GiB --policies static slru stream
+CPU smoke test:
+    JAX_PLATFORMS=cpu python benchmarks/offload.py --preset tiny --budgets 1MiB 3MiB --prompt-tokens 256 512 \
+        --chunk-size 128
+Prints one JSON object per configuration, then the whole result (device, JAX version, date); --out writes it.
+Compilation is excluded: before each timed prompt the runner prefills a different warm-up prompt of the same
+length (this also warms its cache, as a previous request would); the cache is shared across prompts (reuse
+across prompts is part of the design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import hybridlm
+from hybridlm.model import HybridLM, _random_param_jax
+from hybridlm.offload import HostExperts, OffloadedRunner, parse_bytes
+from hybridlm.offload.scheduler import device_sharding, pinned_host_sharding
+from pallas_kernels.quantized import quantize_int4, quantize_int8
+
+EXPERT_NAMES = ("experts_gate_up", "experts_down")
+
+
+def build_trunk(config, dtype) -> HybridLM:
+    """The model with random trunk weights on the device and 1-element placeholders for the experts."""
+    abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    key = jax.random.key(1)
+    flat = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        name, value = path[-1], var.get_value()
+        if name in EXPERT_NAMES:
+            var.set_value(jnp.zeros((1, 1, 1), dtype))
+        elif hasattr(value, "shape"):
+            var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), tuple(value.shape), value.dtype))
+        flat.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _random_experts(key, num_experts, hidden, ffn, dtype):
+    k1, k2 = jax.random.split(key)
+    gate_up = jax.random.normal(k1, (num_experts, hidden, 2 * ffn), jnp.float32) / math.sqrt(hidden)
+    down = jax.random.normal(k2, (num_experts, ffn, hidden), jnp.float32) / math.sqrt(ffn)
+    return gate_up.astype(dtype), down.astype(dtype)
+
+
+_random_experts = jax.jit(_random_experts, static_argnums=(1, 2, 3, 4))
+
+
+def build_host_experts(config, expert_format: str, dtype, seed: int = 0) -> HostExperts:
+    """Random experts drawn on the device one layer at a time, quantized, packed into pinned host memory."""
+    moe = config.moe
+    layout, experts = None, []
+    for layer in range(config.num_layers):
+        gate_up, down = _random_experts(jax.random.key(1000 * seed + layer), moe.num_experts, config.hidden_dim,
+                                        moe.expert_ffn_dim, dtype)
+        if expert_format == "int8":
+            gate_up, down = quantize_int8(gate_up), quantize_int8(down)
+        elif expert_format == "int4":
+            gate_up, down = quantize_int4(gate_up), quantize_int4(down)
+        layout, buffers = HostExperts.pack_layer(gate_up, down)
+        jax.block_until_ready(buffers)
+        del gate_up, down
+        experts.append(buffers)
+    return HostExperts(layout, experts)
+
+
+def measure_h2d(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Pinned host -> device GB/s (10^9 B/s) of one `nbytes` jax.device_put, median of `repeats`."""
+    x = jax.device_put(np.ones((nbytes,), np.uint8), pinned_host_sharding())
+    jax.block_until_ready(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(x, device_sharding()))
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def measure_h2d_experts(host: HostExperts, repeats: int = 3) -> float:
+    """GB/s of one layer's experts copied the scheduler's way (one batched device_put of per-expert buffers)."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(host.experts[0], device_sharding()))
+        times.append(time.perf_counter() - t)
+    return host.num_experts * host.layout.nbytes / statistics.median(times) / 1e9
+
+
+def run_prompts(runner, prompts: dict[int, np.ndarray], warmup: dict[int, np.ndarray], chunk: int,
+                offload: bool) -> list:
+    out = []
+    for tokens, ids in prompts.items():
+        # Each prompt length has its own KV-cache capacity (attention shapes), so each is warmed up (compiled)
+        # with a different prompt of the same length first; the 2026-11-22 run warmed up the first length only.
+        t = time.perf_counter()
+        hybridlm.prefill(runner, warmup[tokens], chunk_size=chunk)
+        first_s = time.perf_counter() - t
+        r = hybridlm.prefill(runner, ids, chunk_size=chunk)
+        row = {"prompt_tokens": tokens, "chunk_size": r.chunk_size, "ttft_s": round(r.ttft_s, 4),
+               "tokens_per_s": round(tokens / r.ttft_s, 1), "warmup_s": round(first_s, 2)}
+        if offload:
+            s = runner.stats(per_layer=False)["prefill"]
+            row.update({k: s[k] for k in ("lookups", "hits", "misses", "prefetched", "prefetch_used", "evictions",
+                                          "bytes_h2d")})
+            row.update({"hit_rate": round(s["hit_rate"], 4), "stall_s": round(s["stall_s"], 4),
+                        "achieved_gbps": round(s["achieved_gbps"], 2)})
+        out.append(row)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    p.add_argument("--expert-formats", nargs="+", choices=("bf16", "int8", "int4"), default=["int4", "int8", "bf16"])
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--budgets", nargs="+", default=["12GiB", "24GiB"])
+    p.add_argument("--policies", nargs="+", default=["static", "slru", "lru", "lfu", "stream"])
+    p.add_argument("--prefetch", default="auto", choices=("auto", "router", "layer", "none"))
+    p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--no-resident", action="store_true", help="skip the all-resident comparison")
+    p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
+    p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new configurations after this")
+    p.add_argument("--out", default=None, help="write the final JSON here")
+    a = p.parse_args(argv)
+
+    t_start = time.perf_counter()
+    config = hybridlm.get_config(a.preset, **({"num_layers": a.num_layers} if a.num_layers else {}))
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    device = jax.devices()[0]
+    header = {"benchmark": "offload", "device": device.device_kind, "jax_version": jax.__version__,
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+              "preset": config.name, "num_layers": config.num_layers, "dtype": jnp.dtype(dtype).name,
+              "chunk_size": a.chunk_size, "prefetch": a.prefetch, "prefetch_depth": a.prefetch_depth}
+    header["pinned_h2d_gbps"] = round(measure_h2d(), 2)
+    t = time.perf_counter()
+    model = build_trunk(config, dtype)
+    jax.block_until_ready(jax.tree_util.tree_leaves(model))
+    header["trunk_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(model))
+    header["trunk_init_s"] = round(time.perf_counter() - t, 1)
+    print(json.dumps(header), flush=True)
+    rng = np.random.default_rng(0)
+    prompts = {n: rng.integers(0, config.vocab_size, (1, n)).astype(np.int32) for n in a.prompt_tokens}
+    warmup = {n: rng.integers(0, config.vocab_size, (1, n)).astype(np.int32) for n in a.prompt_tokens}
+    rows = []
+
+    short = ("expert_format", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s", "bytes_h2d",
+             "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "error", "skipped")
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in short if k in row}), flush=True)
+
+    def out_of_time():
+        return time.perf_counter() - t_start > a.max_seconds
+
+    for fmt in a.expert_formats:
+        if out_of_time():
+            break
+        t = time.perf_counter()
+        host = build_host_experts(config, fmt, dtype)
+        fmt_info = {"expert_format": fmt, "expert_bytes": host.layout.nbytes, "all_expert_bytes": host.nbytes,
+                    "host_init_s": round(time.perf_counter() - t, 1),
+                    "experts_h2d_gbps": round(measure_h2d_experts(host), 2)}
+        print(json.dumps(fmt_info), flush=True)
+        floor_gbps = header["pinned_h2d_gbps"]
+        resident = {}
+        if not a.no_resident and not out_of_time():
+            try:
+                for i, layer in enumerate(model.layers):
+                    gate_up, down = host.unpack_layer(i)
+                    layer.ffn.experts_gate_up.set_value(gate_up)
+                    layer.ffn.experts_down.set_value(down)
+                for row in run_prompts(hybridlm.LayerwiseRunner(model), prompts, warmup, a.chunk_size, False):
+                    resident[row["prompt_tokens"]] = row["ttft_s"]
+                    emit({**fmt_info, "mode": "resident", **row})
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
+                emit({**fmt_info, "mode": "resident", "error": repr(e)[:300]})
+            finally:
+                for layer in model.layers:
+                    layer.ffn.experts_gate_up.set_value(jnp.zeros((1, 1, 1), dtype))
+                    layer.ffn.experts_down.set_value(jnp.zeros((1, 1, 1), dtype))
+                gc.collect()
+        for budget in a.budgets:
+            for policy in a.policies:
+                if out_of_time():
+                    emit({**fmt_info, "mode": "offload", "budget": budget, "policy": policy, "skipped": "time"})
+                    continue
+                try:
+                    runner = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, prefetch=a.prefetch,
+                                             prefetch_depth=a.prefetch_depth, host_experts=host,
+                                             chunk_size=a.chunk_size)
+                    for row in run_prompts(runner, prompts, warmup, a.chunk_size, True):
+                        floor_s = row["bytes_h2d"] / (floor_gbps * 1e9)
+                        bound = max(floor_s, resident.get(row["prompt_tokens"], 0.0))
+                        row.update({"floor_s": round(floor_s, 4),
+                                    "ratio_to_floor": round(row["ttft_s"] / floor_s, 3) if floor_s else None,
+                                    "ratio_to_bound": round(row["ttft_s"] / bound, 3) if bound else None})
+                        emit({**fmt_info, "mode": "offload", "budget": budget,
+                              "budget_bytes": parse_bytes(budget), "policy": policy,
+                              "slots": runner.cache.num_slots, "staging_slots": runner.staging_slots, **row})
+                    del runner
+                except Exception as e:  # noqa: BLE001
+                    emit({**fmt_info, "mode": "offload", "budget": budget, "policy": policy, "error": repr(e)[:300]})
+                gc.collect()
+        del host
+        gc.collect()
+    result = {**header, "total_s": round(time.perf_counter() - t_start, 1), "results": rows}
+    if not a.out:
+        print(json.dumps(result), flush=True)
+    else:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Host-offload of routed experts: experts in pinned host memory, paged into a device expert pool.
+
+    runner = hybridlm.offload.OffloadedRunner(model, expert_budget="12GiB", cache_policy="slru")
+    result = hybridlm.prefill(runner, ids)      # same logits as the all-resident model
+    runner.stats()                              # hits, misses, bytes host->device, stall, evictions, per layer
+"""
+
+from hybridlm.offload.expert_cache import (
+                                           POLICIES,
+                                           CacheStats,
+                                           ExpertCache,
+                                           ExpertLayout,
+                                           LayerStats,
+                                           parse_bytes,
+                                           static_pinned_keys,
+)
+from hybridlm.offload.scheduler import HostExperts, OffloadedRunner
+
+__all__ = ["POLICIES", "CacheStats", "ExpertCache", "ExpertLayout", "HostExperts", "LayerStats", "OffloadedRunner",
+           "parse_bytes", "static_pinned_keys"]

@@ -1,0 +1,446 @@
+"""Device expert cache: a pool of expert slots on the device, the (layer, expert) -> slot map, eviction
+policies and hit-rate / transfer statistics.
+
+One *expert* is the pair (gate_up[e], down[e]) of one layer: `[hidden, 2*ffn]` and `[ffn, hidden]`, float or
+`QuantizedWeights` (values + scales (+ offsets)). On the host every expert is ONE contiguous uint8 buffer
+(all its leaves packed back to back, `ExpertLayout`), so paging an expert is a single `jax.device_put` and the
+bytes moved are exactly the expert's bytes. On the device the pool keeps the unpacked leaves with a leading
+slot axis (`[slots, hidden, 2*ffn]`, ...), so the grouped matmul runs on the pool unchanged with slot ids in
+place of expert ids.
+
+Policies (`POLICIES`): which resident expert to evict when a slot is needed.
+  lru     least recently used.
+  slru    segmented LRU: new entries enter a probation segment; a second use promotes to a protected
+          segment (80% of the slots); victims come from probation first. Resists one-off scans.
+  lfu     least frequently used (use counts kept across evictions), ties broken by recency.
+  static  experts of the first and last layers (then second, second-to-last, ...) are pinned once loaded
+          and never evicted, up to the budget minus a working area; the rest of the slots are LRU.
+  stream  no reuse: every expert is dropped right after its layer used it (every lookup misses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+import re
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+POLICIES = ("lru", "slru", "lfu", "static", "stream")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(size: float | str) -> int:
+    """'12GiB', '12 GB', '512MiB', '1.5g' or a number of bytes -> int bytes (G = GiB, GB = 10^9).
+
+    Raises:
+      ValueError: an unparsable string or a non-positive size.
+    """
+    if isinstance(size, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse byte size {size!r}; use e.g. '12GiB', '500MB' or a number of bytes")
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        value = float(size)
+    if value <= 0:
+        raise ValueError(f"byte size must be positive, got {size!r}")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packing one expert's leaves into one uint8 buffer
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Byte layout of one expert: the leaves of (gate_up[e], down[e]) packed back to back.
+
+    Attributes:
+      treedef: pytree structure of (gate_up, down) (arrays or `QuantizedWeights`).
+      shapes: per leaf, its shape without the expert axis.
+      dtypes: per leaf, its dtype.
+    """
+
+    treedef: jax.tree_util.PyTreeDef
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+
+    @classmethod
+    def of(cls, gate_up, down) -> ExpertLayout:
+        """Layout of the experts of `gate_up` [experts, ...] and `down` [experts, ...] (arrays or QuantizedWeights)."""
+        leaves, treedef = jax.tree_util.tree_flatten((gate_up, down))
+        return cls(treedef, tuple(tuple(leaf.shape[1:]) for leaf in leaves),
+                   tuple(np.dtype(leaf.dtype) for leaf in leaves))
+
+    @property
+    def leaf_nbytes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert (what one host -> device copy moves)."""
+        return sum(self.leaf_nbytes)
+
+    def pack_numpy(self, leaves_e: list[np.ndarray]) -> np.ndarray:
+        """The leaves of one expert (numpy, no expert axis) -> uint8 [nbytes]."""
+        return np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves_e])
+
+    def pack(self, leaves: list[jax.Array]) -> jax.Array:
+        """Leaves with an expert axis [experts, ...] (device) -> uint8 [experts, nbytes] (traceable)."""
+        parts = []
+        for x in leaves:
+            b = x.reshape(x.shape[0], -1)
+            if b.dtype.itemsize == 1:
+                b = jax.lax.bitcast_convert_type(b, jnp.uint8)
+            else:
+                b = jax.lax.bitcast_convert_type(b, jnp.uint8).reshape(x.shape[0], -1)   # [e, n*itemsize]
+            parts.append(b)
+        return jnp.concatenate(parts, axis=1)
+
+    def unpack(self, packed: jax.Array):
+        """uint8 [n, nbytes] -> the (gate_up, down) pytree with leading axis n (traceable)."""
+        n = packed.shape[0]
+        out, offset = [], 0
+        for shape, dtype, size in zip(self.shapes, self.dtypes, self.leaf_nbytes):
+            b = packed[:, offset:offset + size]
+            offset += size
+            if dtype.itemsize == 1:
+                leaf = jax.lax.bitcast_convert_type(b, dtype)
+            else:
+                leaf = jax.lax.bitcast_convert_type(b.reshape(n, -1, dtype.itemsize), dtype)
+            out.append(leaf.reshape((n,) + shape))
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def zeros(self, n: int, sharding):
+        """A pool of n zero slots on `sharding`."""
+        leaves = [jnp.zeros((n,) + s, d, device=sharding) for s, d in zip(self.shapes, self.dtypes)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _write_slots(layout: ExpertLayout, pool, staged: tuple[jax.Array, ...], slots: jax.Array):
+    """pool[slots[j]] = unpack(staged[j]); slots past the pool are dropped (bucket padding)."""
+    values = layout.unpack(jnp.stack(staged))                     # leaves [m, ...]
+    return jax.tree_util.tree_map(lambda p, v: p.at[slots].set(v.astype(p.dtype), mode="drop"), pool, values)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Eviction policies: pure bookkeeping over keys (layer, expert)
+# ----------------------------------------------------------------------------------------------------------
+
+Key = tuple[int, int]
+
+
+class _LRU:
+    def __init__(self, capacity: int):
+        self.order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key) -> None:
+        self.order[key] = None
+
+    def hit(self, key: Key) -> None:
+        self.order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self.order.pop(key, None)
+
+    def victim(self, protected) -> Key | None:
+        for key in self.order:
+            if key not in protected:
+                return key
+        return None
+
+
+class _SLRU:
+    def __init__(self, capacity: int, protected_fraction: float = 0.8):
+        self.probation: OrderedDict[Key, None] = OrderedDict()
+        self.protected: OrderedDict[Key, None] = OrderedDict()
+        self.protected_capacity = max(1, int(capacity * protected_fraction))
+
+    def insert(self, key: Key) -> None:
+        self.probation[key] = None
+
+    def hit(self, key: Key) -> None:
+        if key in self.protected:
+            self.protected.move_to_end(key)
+            return
+        self.probation.pop(key, None)
+        self.protected[key] = None
+        if len(self.protected) > self.protected_capacity:            # demote the protected LRU to probation MRU
+            old, _ = self.protected.popitem(last=False)
+            self.probation[old] = None
+
+    def remove(self, key: Key) -> None:
+        self.probation.pop(key, None)
+        self.protected.pop(key, None)
+
+    def victim(self, protected) -> Key | None:
+        for segment in (self.probation, self.protected):
+            for key in segment:
+                if key not in protected:
+                    return key
+        return None
+
+
+class _LFU:
+    """Use counts persist across evictions (frequency history); ties go to the least recently used."""
+
+    def __init__(self, capacity: int):
+        self.count: dict[Key, int] = {}
+        self.tick = 0
+        self.stamp: dict[Key, tuple[int, int]] = {}      # resident key -> (count, tick) in the heap
+        self.heap: list[tuple[int, int, Key]] = []
+
+    def _push(self, key: Key) -> None:
+        self.tick += 1
+        self.stamp[key] = (self.count[key], self.tick)
+        heapq.heappush(self.heap, (self.count[key], self.tick, key))
+
+    def insert(self, key: Key) -> None:
+        self.count[key] = self.count.get(key, 0) + 1
+        self._push(key)
+
+    def hit(self, key: Key) -> None:
+        self.count[key] += 1
+        self._push(key)
+
+    def remove(self, key: Key) -> None:
+        self.stamp.pop(key, None)
+
+    def victim(self, protected) -> Key | None:
+        skipped, found = [], None
+        while self.heap:
+            count, tick, key = self.heap[0]
+            if self.stamp.get(key) != (count, tick):           # stale entry
+                heapq.heappop(self.heap)
+                continue
+            if key in protected:
+                skipped.append(heapq.heappop(self.heap))
+                continue
+            found = key
+            break
+        for item in skipped:
+            heapq.heappush(self.heap, item)
+        return found
+
+
+class _Static(_LRU):
+    """LRU over the unpinned keys; pinned keys, once resident, are never victims."""
+
+    def __init__(self, capacity: int, pinned: set[Key]):
+        super().__init__(capacity)
+        self.pinned = pinned
+
+    def insert(self, key: Key) -> None:
+        if key not in self.pinned:
+            self.order[key] = None
+
+    def hit(self, key: Key) -> None:
+        if key not in self.pinned:
+            self.order.move_to_end(key)
+
+
+def static_pinned_keys(num_layers: int, num_experts: int, count: int) -> set[Key]:
+    """The first `count` experts in pinning order: layer 0, layer L-1, layer 1, layer L-2, ... (experts 0..E-1)."""
+    order, lo, hi = [], 0, num_layers - 1
+    while lo <= hi:
+        order.append(lo)
+        if hi != lo:
+            order.append(hi)
+        lo, hi = lo + 1, hi - 1
+    keys: set[Key] = set()
+    for layer in order:
+        for e in range(num_experts):
+            if len(keys) >= count:
+                return keys
+            keys.add((layer, e))
+    return keys
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LayerStats:
+    """Counters of one layer (one prefill or one decode run).
+
+    Invariants: hits + misses == lookups; bytes_h2d == (misses - prefetch_used + prefetched) * expert bytes
+    (a prefetched expert counts as a miss where it is used, and its bytes when it is copied).
+    """
+
+    lookups: int = 0          # experts the router asked for, summed over chunks
+    hits: int = 0             # already resident (copied by an earlier chunk, layer pass or prompt)
+    misses: int = 0           # had to be copied for this use (on demand, or prefetched for it)
+    prefetched: int = 0       # copies issued ahead of need (router prediction or whole-layer streaming)
+    prefetch_used: int = 0    # prefetched experts that the router then asked for (counted in misses)
+    evictions: int = 0
+    bytes_h2d: int = 0        # host -> device bytes copied
+    stall_s: float = 0.0      # seconds the host waited for this layer's copies before launching its experts
+
+    def add(self, other: LayerStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """Statistics of one prefill (or of the decode steps after it): totals and per layer."""
+
+    kind: str                               # "prefill" | "decode"
+    expert_bytes: int
+    layers: list[LayerStats]
+    chunks: int = 0                         # forward_chunk calls (decode: steps)
+    tokens: int = 0                         # batch * chunk tokens processed (padding included)
+    wall_s: float = 0.0                     # from the first chunk's start to the logits being ready
+
+    @property
+    def total(self) -> LayerStats:
+        t = LayerStats()
+        for layer in self.layers:
+            t.add(layer)
+        return t
+
+    @property
+    def achieved_gbps(self) -> float:
+        """Host -> device bytes over the wall time (10^9 bytes/s); the copy engine's share of the run."""
+        return self.total.bytes_h2d / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    def to_dict(self, per_layer: bool = True) -> dict:
+        d = {"kind": self.kind, "chunks": self.chunks, "tokens": self.tokens, "wall_s": self.wall_s,
+             "expert_bytes": self.expert_bytes, **self.total.to_dict(), "achieved_gbps": self.achieved_gbps}
+        if per_layer:
+            d["per_layer"] = [s.to_dict() for s in self.layers]
+        return d
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------------------------
+
+class ExpertCache:
+    """`num_slots` device slots of experts, the (layer, expert) -> slot map and the eviction policy.
+
+    The cache does bookkeeping and owns the pool arrays; copies are issued by the scheduler. An entry is
+    *resident* (slot holds its weights, or will once the pending write is enqueued) or *pending* (allocated,
+    its bytes staged on the device by a prefetch, written into the pool when its layer runs).
+
+    Args:
+      layout: byte layout of one expert.
+      num_slots: pool slots.
+      policy: one of `POLICIES`.
+      num_layers, num_experts: model shape (static pinning order, statistics).
+      pinned_count: static policy only: how many experts (in pinning order) are never evicted.
+      sharding: where the pool lives (a device-memory sharding).
+    """
+
+    def __init__(self, layout: ExpertLayout, num_slots: int, policy: str, *, num_layers: int, num_experts: int,
+                 pinned_count: int = 0, sharding=None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache_policy {policy!r}; choose from {POLICIES}")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots={num_slots} must be positive")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.policy_name = policy
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.pinned: set[Key] = static_pinned_keys(num_layers, num_experts, pinned_count) if policy == "static" \
+            else set()
+        self.policy = {"lru": _LRU, "slru": _SLRU, "lfu": _LFU, "stream": _LRU}.get(policy, _LRU)(num_slots) \
+            if policy != "static" else _Static(num_slots, self.pinned)
+        self.slot_of: dict[Key, int] = {}
+        self.key_of: dict[int, Key] = {}
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.speculative: set[Key] = set()     # prefetched and not yet asked for
+        self.pool = layout.zeros(num_slots, sharding) if sharding is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.layout.nbytes
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.slot_of
+
+    def lookup(self, key: Key) -> bool:
+        """Marks a use of `key`; True if it was resident (a hit for the policy)."""
+        if key in self.slot_of:
+            self.policy.hit(key)
+            return True
+        return False
+
+    def allocate(self, key: Key, protected) -> tuple[int, Key | None] | None:
+        """A slot for `key` (not resident): a free slot, else the policy's victim outside `protected`.
+
+        Returns:
+          (slot, evicted key or None), or None when every slot is protected.
+        """
+        evicted = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            evicted = self.policy.victim(protected)
+            if evicted is None:
+                return None
+            slot = self.slot_of[evicted]
+            self._drop(evicted)
+            self.free.pop()   # _drop pushed the slot back
+        self.slot_of[key] = slot
+        self.key_of[slot] = key
+        self.policy.insert(key)
+        return slot, evicted
+
+    def _drop(self, key: Key) -> None:
+        slot = self.slot_of.pop(key)
+        del self.key_of[slot]
+        self.policy.remove(key)
+        self.speculative.discard(key)
+        self.free.append(slot)
+
+    def release_layer(self, layer: int, keep=()) -> None:
+        """Stream policy: forget every resident expert of `layer` except `keep`."""
+        for key in [k for k in self.slot_of if k[0] == layer and k not in keep]:
+            self._drop(key)
+
+    def write(self, staged: list[jax.Array], slots: list[int]) -> None:
+        """Enqueues pool[slots[j]] = staged[j] (uint8 [nbytes] device arrays); one jitted call, bucketed."""
+        if not staged:
+            return
+        m = len(staged)
+        bucket = 1 << (m - 1).bit_length()
+        padded = list(staged) + [staged[0]] * (bucket - m)
+        slot_ids = np.full((bucket,), self.num_slots, np.int32)      # past the pool: dropped
+        slot_ids[:m] = slots
+        self.pool = _write_slots(self.layout, self.pool, tuple(padded), jnp.asarray(slot_ids))
+
+    def slot_table(self, layer: int) -> np.ndarray:
+        """[experts] int32: the slot of each resident expert of `layer`, 0 for the others (never read)."""
+        table = np.zeros((self.num_experts,), np.int32)
+        for e in range(self.num_experts):
+            slot = self.slot_of.get((layer, e))
+            if slot is not None:
+                table[e] = slot
+        return table

@@ -1,0 +1,29 @@
+"""`hybridlm prefill --expert-budget ... --cache-policy ...` prints the offload statistics."""
+
+import json
+
+from hybridlm import cli
+
+
+def test_cli_prefill_offload_json(capsys):
+    rc = cli.main(["prefill", "--prompt", "The expert cache pages weights between host and device.",
+                   "--chunk-size", "16", "--expert-budget", "2MiB", "--cache-policy", "static", "--no-profile",
+                   "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stats = report["offload"]
+    assert stats["pool"]["policy"] == "static" and stats["pool"]["budget_bytes"] == 2 * 2**20
+    s = stats["prefill"]
+    assert s["lookups"] > 0 and s["hits"] + s["misses"] == s["lookups"]
+    assert len(s["per_layer"]) == 8
+
+
+def test_cli_prefill_offload_text_and_budget_error(capsys):
+    rc = cli.main(["prefill", "--prompt", "Hello there", "--chunk-size", "16", "--expert-budget", "1MiB",
+                   "--no-profile"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "expert offload budget 1.00 MiB" in out and "hit rate" in out
+    rc = cli.main(["prefill", "--prompt", "Hello there", "--expert-budget", "64KiB", "--no-profile"])
+    assert rc == 2
+    assert "one layer needs up to" in capsys.readouterr().err

@@ -1,0 +1,136 @@
+"""Expert cache bookkeeping: policies, byte sizes, budgets, statistics across prompts."""
+
+import numpy as np
+import pytest
+from offload_helpers import assert_stats_add_up
+
+import hybridlm
+from hybridlm.offload import OffloadedRunner, parse_bytes, static_pinned_keys
+from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout
+
+NUM_LAYERS, NUM_EXPERTS, TOP_K = 8, 16, 4
+
+
+@pytest.mark.parametrize("text,value", [("12GiB", 12 * 2**30), ("12 GB", 12 * 10**9), ("512MiB", 512 * 2**20),
+                                        ("1.5g", int(1.5 * 2**30)), (4096, 4096), ("100", 100)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["twelve", "12XB", "-1GiB", 0])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_bytes(bad)
+
+
+def _cache(policy, slots, pinned=0):
+    layout = ExpertLayout.of(np.zeros((NUM_EXPERTS, 2, 2), np.float32), np.zeros((NUM_EXPERTS, 2, 2), np.float32))
+    return ExpertCache(layout, slots, policy, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS, pinned_count=pinned)
+
+
+def _use(cache, key):
+    if not cache.lookup(key):
+        return cache.allocate(key, protected={key})[1]
+    return None
+
+
+def test_lru_evicts_least_recent():
+    c = _cache("lru", 2)
+    _use(c, (0, 0)), _use(c, (0, 1)), _use(c, (0, 0))
+    assert _use(c, (0, 2)) == (0, 1)
+
+
+def test_slru_keeps_reused_entries_through_a_scan():
+    c = _cache("slru", 4)
+    for _ in range(2):
+        _use(c, (0, 0))                     # second use promotes (0, 0) to the protected segment
+    evicted = [_use(c, (1, e)) for e in range(8)]   # a one-off scan
+    assert (0, 0) not in evicted and (0, 0) in c
+
+
+def test_lfu_evicts_least_frequent():
+    c = _cache("lfu", 2)
+    for _ in range(3):
+        _use(c, (0, 0))
+    _use(c, (0, 1))
+    assert _use(c, (0, 2)) == (0, 1)
+
+
+def test_static_pins_first_and_last_layers():
+    keys = static_pinned_keys(NUM_LAYERS, NUM_EXPERTS, 2 * NUM_EXPERTS + 3)
+    assert {(0, e) for e in range(NUM_EXPERTS)} <= keys and {(7, e) for e in range(NUM_EXPERTS)} <= keys
+    assert {k for k in keys if k[0] not in (0, 7)} == {(1, 0), (1, 1), (1, 2)}
+    c = _cache("static", 3, pinned=1)
+    _use(c, (0, 0))                          # pinned
+    for e in range(10):
+        assert _use(c, (3, e)) != (0, 0)
+    assert (0, 0) in c
+
+
+def test_allocate_respects_protected():
+    c = _cache("lru", 2)
+    _use(c, (0, 0)), _use(c, (0, 1))
+    assert c.allocate((0, 2), protected={(0, 0), (0, 1)}) is None
+
+
+def test_budget_too_small_names_both_numbers(tiny, host_experts, prompts):
+    eb = host_experts.layout.nbytes
+    with pytest.raises(ValueError, match=rf"expert_budget={3 * eb} bytes.*needs up to {TOP_K} experts"):
+        OffloadedRunner(tiny, expert_budget=3 * eb, host_experts=host_experts)   # below one token's top-k
+    runner = OffloadedRunner(tiny, expert_budget=TOP_K * eb, host_experts=host_experts)
+    with pytest.raises(ValueError, match=rf"holds {TOP_K} experts.*needs up to {NUM_EXPERTS} experts "
+                                         rf"\({NUM_EXPERTS * eb} bytes"):
+        hybridlm.prefill(runner, prompts["short"], chunk_size=16)            # checked before any work
+    with pytest.raises(ValueError, match="needs up to 16 experts"):
+        OffloadedRunner(tiny, expert_budget=TOP_K * eb, host_experts=host_experts, chunk_size=16)
+
+
+def test_budget_above_device_memory(tiny, host_experts):
+    with pytest.raises(ValueError, match=r"expert_budget=12884901888 bytes \(12.00 GiB\) exceeds the free device "
+                                         r"memory 1000000 bytes"):
+        OffloadedRunner(tiny, expert_budget="12GiB", host_experts=host_experts, device_memory_bytes=10**6)
+
+
+def test_bad_arguments(tiny, host_experts):
+    with pytest.raises(ValueError, match="unknown cache_policy 'fifo'"):
+        OffloadedRunner(tiny, expert_budget="1MiB", cache_policy="fifo", host_experts=host_experts)
+    with pytest.raises(ValueError, match="unknown prefetch"):
+        OffloadedRunner(tiny, expert_budget="1MiB", prefetch="always", host_experts=host_experts)
+
+
+def test_experts_live_in_pinned_host_memory(tiny, host_experts):
+    runner = OffloadedRunner(tiny, expert_budget="1MiB", host_experts=host_experts)
+    kinds = {buf.sharding.memory_kind for layer in runner.host.experts for buf in layer}
+    assert kinds == {"pinned_host"}
+    moe, hidden = tiny.config.moe, tiny.config.hidden_dim
+    assert host_experts.layout.nbytes == 3 * hidden * moe.expert_ffn_dim * 4    # float32 gate, up, down
+    for _, params in runner.layers:   # the runner's per-layer trees hold no expert weights
+        assert params["ffn"]["experts_gate_up"].get_value().size == 1
+
+
+def test_reuse_across_prompts_and_stats_reset(tiny, host_experts, prompts):
+    """With everything fitting, the second prompt hits every expert and copies nothing."""
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=NUM_LAYERS * NUM_EXPERTS * eb, cache_policy="lru",
+                             prefetch="none", host_experts=host_experts)
+    hybridlm.prefill(runner, prompts["short"], chunk_size=16)
+    first = runner.stats()["prefill"]
+    assert first["misses"] == NUM_LAYERS * NUM_EXPERTS and first["bytes_h2d"] == first["misses"] * eb
+    assert first["evictions"] == 0
+    hybridlm.prefill(runner, prompts["short"][::-1].copy(), chunk_size=16)
+    second = runner.stats()["prefill"]
+    assert second["misses"] == 0 and second["bytes_h2d"] == 0 and second["hit_rate"] == 1.0
+    assert second["lookups"] == 3 * NUM_LAYERS * NUM_EXPERTS
+    assert_stats_add_up(second, eb)
+    assert len(second["per_layer"]) == NUM_LAYERS
+
+
+def test_stream_copies_every_lookup(tiny, host_experts, prompts):
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget="1MiB", cache_policy="stream", prefetch="none",
+                             host_experts=host_experts)
+    hybridlm.prefill(runner, prompts["short"], chunk_size=1)
+    s = runner.stats()["prefill"]
+    assert s["hits"] == 0 and s["misses"] == s["lookups"] and s["bytes_h2d"] == s["lookups"] * eb
+    for layer in s["per_layer"]:
+        assert layer["lookups"] >= TOP_K * 40 // 10   # at least a few distinct experts per token

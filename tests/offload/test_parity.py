@@ -1,0 +1,146 @@
+"""Offloaded prefill and decode give the all-resident logits, for every policy, budget and chunk size."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from offload_helpers import assert_finite, assert_stats_add_up, quantized_tiny
+
+import hybridlm
+from hybridlm.offload import POLICIES, OffloadedRunner
+
+# Same kernels on the same rows: the pool only renames expert groups. On CPU the logits have come out
+# bit-identical in every case so far; the tolerance leaves room for kernels whose tiling depends on the
+# number of groups (exact mode runs the grouped matmul over all pool slots).
+ATOL, RTOL = 1e-5, 1e-5
+NUM_LAYERS, NUM_EXPERTS, TOP_K = 8, 16, 4
+
+
+def expert_bytes(host_experts) -> int:
+    return host_experts.layout.nbytes
+
+
+# (chunk, prompt, budgets in experts): one layer's active experts for the chunk, in between, everything.
+CASES = [
+    (1, "short", (TOP_K, 3 * TOP_K, NUM_LAYERS * NUM_EXPERTS)),
+    (16, "short", (NUM_EXPERTS, 3 * NUM_EXPERTS, NUM_LAYERS * NUM_EXPERTS)),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("chunk,prompt,budgets", CASES, ids=["chunk1", "chunk16"])
+def test_prefill_parity(tiny, host_experts, reference, prompts, policy, chunk, prompt, budgets):
+    ref = reference(prompt, chunk)
+    eb = expert_bytes(host_experts)
+    for experts in budgets:
+        runner = OffloadedRunner(tiny, expert_budget=experts * eb, cache_policy=policy, host_experts=host_experts)
+        out = hybridlm.prefill(runner, prompts[prompt], chunk_size=chunk)
+        assert_finite(out.logits)
+        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL,
+                                   err_msg=f"policy={policy} chunk={chunk} budget={experts} experts")
+        stats = runner.stats()["prefill"]
+        assert_stats_add_up(stats, eb)
+        assert stats["lookups"] > 0 and stats["chunks"] == ref.num_chunks
+        if policy == "stream":
+            assert stats["hits"] == 0
+
+
+@pytest.mark.parametrize("policy,experts", [("static", NUM_EXPERTS), ("slru", NUM_LAYERS * NUM_EXPERTS)],
+                         ids=["static-one-layer", "slru-everything"])
+def test_prefill_parity_chunk_4096(tiny, host_experts, reference, prompts, policy, experts):
+    """One 4096-token chunk (whole-layer streaming) at the smallest budget (one layer) and at everything."""
+    ref = reference("long", 4096)
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=experts * eb, cache_policy=policy, host_experts=host_experts)
+    out = hybridlm.prefill(runner, prompts["long"], chunk_size=4096)
+    assert out.chunk_size == 4096
+    assert_finite(out.logits)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    stats = runner.stats()["prefill"]
+    assert_stats_add_up(stats, eb)
+    assert stats["lookups"] == NUM_LAYERS * NUM_EXPERTS
+
+
+@pytest.mark.parametrize("prefetch", ["none", "router", "layer"])
+@pytest.mark.parametrize("whole_layer", [False, True], ids=["exact", "whole"])
+def test_prefetch_modes(tiny, host_experts, reference, prompts, prefetch, whole_layer):
+    ref = reference("short", 16)
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=40 * eb, cache_policy="lru", prefetch=prefetch,
+                             whole_layer=whole_layer, host_experts=host_experts)
+    out = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    stats = runner.stats()["prefill"]
+    assert_stats_add_up(stats, eb)
+    if prefetch == "none":
+        assert stats["prefetched"] == 0 and stats["bytes_h2d"] == stats["misses"] * eb
+    else:
+        assert stats["prefetched"] > 0
+    if whole_layer:
+        assert stats["lookups"] == 3 * NUM_LAYERS * NUM_EXPERTS   # 3 chunks, every expert of every layer
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decode_parity_after_offloaded_prefill(tiny, host_experts, base_runner, prompts, policy):
+    """Prefill (chunk 16) then 4 decode steps: same logits at every step; decode uses the same cache."""
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=2 * NUM_EXPERTS * eb, cache_policy=policy,
+                             host_experts=host_experts)
+    ids = prompts["short"]
+    steps = 4
+    pre_ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=steps)
+    pre = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=steps)
+    np.testing.assert_allclose(np.asarray(pre.logits), np.asarray(pre_ref.logits), atol=ATOL, rtol=RTOL)
+    states_ref, states = pre_ref.states, pre.states
+    logits_ref, logits = pre_ref.logits, pre.logits
+    for step in range(steps):
+        token = jnp.argmax(logits_ref, axis=-1).astype(jnp.int32)
+        logits_ref, states_ref = hybridlm.decode_step(base_runner, token, states_ref, len(ids) + step)
+        logits, states = hybridlm.decode_step(runner, token, states, len(ids) + step)
+        assert_finite(logits)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), atol=ATOL, rtol=RTOL)
+    stats = runner.stats()
+    assert stats["decode"]["chunks"] == steps and stats["prefill"]["chunks"] == pre.num_chunks
+    assert stats["decode"]["lookups"] > 0
+    assert_stats_add_up(stats["decode"], eb)
+
+
+def test_generate_with_offloaded_runner(tiny, host_experts, base_runner, prompts):
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lfu",
+                             host_experts=host_experts)
+    ref = hybridlm.generate(base_runner, prompts["short"], max_new_tokens=5, chunk_size=16)
+    out = hybridlm.generate(runner, prompts["short"], max_new_tokens=5, chunk_size=16)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_experts(bits):
+    """QuantizedWeights experts: every leaf (values, scales, offsets) is paged; same logits."""
+    model = quantized_tiny(bits)
+    ids = np.random.default_rng(2).integers(0, model.config.vocab_size, 20)
+    ref = hybridlm.prefill(hybridlm.LayerwiseRunner(model), ids, chunk_size=16)
+    runner = OffloadedRunner(model, expert_budget="1MiB", cache_policy="slru", whole_layer=False)
+    moe, hidden = model.config.moe, model.config.hidden_dim
+    float_bytes = 3 * hidden * moe.expert_ffn_dim * 4
+    assert runner.expert_bytes < float_bytes * (0.3 if bits == 8 else 0.2)   # quantized bytes are what moves
+    out = hybridlm.prefill(runner, ids, chunk_size=16)
+    assert_finite(out.logits)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    stats = runner.stats()["prefill"]
+    assert_stats_add_up(stats, runner.expert_bytes)
+    assert stats["bytes_h2d"] > 0
+
+
+@pytest.mark.parametrize("whole_layer", [False, True], ids=["exact", "whole"])
+def test_batch_of_two_and_profile(tiny, host_experts, base_runner, whole_layer):
+    """Two sequences per chunk (ids of both rows decide the experts); profile=True times phases as usual."""
+    ids = np.random.default_rng(5).integers(0, tiny.config.vocab_size, (2, 21))
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=16)
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=2 * NUM_EXPERTS * eb, cache_policy="slru",
+                             whole_layer=whole_layer, host_experts=host_experts)
+    out = hybridlm.prefill(runner, ids, chunk_size=16, profile=True)
+    assert_finite(out.logits)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    assert out.phase_seconds["experts"] > 0
+    assert_stats_add_up(runner.stats()["prefill"], eb)
