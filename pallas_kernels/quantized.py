@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["QuantizedWeights", "quantize_int8", "quantize_int4"]
+__all__ = ["QuantizedWeights", "quantize_int4", "quantize_int8"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +44,8 @@ class QuantizedWeights:
     values: jax.Array
     scales: jax.Array
     offsets: jax.Array | None = None
-    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
-    block_size: int = dataclasses.field(default=32, metadata=dict(static=True))
+    bits: int = dataclasses.field(default=8, metadata={"static": True})
+    block_size: int = dataclasses.field(default=32, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -3,20 +3,21 @@
 Work decomposition. A *work item* is a chunk of at most `block_m` consecutive rows of ONE group, starting at
 the group's first row (chunks are aligned to group starts, not to multiples of block_m): a group of s rows
 gives cdiv(s, block_m) items, so a group smaller than block_m reads its weights exactly once and no row is
-multiplied by another group's weights (the megablox/tokamax alternative, m-tiles aligned to block_m and
-visited once per overlapping group, recomputes every straddling tile: ~1.5x the useful FLOPs at
-M=65536, block_m=128, 256 experts, against ~1.2x here). Rows past sum(group_sizes) form one extra "padding group" whose items store zeros without any
-matmul. The item list is built on device from group_sizes (`make_schedule`; no host sync); its length is
+multiplied by another group's weights. The megablox/tokamax alternative, m-tiles aligned to block_m and
+visited once per overlapping group, recomputes every straddling tile: 1.5x the useful rows at M=65536,
+block_m=128, 256 router-skewed groups, against 1.25x here (docs/benchmarks_gmm.md: 318 -> 366 TFLOP/s).
+Rows past sum(group_sizes) form one extra "padding group" whose items store zeros without any matmul. The item list is built on device from group_sizes (`make_schedule`; no host sync); its length is
 bounded statically by m // block_m + groups + 1, and the surplus items exit at once.
 
 The 1-D grid runs (work item, n-tile) pairs with the n-tile fastest, so programs that run together share
 one lhs chunk and one group's weights (L2 reuse). Each program loops over k in steps of `block_k`,
 accumulating in float32 registers, and writes its `[block_m, block_n]` output tile once.
 
-Quantized weights (`QuantizedWeights`) are dequantized per 32-row block inside the k loop (codes * scale
-[+ offset], cast to the lhs dtype) and fed to the same tensor-core dot: bf16 weights never exist in HBM.
-For 4 bits one packed byte tile feeds two dots: lhs[:, kk:] with the low nibbles and lhs[:, k/2 + kk:]
-with the high nibbles (the split-half layout of `QuantizedWeights`).
+Quantized weights (`QuantizedWeights`) are dequantized in registers inside the k loop (codes * scale
+[+ offset], scales broadcast over each 32-row block, cast to the lhs dtype) and fed to the same
+tensor-core dot: bf16 weights never exist in HBM. For 4 bits one packed byte tile feeds two dots:
+lhs[:, kk:] with the low nibbles and lhs[:, k/2 + kk:] with the high nibbles (the split-half layout of
+`QuantizedWeights`). Other orders of dequantization are selectable by `BlockSizes.quant_mode`.
 
 gmm_swiglu keeps two accumulators (gate columns j and up columns ffn + j of the same group) and writes
 silu(gate) * up, so the [m, 2 * ffn] intermediate never reaches memory.
@@ -47,7 +48,9 @@ class BlockSizes:
     weight tile (scales broadcast over each 32-row block) and issues one dot per step; "block" issues one
     dot per 32-row quantization block; "scale_after_dot" multiplies the integer codes (exact in bf16) on
     the tensor cores per block and applies the scale (and the offset, as rowsum(x) * offset) to the float32
-    partial product.
+    partial product; "tile_swapped" is "tile" with the operands swapped, out^T = W^T x^T, so the weights
+    dequantized in registers are the dot's first operand (Hopper wgmma reads that one from registers,
+    skipping a shared-memory round trip) and the few rows of x are its second.
     """
 
     block_m: int = 128
@@ -55,21 +58,26 @@ class BlockSizes:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    quant_mode: Literal["tile", "block", "scale_after_dot"] = "tile"
+    quant_mode: Literal["tile", "tile_swapped", "block", "scale_after_dot"] = "tile"
 
     @classmethod
     def get_default(cls, m: int, k: int, n: int, groups: int, *, bits: int | None = None,
                     swiglu: bool = False) -> BlockSizes:
         """A tile shape for this problem; the figures behind it are in docs/benchmarks_gmm.md."""
         rows_per_group = m / max(groups, 1)
-        if bits is not None:       # weight-read bound: small m-tiles, dequantize per 32-row block
+        if bits is not None and rows_per_group <= 64:   # weight-read bound: small chunks and n-tiles
             return cls(block_m=32 if rows_per_group <= 32 else 64, block_n=128, block_k=64,
                        num_warps=4, num_stages=3)
+        if bits == 8:              # compute bound, dequantizing in registers
+            return cls(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
+        if bits == 4:
+            return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3,
+                       quant_mode="tile_swapped")
         if rows_per_group <= 64:   # weight-read bound (decode / small prefill chunks)
-            return cls(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
+            return cls(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
         if swiglu:                 # two accumulators per program
             return cls(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
-        return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return cls(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 def make_schedule(group_sizes: jax.Array, m: int, block_m: int):
@@ -171,13 +179,20 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         codes = plgpu.load(rhs_ref.at[g, pl.ds(kk, bk), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
         if bits == 8:
             w = codes.astype(jnp.float32) * expand(scale_ref, kk // quant_block)
-            return acc + dot(load_lhs(kk, bk), w.astype(dot_dtype))
+            return acc + mul(load_lhs(kk, bk), w.astype(dot_dtype))
         half = k // 2
         for x_row0, q in ((kk, codes & 0xF), (half + kk, codes >> 4)):
             kb = x_row0 // quant_block
             w = q.astype(jnp.float32) * expand(scale_ref, kb) + expand(offset_ref, kb)
-            acc = acc + dot(load_lhs(x_row0, bk), w.astype(dot_dtype))
+            acc = acc + mul(load_lhs(x_row0, bk), w.astype(dot_dtype))
         return acc
+
+    swapped = bits is not None and bs.quant_mode == "tile_swapped"
+
+    def mul(x, w):   # x [bm, bk] @ w [bk, bn], or its transpose [bn, bm] when swapped
+        if swapped:
+            return jnp.dot(w.T, x.astype(dot_dtype).T, preferred_element_type=jnp.float32, precision=precision)
+        return dot(x, w)
 
     def dot(x, w):
         return jnp.dot(x.astype(dot_dtype), w, preferred_element_type=jnp.float32, precision=precision)
@@ -191,7 +206,7 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
             return tuple(acc + dot(x, load_rhs(c, kk, bk)) for acc, c in zip(accs, col_bases))
         accs = list(accs)
         half = k // 2
-        if bs.quant_mode == "tile":
+        if bs.quant_mode in ("tile", "tile_swapped"):
             return tuple(quant_tile_step(kk, acc, c) for acc, c in zip(accs, col_bases))
         for sub in range(bk // quant_block):
             r = kk + sub * quant_block
@@ -211,8 +226,10 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
 
     @pl.when(g < groups)
     def _compute():
-        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in col_bases)
+        zeros = tuple(jnp.zeros((bn, bm) if swapped else (bm, bn), jnp.float32) for _ in col_bases)
         accs = jax.lax.fori_loop(0, pl.cdiv(k_rows, bk), step, zeros)
+        if swapped:
+            accs = tuple(acc.T for acc in accs)
         out = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1] if swiglu else accs[0]
         plgpu.store(out_ref.at[pl.ds(first_row, bm), pl.ds(j * bn, bn)], out.astype(out_ref.dtype),
                     mask=out_mask)

@@ -3,13 +3,14 @@
 The Pallas kernel runs in the Pallas interpreter on CPU (interpret=None picks it when no GPU is present).
 """
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul import api, pallas_triton, reference, workloads
-from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
+from pallas_kernels.grouped_matmul import api, gmm, gmm_swiglu, pallas_triton, reference, workloads
 from pallas_kernels.quantized import QuantizedWeights
 
 # (atol, rtol) against the float64 oracle, by lhs dtype. bf16: inputs are rounded to bf16 before the
@@ -150,22 +151,41 @@ def test_assert_close_rejects_nan():
         assert_close(jnp.array([[0.0, jnp.inf], [0.0, 0.0]]), expected, jnp.float32)
 
 
-QUANT_CASES = [pytest.param("reference", None, id="reference")] + [
-    pytest.param("pallas", pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=mode),
-                 id=f"pallas-{mode}") for mode in ("tile", "block", "scale_after_dot")]
-
-
-@pytest.mark.parametrize("implementation,block_sizes", QUANT_CASES)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
-def test_quantized_matches_dequantize_then_matmul(bits, implementation, block_sizes):
+def test_quantized_matches_dequantize_then_matmul(bits, implementation):
     w = workloads.WORKLOADS["tiny_partial"]
     for swiglu in (False, True):
         lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", swiglu=swiglu, seed=11)
         assert isinstance(q, QuantizedWeights) and q.bits == bits
-        if block_sizes is None:
-            out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation=implementation)
-        else:
-            fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
-            out = fn(lhs, q, gs, block_sizes=block_sizes)
+        out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation=implementation)
         expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
         assert_close(out, expected, jnp.bfloat16, f"bits={bits} swiglu={swiglu}")
+
+
+# The other dequantization orders, on the 4-bit layout (its branches contain the 8-bit ones' steps).
+@pytest.mark.parametrize("quant_mode", ["tile_swapped", "block", "scale_after_dot"])
+def test_quant_modes(quant_mode):
+    w = workloads.WORKLOADS["tiny_partial"]
+    lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights="int4", seed=13)
+    bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=quant_mode)
+    out = pallas_triton.gmm_pallas(lhs, q, gs, block_sizes=bs)
+    expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs)
+    assert_close(out, expected, jnp.bfloat16, quant_mode)
+
+
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(sizes=st.lists(st.integers(0, 12), min_size=6, max_size=6), data=st.data())
+def test_any_group_sizes_property(sizes, data):
+    # Fixed shapes (one compilation), random group sizes with sum <= m: both implementations match the loop.
+    m = 48
+    sizes = np.asarray(sizes, np.int32)
+    sizes[-1] = max(0, min(sizes[-1], m - sizes[:-1].sum()))
+    hypothesis.assume(sizes.sum() <= m)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    lhs = jnp.asarray(rng.standard_normal((m, 32), np.float32))
+    rhs = jnp.asarray(rng.standard_normal((6, 32, 16), np.float32))
+    gs = jnp.asarray(sizes)
+    expected = numpy_gmm(np.asarray(lhs), np.asarray(rhs), sizes)
+    for implementation in IMPLEMENTATIONS:
+        assert_close(gmm(lhs, rhs, gs, implementation=implementation), expected, jnp.float32, implementation)
