@@ -6,7 +6,19 @@ clock over `--reps` back-to-back calls ended by one synchronisation (launch over
 previous call's GPU work); FLA is also timed with triton.testing.do_bench (CUDA events, median) as its own
 benchmarks do. Outputs are compared (max |ours - FLA| / max |FLA|). Prints one JSON document last.
 
-usage: XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/gated_delta_rule.py [--workloads ...] [--check]
+Kernel variants (`--variants`), each timed on every workload in the same process, side by side:
+  KIND:STATE_BLOCK_V[:SEGMENTS][:KEY=VALUE...]   KIND is unfused or fused (`fuse_output`); KEY is any
+  `pallas_triton.BlockSizes` field or one of the short names prepare (prepare_kernel), combine
+  (segment_combine), prefetch (state_prefetch), chunk (the chunk_size argument, default 64).
+  E.g. `unfused:32` (today's default), `unfused:16:8:prepare=dense:combine=pallas:prefetch=1` (segments
+  also split packed sequences: a segment restarts at each sequence's first chunk). A variant listed twice
+  is timed once (row "same_as"). Every variant after the first is compared with the first (output /
+  final-state rel. err.); `--budget-s` (150) is shared out over the workloads, and a workload whose share is
+  spent starts no new variant (its rows say "skipped"), so that the run stays short.
+
+usage (on the GPU machine; FLA from the wheel the repo carries, torch and triton are preinstalled there):
+  python3 -m pip install --no-deps --no-index .whl/fla/fla_core-0.6.0-py3-none-any.whl
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/gated_delta_rule.py [--check] [--json F]
 """
 
 import argparse
@@ -21,6 +33,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gated_delta_rule import _common, api, pallas_triton, reference, workloads
+
+START = time.monotonic()
+# Today's default first (the reference for the *_vs_first errors), then the new options: prepare=dense (one
+# K K^T product per chunk; 4 or 8 warps), prefetch=1 (the state pass loads the next chunk's tiles during this
+# one), segments with the Pallas combine (the walk split along the sequence, packed sequences included),
+# fused output, chunk=128 (half as many sequential steps).
+DEFAULT_VARIANTS = [
+    "unfused:32",
+    "unfused:32:prepare=dense",
+    "unfused:32:prepare=dense:prepare_warps=8",
+    "unfused:32:prepare=dense:prefetch=1",
+    "unfused:32:4:prepare=dense:combine=pallas:prefetch=1",
+    "unfused:16:8:prepare=dense:combine=pallas:prefetch=1",
+    "fused:16:8:prepare=dense:combine=pallas:prefetch=1",
+    "unfused:32:prepare=dense:prefetch=1:prepare_warps=8:state_warps=8:output_warps=8:chunk=128",
+]
+# --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
+# f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
+CHECK_VARIANTS = [
+    "unfused:16:3:prepare=dense:combine=pallas:prefetch=1",
+    "fused:16:3:prepare=dense:combine=pallas:prefetch=1",
+    "unfused:16:prepare=dense:chunk=128",
+]
 
 
 def wall_ms(fn, sync, reps: int, warmup: int = 3) -> float:
@@ -44,8 +79,9 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def check_against_reference() -> list[dict]:
-    """Small shapes on the GPU: the compiled Pallas kernels against the f32 reference."""
+def check_against_reference(variants=None) -> list[dict]:
+    """Small shapes on the GPU: the compiled Pallas kernels (the default, then each of `variants`, a dict of
+    label -> (BlockSizes, chunk_size)) against the f32 reference."""
     rows = []
     cases = [
         ("f32-seq130", jnp.float32, None),
@@ -58,33 +94,43 @@ def check_against_reference() -> list[dict]:
             n: (x if x is None or n == "cu_seqlens" else x.astype(jnp.float32)) for n, x in inputs.items()
         }
         want = reference.gated_delta_rule_reference(**as_f32)
-        got = api.gated_delta_rule(**inputs, implementation="pallas")
-        rows.append(
-            {
-                "check": name,
-                "output_rel_err": rel_err(got[0], want[0]),
-                "state_rel_err": rel_err(got[1], want[1]),
-            }
-        )
-        print(rows[-1], flush=True)
+        runs = {"default": functools.partial(api.gated_delta_rule, **inputs, implementation="pallas")}
+        for label, (block_sizes, chunk_size) in (variants or {}).items():
+            runs[label] = functools.partial(
+                pallas_triton.gated_delta_rule_pallas,
+                **inputs,
+                block_sizes=block_sizes,
+                chunk_size=chunk_size,
+                interpret=False,
+            )
+        for label, run in runs.items():
+            row = {"check": name, "variant": label}
+            try:
+                got = run()
+                row["output_rel_err"] = rel_err(got[0], want[0])
+                row["state_rel_err"] = rel_err(got[1], want[1])
+            except Exception as e:  # noqa: BLE001  report, go on
+                row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
-def prepare_time(inputs, reps, block_sizes) -> float:
+def prepare_time(inputs, reps, block_sizes, chunk_size=64) -> float:
     """Time of stage 1 alone (the chunk-parallel WY preparation) on pre-padded inputs, in ms."""
     q, k, v = inputs["query"], inputs["key"], inputs["value"]
     layout = None
     if "cu_seqlens" in inputs:
-        layout = _common.packed_layout(inputs["cu_seqlens"], k.shape[1], 64)
+        layout = _common.packed_layout(inputs["cu_seqlens"], k.shape[1], chunk_size)
     q, k, v, g, bt = _common.pad_to_chunks(
-        q, k, v, inputs["log_decay"], inputs["beta"].astype(jnp.float32), 64, layout
+        q, k, v, inputs["log_decay"], inputs["beta"].astype(jnp.float32), chunk_size, layout
     )
     g, bt = jnp.swapaxes(g, 1, 2), jnp.swapaxes(bt, 1, 2)
     prepare = jax.jit(
         functools.partial(
             pallas_triton._prepare,
             scale=k.shape[-1] ** -0.5,
-            chunk_size=64,
+            chunk_size=chunk_size,
             group=v.shape[2] // k.shape[2],
             compute_dtype=jnp.bfloat16,
             block_sizes=block_sizes,
@@ -94,7 +140,37 @@ def prepare_time(inputs, reps, block_sizes) -> float:
     return round(wall_ms(lambda: prepare(q, k, v, g, bt), jax_sync, reps), 4)
 
 
-def bench_workload(workload, reps, fla, block_variants) -> list[dict]:
+def parse_variant(spec: str, default) -> tuple[object, int]:
+    """'KIND:STATE_BLOCK_V[:SEGMENTS][:KEY=VALUE...]' -> (BlockSizes, chunk_size); see the docstring."""
+    aliases = {
+        "prepare": "prepare_kernel",
+        "combine": "segment_combine",
+        "block_v": "state_block_v",
+        "prefetch": "state_prefetch",
+    }
+    fields = {f.name: f for f in dataclasses.fields(default)}
+    kind, block_v, *rest = spec.split(":")
+    if kind not in ("unfused", "fused"):
+        raise ValueError(f"variant {spec!r}: kind must be unfused or fused")
+    changes = {"fuse_output": kind == "fused", "state_block_v": int(block_v)}
+    chunk_size = 64
+    for item in rest:
+        if "=" not in item:
+            changes["segments"] = int(item)
+            continue
+        name, value = item.split("=", 1)
+        if name == "chunk":
+            chunk_size = int(value)
+            continue
+        name = aliases.get(name, name)
+        if name not in fields:
+            raise ValueError(f"variant {spec!r}: unknown field {name!r}; choose from {sorted(fields)}")
+        kind_of = type(getattr(default, name))
+        changes[name] = value.lower() in ("1", "true", "yes") if kind_of is bool else kind_of(value)
+    return dataclasses.replace(default, **changes), chunk_size
+
+
+def bench_workload(workload, reps, fla, block_variants, deadline=float("inf")) -> list[dict]:
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=0)
     inputs["beta"] = inputs["beta"].astype(jnp.bfloat16).astype(jnp.float32)
     cu = inputs.get("cu_seqlens")
@@ -108,28 +184,54 @@ def bench_workload(workload, reps, fla, block_variants) -> list[dict]:
         "key_dim": workload.key_dim,
     }
     ours_out = None
-    for label, block_sizes in block_variants.items():
+    seen, prepare_seen = {}, {}
+    for label, (block_sizes, chunk_size) in block_variants.items():
+        if (block_sizes, chunk_size) in seen:
+            rows.append({**base, "impl": f"ours.pallas[{label}]", "same_as": seen[block_sizes, chunk_size]})
+            continue
+        seen[block_sizes, chunk_size] = label
+        if time.monotonic() > deadline:
+            rows.append({**base, "impl": f"ours.pallas[{label}]", "skipped": "--budget-s reached"})
+            print(rows[-1], flush=True)
+            continue
         fn = jax.jit(
-            functools.partial(pallas_triton.gated_delta_rule_pallas, interpret=False, block_sizes=block_sizes)
+            functools.partial(
+                pallas_triton.gated_delta_rule_pallas,
+                interpret=False,
+                block_sizes=block_sizes,
+                chunk_size=chunk_size,
+            )
         )
         call = functools.partial(fn, **inputs)
+        start = time.monotonic()
         try:
             ms = wall_ms(call, jax_sync, reps)
             out = call()
-            row = {
-                **base,
-                "impl": f"ours.pallas[{label}]",
-                "ms": round(ms, 4),
-                "prepare_ms": prepare_time(inputs, reps, block_sizes),
-            }
+            row = {**base, "impl": f"ours.pallas[{label}]", "ms": round(ms, 4)}
+            prep_key = (
+                block_sizes.prepare_kernel,
+                block_sizes.fuse_output,
+                block_sizes.prepare_warps,
+                block_sizes.solve_block,
+                chunk_size,
+            )
+            if prep_key not in prepare_seen:
+                prepare_seen[prep_key] = prepare_time(inputs, reps, block_sizes, chunk_size)
+            row["prepare_ms"] = prepare_seen[prep_key]
+            row["after_prepare_ms"] = round(ms - row["prepare_ms"], 4)
         except Exception as e:  # noqa: BLE001  a variant that fails to compile must not end the run
             print(f"variant {label} failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            rows.append(
+                {**base, "impl": f"ours.pallas[{label}]", "failed": f"{type(e).__name__}: {str(e)[:300]}"}
+            )
             continue
+        row["compile_and_time_s"] = round(time.monotonic() - start, 1)
         if ours_out is None:
             ours_out = out
             ours_ms = ms
         else:
             row["output_rel_err_vs_first"] = rel_err(out[0], ours_out[0])
+            row["state_rel_err_vs_first"] = rel_err(out[1], ours_out[1])
             ours_ms = min(ours_ms, ms)
         rows.append(row)
         print(row, flush=True)
@@ -179,8 +281,21 @@ def main():
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["unfused:32", "unfused:16:8", "fused:16:8"],
-        help="kernel variants to time: {unfused,fused}:STATE_BLOCK_V[:SEGMENTS], e.g. unfused:32 fused:16:8",
+        default=DEFAULT_VARIANTS,
+        help="kernel variants to time: {unfused,fused}:STATE_BLOCK_V[:SEGMENTS][:KEY=VALUE...] (docstring)",
+    )
+    parser.add_argument(
+        "--check-variants",
+        nargs="*",
+        default=CHECK_VARIANTS,
+        help="with --check: variants checked against the reference besides the default",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=150.0,
+        help="seconds for the whole run (checks included), shared out over the workloads: a workload starts no"
+        " new variant once its share is spent",
     )
     parser.add_argument("--json", default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -190,8 +305,10 @@ def main():
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "rows": [],
     }
+    default = pallas_triton.BlockSizes.get_default()
     if args.check:
-        result["checks"] = check_against_reference()
+        checks = {variant: parse_variant(variant, default) for variant in args.check_variants}
+        result["checks"] = check_against_reference(checks)
     fla = None
     if not args.no_fla:
         import torch
@@ -200,18 +317,11 @@ def main():
 
         fla = (torch, chunk_gated_delta_rule, triton.testing.do_bench)
         result["torch"] = torch.__version__
-    default = pallas_triton.BlockSizes.get_default()
-    variants = {}
-    for variant in args.variants:
-        kind, block_v, *segments = variant.split(":")
-        variants[variant] = dataclasses.replace(
-            default,
-            fuse_output=kind == "fused",
-            state_block_v=int(block_v),
-            segments=int(segments[0]) if segments else 1,
-        )
-    for name in args.workloads:
-        result["rows"] += bench_workload(workloads.WORKLOADS[name], args.reps, fla, variants)
+    variants = {variant: parse_variant(variant, default) for variant in args.variants}
+    for i, name in enumerate(args.workloads):  # each workload gets its share of the time left
+        deadline = time.monotonic() + (START + args.budget_s - time.monotonic()) / (len(args.workloads) - i)
+        result["rows"] += bench_workload(workloads.WORKLOADS[name], args.reps, fla, variants, deadline)
+    result["total_s"] = round(time.monotonic() - START, 1)
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:

@@ -190,3 +190,132 @@ def test_pallas_segmented_state_pass():
     got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=split)
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, jnp.float32)
+
+
+# Pallas options besides the defaults: (case id, BlockSizes overrides, dtype, chunk_size, seq, seqlens, batch).
+VARIANTS = [
+    ("sub-blocks-prepare", {"prepare_kernel": "sub_blocks"}, jnp.float32, CHUNK, 2 * CHUNK + 5, None, 1),
+    ("sub-blocks-prepare-c64-bf16", {"prepare_kernel": "sub_blocks"}, jnp.bfloat16, 64, 150, None, 1),
+    (
+        "sub-blocks-fused-packed",
+        {"prepare_kernel": "sub_blocks", "fuse_output": True, "state_block_v": 16},
+        jnp.float32,
+        CHUNK,
+        None,
+        (CHUNK + 3, 0, 2 * CHUNK),
+        1,
+    ),
+    ("dense-prepare-c64-f32", {"prepare_kernel": "dense"}, jnp.float32, 64, 150, None, 1),
+    (
+        "dense-prepare-c64-solve32",
+        {"prepare_kernel": "dense", "solve_block": 32},
+        jnp.float32,
+        64,
+        100,
+        None,
+        1,
+    ),
+    (
+        "dense-fused-packed",
+        {"prepare_kernel": "dense", "fuse_output": True, "state_block_v": 16},
+        jnp.bfloat16,
+        CHUNK,
+        None,
+        (CHUNK + 3, 0, 2 * CHUNK),
+        1,
+    ),
+    (
+        "dense-segments-pallas-combine",
+        {"prepare_kernel": "dense", "segments": 3, "segment_combine": "pallas", "state_block_v": 16},
+        jnp.float32,
+        CHUNK,
+        4 * CHUNK + 3,
+        None,
+        2,
+    ),
+    (
+        "prefetch-packed",
+        {"state_prefetch": True, "prepare_kernel": "dense"},
+        jnp.float32,
+        CHUNK,
+        None,
+        (5, 2 * CHUNK + 3, 0, CHUNK),
+        1,
+    ),
+    (
+        "prefetch-fused-segments",
+        {"state_prefetch": True, "fuse_output": True, "segments": 2, "segment_combine": "pallas"},
+        jnp.float32,
+        CHUNK,
+        5 * CHUNK + 1,
+        None,
+        2,
+    ),
+    (
+        "packed-segments",
+        {"segments": 3, "segment_combine": "pallas", "prepare_kernel": "dense"},
+        jnp.float32,
+        CHUNK,
+        None,
+        (5, 2 * CHUNK + 3, 0, CHUNK, 3 * CHUNK + 2),
+        1,
+    ),
+    (
+        "packed-segments-xla-combine-prefetch-fused",
+        {"segments": 2, "state_prefetch": True, "fuse_output": True, "state_block_v": 16},
+        jnp.bfloat16,
+        CHUNK,
+        None,
+        (CHUNK + 3, 0, 2 * CHUNK, 7),
+        1,
+    ),
+    (
+        "segments-pallas-combine-fused-c64",
+        {"segments": 2, "segment_combine": "pallas", "fuse_output": True, "state_block_v": 16},
+        jnp.bfloat16,
+        64,
+        200,
+        None,
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,dtype,chunk_size,seq,seqlens,batch", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS]
+)
+def test_pallas_block_size_variants(overrides, dtype, chunk_size, seq, seqlens, batch):
+    """The kernel options besides the defaults (sub-block prepare, Pallas segment combine, fusion, segments)."""
+    shapes = dataclasses.replace(SMALL, batch=batch, key_dim=32 if "segments" in overrides else SMALL.key_dim)
+    inputs = workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=8, seqlens=seqlens)
+    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), **overrides)
+    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=chunk_size, block_sizes=block_sizes)
+    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
+        assert_close(name, g, w, dtype)
+
+
+def test_pallas_dense_prepare_extreme_gates():
+    """g = -20 / 0, beta 0 / 1 with the dense prepare, 64-token chunks and split, prefetched walks."""
+    inputs = workloads.make_inputs(SMALL, seq=140, dtype=jnp.float32, seed=3)
+    rng = np.random.default_rng(1)
+    pick = rng.integers(0, 3, inputs["log_decay"].shape)
+    inputs["log_decay"] = jnp.asarray(np.choose(pick, [-20.0, 0.0, -0.5]), jnp.float32)
+    inputs["beta"] = jnp.asarray(np.choose(rng.integers(0, 3, pick.shape), [0.0, 1.0, 0.5]), jnp.float32)
+    block_sizes = dataclasses.replace(
+        pallas_triton.BlockSizes.get_default(),
+        prepare_kernel="dense",
+        segments=2,
+        segment_combine="pallas",
+        state_prefetch=True,
+    )
+    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=block_sizes)
+    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
+        assert_close(name, g, w, jnp.float32)
+
+
+def test_packed_segments_refused_when_compiled():
+    """segments > 1 with cu_seqlens gave wrong outputs compiled on an H100: refused outside the interpreter."""
+    inputs = workloads.make_inputs(SMALL, seq=None, dtype=jnp.float32, seed=8, seqlens=(CHUNK, CHUNK))
+    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), segments=2)
+    with pytest.raises(NotImplementedError, match="segments > 1 with cu_seqlens"):
+        pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=block_sizes, interpret=False)
