@@ -10,10 +10,7 @@ import hybridlm
 from hybridlm.engine.prefill import cache_capacity, effective_chunk_size
 
 SEQ = 70   # not a multiple of any chunk size below
-# fp32 paths that differ only in summation order (chunked vs whole-sequence delta rule,
-# blocked vs one-shot softmax) agree to ~3e-5 of the logit scale (|logits| ~ 5) after the
-# 8 random layers of the tiny preset; 1.5e-4 absolute was measured at worst (JAX 0.11.2, CPU).
-ATOL = 3e-4
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +25,19 @@ def full_logits(tiny_model, prompt):
     return logits
 
 
+@pytest.fixture(scope="module")
+def recurrence_logits(prompt):
+    """Full forward of the same weights with the token-by-token delta rule (the oracle) in every GDN layer.
+
+    Decode runs the recurrence; the default full forward on CPU runs the chunked WY form, whose fp32 rounding
+    differs: on this random model the two forwards differ by up to 1.3e-4 (|logits| ~ 5) at some positions,
+    while decode stays within 3.4e-5 of this one (JAX 0.11.2, CPU)."""
+    model = hybridlm.init_random(hybridlm.get_config("tiny").replace(gdn_implementation="reference"), seed=0)
+    logits = np.asarray(model(jnp.asarray(prompt)))
+    assert_finite(logits, "recurrence forward logits")
+    return logits
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64, 4096])
 def test_chunked_prefill_equals_full_forward(tiny_runner, prompt, full_logits, chunk_size):
     result = hybridlm.prefill(tiny_runner, prompt, chunk_size=chunk_size)
@@ -37,13 +47,13 @@ def test_chunked_prefill_equals_full_forward(tiny_runner, prompt, full_logits, c
     np.testing.assert_allclose(np.asarray(result.logits), full_logits[:, -1], atol=ATOL, rtol=0)
 
 
-def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, full_logits):
+def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, recurrence_logits):
     result = hybridlm.prefill(tiny_runner, prompt[:, :40], chunk_size=16, max_new_tokens=SEQ - 40)
     states = result.states
     for pos in range(40, SEQ):
         logits, states = hybridlm.decode_step(tiny_runner, jnp.asarray(prompt[:, pos]), states, pos)
         assert_finite(logits)
-        np.testing.assert_allclose(np.asarray(logits), full_logits[:, pos], atol=ATOL, rtol=0,
+        np.testing.assert_allclose(np.asarray(logits), recurrence_logits[:, pos], atol=ATOL, rtol=0,
                                    err_msg=f"position {pos}")
 
 
