@@ -35,8 +35,8 @@ from flax import nnx
 
 import hybridlm
 from hybridlm.model import HybridLM, _random_param_jax
-from hybridlm.offload import HostExperts, OffloadedRunner, parse_bytes
-from hybridlm.offload.scheduler import device_sharding, pinned_host_sharding
+from hybridlm.offload import HostExperts, OffloadedRunner, measure_h2d_gbps, parse_bytes
+from hybridlm.offload.scheduler import device_sharding
 from pallas_kernels.quantized import quantize_int4, quantize_int8
 
 EXPERT_NAMES = ("experts_gate_up", "experts_down")
@@ -84,18 +84,6 @@ def build_host_experts(config, expert_format: str, dtype, seed: int = 0) -> Host
         del gate_up, down
         experts.append(buffers)
     return HostExperts(layout, experts)
-
-
-def measure_h2d(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Pinned host -> device GB/s (10^9 B/s) of one `nbytes` jax.device_put, median of `repeats`."""
-    x = jax.device_put(np.ones((nbytes,), np.uint8), pinned_host_sharding())
-    jax.block_until_ready(x)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(x, device_sharding()))
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def measure_h2d_experts(host: HostExperts, repeats: int = 3) -> float:
@@ -154,7 +142,7 @@ def main(argv=None):
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
               "preset": config.name, "num_layers": config.num_layers, "dtype": jnp.dtype(dtype).name,
               "chunk_size": a.chunk_size, "prefetch": a.prefetch, "prefetch_depth": a.prefetch_depth}
-    header["pinned_h2d_gbps"] = round(measure_h2d(), 2)
+    header["pinned_h2d_gbps"] = round(measure_h2d_gbps(), 2)
     t = time.perf_counter()
     model = build_trunk(config, dtype)
     jax.block_until_ready(jax.tree_util.tree_leaves(model))

@@ -25,3 +25,18 @@ def test_prefill_sweep_runs_small(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     saved = json.loads((tmp_path / "prefill_ttft_vs_chunk_size.json").read_text())
     assert saved["experiment"]["prompt_tokens"] == 80
+
+
+def test_offload_sweep_runs_small(tmp_path):
+    exp = _load("offload_prefetch_vs_chunk_size")
+    small = dataclasses.replace(exp.EXPERIMENT, prompt_tokens=48, chunk_sizes=(16, 48), policies=("slru",),
+                                prefetch=("none", "layer"), h2d_probe_bytes=1 << 20)
+    rows = exp.run(small, results_dir=str(tmp_path))
+    assert [(r["prefetch"], r["chunk_size"]) for r in rows] == [("none", 16), ("none", 48), ("layer", 16),
+                                                                 ("layer", 48)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bytes_h2d"] > 0
+        assert r["max_abs_logit_diff_vs_resident"] <= 1e-4       # same kernels: offload changes no logit
+    saved = json.loads((tmp_path / "offload_prefetch_vs_chunk_size.json").read_text())
+    assert saved["pinned_h2d_gbps"] > 0

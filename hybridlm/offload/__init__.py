@@ -14,7 +14,7 @@ from hybridlm.offload.expert_cache import (
                                            parse_bytes,
                                            static_pinned_keys,
 )
-from hybridlm.offload.scheduler import HostExperts, OffloadedRunner
+from hybridlm.offload.scheduler import HostExperts, OffloadedRunner, measure_h2d_gbps
 
 __all__ = ["POLICIES", "CacheStats", "ExpertCache", "ExpertLayout", "HostExperts", "LayerStats", "OffloadedRunner",
-           "parse_bytes", "static_pinned_keys"]
+           "measure_h2d_gbps", "parse_bytes", "static_pinned_keys"]

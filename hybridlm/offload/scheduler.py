@@ -25,6 +25,7 @@ expert, head) stays on the device.
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from typing import Literal
 
@@ -58,6 +59,19 @@ def pinned_host_sharding(device=None) -> jax.sharding.Sharding:
 def device_sharding(device=None) -> jax.sharding.Sharding:
     device = device or jax.devices()[0]
     return jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+
+
+def measure_h2d_gbps(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Pinned host -> device bandwidth of one `nbytes` `jax.device_put`, in GB/s (10^9 bytes/s), median of
+    `repeats` copies: the transfer floor of an offloaded prefill is bytes moved / this."""
+    x = jax.device_put(np.ones((nbytes,), np.uint8), pinned_host_sharding())
+    jax.block_until_ready(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(x, device_sharding()))
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
 
 
 @functools.partial(jax.jit, static_argnums=0)
