@@ -51,9 +51,9 @@ DEFAULT_VARIANTS = [
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
 CHECK_VARIANTS = [
-    "unfused:16:3:prepare=dense:combine=pallas:prefetch=1",
-    "fused:16:3:prepare=dense:combine=pallas:prefetch=1",
-    "unfused:16:prepare=dense:chunk=128",
+    "unfused:16:3:combine=pallas:prefetch=1",
+    "fused:16:3:combine=pallas:prefetch=1",
+    "unfused:32:prepare=sub_blocks",
 ]
 
 
