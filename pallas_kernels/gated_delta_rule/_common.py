@@ -149,3 +149,34 @@ def unpad_output(output, seq: int, layout: PackedLayout | None):
     if layout is None:
         return output[:, :seq]
     return jnp.take(output, layout.scatter, axis=1)
+
+
+def packed_to_batch(arrays, cu_seqlens, max_len: int):
+    """Packed sequences [1, seq, ...] -> a padded batch [num_seqs, max_len, ...] (zeros past each length).
+
+    Zero padding (q=k=v=0, g=0, beta=0) leaves a state unchanged, so each row's final state is its
+    sequence's. Returns (arrays, overflow): overflow is a bool scalar, True when a sequence is longer than
+    max_len (its tail would be dropped)."""
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    lengths = cu[1:] - cu[:-1]                                        # [num_seqs]
+    pos = jnp.arange(max_len, dtype=jnp.int32)
+    valid = pos[None, :] < lengths[:, None]                           # [num_seqs, max_len]
+    seq = arrays[0].shape[1]
+    src = jnp.clip(cu[:-1, None] + pos[None, :], 0, max(seq - 1, 0))
+
+    def gather(x):
+        y = jnp.take(x[0], src, axis=0)                                # [num_seqs, max_len, ...]
+        return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), y, jnp.zeros((), x.dtype))
+
+    return tuple(map(gather, arrays)), jnp.any(lengths > max_len)
+
+
+def batch_to_packed(output, cu_seqlens, seq: int):
+    """Inverse of `packed_to_batch` for the output [num_seqs, max_len, ...] -> [1, seq, ...]."""
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    num_seqs, max_len = output.shape[:2]
+    token = jnp.arange(seq, dtype=jnp.int32)
+    token_seq = jnp.clip(jnp.searchsorted(cu[1:], token, side="right"), 0, num_seqs - 1)
+    flat = output.reshape((num_seqs * max_len,) + output.shape[2:])
+    index = jnp.clip(token_seq * max_len + token - cu[token_seq], 0, num_seqs * max_len - 1)
+    return jnp.take(flat, index, axis=0)[None]

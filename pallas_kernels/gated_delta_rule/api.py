@@ -4,6 +4,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import numpy as np
 
 from pallas_kernels.gated_delta_rule import chunked, pallas_triton, reference
 
@@ -31,6 +32,7 @@ def gated_delta_rule(
     scale: float | None = None,
     chunk_size: int = 64,
     cu_seqlens: jax.Array | None = None,
+    max_seqlen: int | None = None,
     implementation: Implementation | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -53,6 +55,9 @@ def gated_delta_rule(
         Any seq is accepted: the last partial chunk is padded internally without changing the results.
       cu_seqlens: optional int32 [num_seqs + 1] offsets of packed variable-length sequences, batch == 1,
         cu_seqlens[0] == 0 and cu_seqlens[-1] == seq; the state restarts at every boundary.
+      max_seqlen: optional static bound (tokens) on the packed sequences' lengths. For "pallas" the
+        sequences then run as a padded batch, one sequential walk per sequence in parallel (worth it when
+        lengths are similar); the other implementations ignore it. Checked against concrete cu_seqlens.
       implementation: "reference" (token-by-token lax.scan in f32: the oracle), "chunked" (pure JAX, WY
         form, spec §9) or "pallas" (Pallas kernels with the Triton lowering). None picks "pallas" on GPU and
         "chunked" elsewhere.
@@ -63,12 +68,22 @@ def gated_delta_rule(
       final_state: [batch or num_seqs, v_heads, key_dim, value_dim] float32.
 
     Raises:
-      ValueError: unknown `implementation`, or shapes that disagree.
+      ValueError: unknown `implementation`, shapes that disagree, or (concrete cu_seqlens) a sequence longer
+        than `max_seqlen`.
     """
     if implementation is None:
         implementation = "pallas" if jax.default_backend() == "gpu" else "chunked"
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(_IMPLEMENTATIONS)}")
+    extra = {}
+    if max_seqlen is not None and cu_seqlens is not None:
+        if not isinstance(cu_seqlens, jax.core.Tracer):
+            cu = np.asarray(cu_seqlens)
+            longest = int(np.max(cu[1:] - cu[:-1], initial=0))
+            if longest > max_seqlen:
+                raise ValueError(f"max_seqlen={max_seqlen} but cu_seqlens has a sequence of {longest} tokens")
+        if implementation == "pallas":
+            extra["max_seqlen"] = int(max_seqlen)
     return _IMPLEMENTATIONS[implementation](
         query,
         key,
@@ -80,6 +95,7 @@ def gated_delta_rule(
         chunk_size=chunk_size,
         cu_seqlens=cu_seqlens,
         interpret=interpret,
+        **extra,
     )
 
 

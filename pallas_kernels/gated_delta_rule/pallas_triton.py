@@ -738,7 +738,7 @@ def _run_stages(q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, ou
     return out, last if final_state is None else final_state
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "max_seqlen"))
 def gated_delta_rule_pallas(
     query,
     key,
@@ -750,6 +750,7 @@ def gated_delta_rule_pallas(
     scale=None,
     chunk_size=64,
     cu_seqlens=None,
+    max_seqlen: int | None = None,
     interpret=None,
     block_sizes: BlockSizes | None = None,
 ):
@@ -767,6 +768,12 @@ def gated_delta_rule_pallas(
       scale: multiplies the query; defaults to key_dim ** -0.5.
       chunk_size: tokens per chunk, a power of two >= 16.
       cu_seqlens: optional int32 [num_seqs + 1] packed-sequence offsets (batch == 1).
+      max_seqlen: optional static bound on the packed sequences' lengths (tokens). Given, the sequences run
+        as a zero-padded batch [num_seqs, max_seqlen rounded up to chunks]: one sequential walk per sequence,
+        all in parallel, instead of one walk over every packed chunk. Pays when the lengths are similar
+        (padding up to num_seqs * max_seqlen tokens). A sequence longer than max_seqlen cannot be detected at
+        trace time: the whole output and final state are then NaN (`api.gated_delta_rule` raises
+        ValueError first when cu_seqlens is concrete).
       interpret: run in the Pallas interpreter; None = only when no GPU is present.
       block_sizes: tiles and launch parameters; None = `BlockSizes.get_default()`.
 
@@ -780,6 +787,25 @@ def gated_delta_rule_pallas(
     """
     dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
     _, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
+    if cu_seqlens is not None and max_seqlen is not None:   # packed -> padded batch, one walk per sequence
+        if max_seqlen < 1:
+            raise ValueError(f"max_seqlen={max_seqlen} must be >= 1")
+        max_len = -(-max_seqlen // chunk_size) * chunk_size
+        batched, overflow = _common.packed_to_batch((query, key, value, log_decay, beta), cu_seqlens, max_len)
+        out, final_state = gated_delta_rule_pallas(
+            *batched,
+            initial_state=initial_state,
+            scale=scale,
+            chunk_size=chunk_size,
+            interpret=interpret,
+            block_sizes=block_sizes,
+        )
+        out = _common.batch_to_packed(out, cu_seqlens, seq)
+        nan = jnp.asarray(jnp.nan, jnp.float32)
+        return (
+            jnp.where(overflow, nan.astype(out.dtype), out),
+            jnp.where(overflow, nan, final_state),
+        )
     for name, x in (("chunk_size", chunk_size), ("key_dim", key_dim), ("value_dim", value_dim)):
         if not _pow2(x) or x < 16:
             raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas Triton kernels")

@@ -319,3 +319,28 @@ def test_packed_segments_refused_when_compiled():
     block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), segments=2)
     with pytest.raises(NotImplementedError, match="segments > 1 with cu_seqlens"):
         pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=block_sizes, interpret=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_as_padded_batch(dtype):
+    """max_seqlen: packed sequences run as a padded batch (one walk each) == the reference, per sequence."""
+    seqlens = (5, 2 * CHUNK + 3, 0, CHUNK, 1)
+    inputs = workloads.make_inputs(SMALL, dtype=dtype, seed=11, seqlens=seqlens)
+    got = api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=max(seqlens), implementation="pallas")
+    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
+        assert_close(name, g, w, dtype)
+    # The bound is static and may exceed the longest sequence.
+    loose = api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=3 * CHUNK + 1, implementation="pallas")
+    for name, g, w in zip(("output", "final_state"), loose, got, strict=True):
+        assert_close(name, g, w, dtype)
+
+
+def test_packed_max_seqlen_too_small():
+    """A sequence longer than max_seqlen: ValueError for concrete cu_seqlens, NaN (never a silent answer)
+    inside jit, where the lengths are not known at trace time."""
+    inputs = workloads.make_inputs(SMALL, dtype=jnp.float32, seed=11, seqlens=(5, 2 * CHUNK + 3))
+    with pytest.raises(ValueError, match="max_seqlen=16 but cu_seqlens has a sequence of 35 tokens"):
+        api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas")
+    run = jax.jit(lambda x: api.gated_delta_rule(**x, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas"))
+    out, final = run(inputs)
+    assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(final)).all()
