@@ -21,7 +21,8 @@ for part in "${parts[@]}"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
     gdn) timeout 300 python3 benchmarks/gated_delta_rule.py --budget-s 180 --json "$OUT/gdn.json" | tail -3 ;;
-    gmm) timeout 300 python3 benchmarks/grouped_matmul.py --quick --out "$OUT/gmm.json" | tail -3 ;;
+    gmm) timeout 300 python3 benchmarks/grouped_matmul.py --quick --out "$OUT/gmm.json" | tail -3
+         timeout 200 python3 benchmarks/moe_layer.py --out "$OUT/moe_layer.json" | tail -3 ;;
     prefill) timeout 420 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 8192 32768 \
                --chunk-sizes 4096 8192 --repeats 2 --profile > "$OUT/prefill.jsonl" ; tail -3 "$OUT/prefill.jsonl" ;;
     offload) timeout 420 python3 benchmarks/offload.py --expert-formats int4 --budgets 12GiB 24GiB \
