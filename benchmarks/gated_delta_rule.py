@@ -10,7 +10,7 @@ Kernel variants (`--variants`), each timed on every workload in the same process
   KIND:STATE_BLOCK_V[:SEGMENTS][:KEY=VALUE...]   KIND is unfused or fused (`fuse_output`); KEY is any
   `pallas_triton.BlockSizes` field or one of the short names prepare (prepare_kernel), combine
   (segment_combine), prefetch (state_prefetch), chunk (the chunk_size argument, default 64).
-  E.g. `unfused:32` (today's default), `unfused:16:8:prepare=dense:combine=pallas:prefetch=1` (segments
+  E.g. `fused:32` (today's default), `unfused:16:8:prepare=dense:combine=pallas:prefetch=1` (segments
   also split packed sequences: a segment restarts at each sequence's first chunk). A variant listed twice
   is timed once (row "same_as"). Every variant after the first is compared with the first (output /
   final-state rel. err.); `--budget-s` (150, the checks not counted) is shared out over the workloads, and a workload whose share is
@@ -36,17 +36,17 @@ from pallas_kernels.gated_delta_rule import _common, api, pallas_triton, referen
 
 START = time.monotonic()
 # Today's default first (the reference for the *_vs_first errors: dense prepare, state_block_v 32, one
-# sequential walk), then the options. Measured on an H100 on 2026-11-22 (docs/benchmarks.md): sub_blocks
-# prepare 12-19% slower in stage 1; prefetch no gain on one sequence, 20% loss packed; segments and fused
-# output slower; chunk=128 exceeds shared memory.
+# sequential walk, output fused into the state pass), then the options. Measured on an H100 on 2026-11-22
+# (docs/benchmarks.md, runs 3 and 4): sub_blocks prepare 12-19% slower in stage 1; the separate output kernel
+# (unfused) 10-12% slower; prefetch no gain on one sequence, 20% loss packed; segments slower; chunk=128
+# exceeds shared memory.
 DEFAULT_VARIANTS = [
-    "unfused:32",
-    "unfused:32:prepare=sub_blocks",
-    "unfused:32:prefetch=1",
-    "unfused:32:prepare_warps=8",
-    "unfused:32:2:combine=pallas",
-    "unfused:32:4:combine=pallas",
     "fused:32",
+    "unfused:32",
+    "fused:32:prepare=sub_blocks",
+    "fused:32:prefetch=1",
+    "fused:16",
+    "fused:32:2:combine=pallas",
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).

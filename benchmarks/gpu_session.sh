@@ -2,31 +2,32 @@
 # The GPU measurements of docs/benchmarks.md, each part bounded (timeout) so that one slow part cannot eat the
 # others' time. Output: $OUT/{gdn,gmm,offload}.json, $OUT/prefill.jsonl (compare with docs/results/).
 #
-#   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gmm] [prefill] [offload]
-#   No argument: all four (~25 minutes); a command of the device tool may run 10 minutes, so give it one or
+#   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gmm] [moe] [prefill] [h2d] [offload]
+#   No argument: all five (~25 minutes); a command of the device tool may run 10 minutes, so give it one or
 #   two parts per call. Wheels the GPU machine lacks come from .whl/ (README, "GPU machine").
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(gdn gmm prefill offload)
+[ ${#parts[@]} -eq 0 ] && parts=(gdn gmm moe prefill offload)
 shopt -s nullglob
 wheels=(.whl/main/*.whl .whl/fla/*.whl .whl/tokamax/*.whl)   # tokamax: only the GMM peer needs it
 [ ${#wheels[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     "${wheels[@]}" 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks/peers_stub XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import jax; print('JAX', jax.__version__, jax.devices())"
 for part in "${parts[@]}"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
     gdn) timeout 300 python3 benchmarks/gated_delta_rule.py --budget-s 180 --json "$OUT/gdn.json" | tail -3 ;;
-    gmm) timeout 300 python3 benchmarks/grouped_matmul.py --quick --out "$OUT/gmm.json" | tail -3
-         timeout 200 python3 benchmarks/moe_layer.py --out "$OUT/moe_layer.json" | tail -3 ;;
+    gmm) timeout 300 python3 benchmarks/grouped_matmul.py --quick --out "$OUT/gmm.json" | tail -3 ;;
+    moe) timeout 200 python3 benchmarks/moe_layer.py --out "$OUT/moe_layer.json" | tail -3 ;;
     prefill) timeout 420 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 8192 32768 \
                --chunk-sizes 4096 8192 --repeats 2 --profile > "$OUT/prefill.jsonl" ; tail -3 "$OUT/prefill.jsonl" ;;
+    h2d) timeout 120 python3 benchmarks/h2d_copies.py --out "$OUT/h2d.json" | tail -12 ;;
     offload) timeout 420 python3 benchmarks/offload.py --expert-formats int4 --budgets 12GiB 24GiB \
                --policies static stream --max-seconds 300 --out "$OUT/offload.json" | tail -3 ;;
-    *) echo "unknown part $part (gdn gmm prefill offload)"; exit 2 ;;
+    *) echo "unknown part $part (gdn gmm moe prefill h2d offload)"; exit 2 ;;
   esac
 done

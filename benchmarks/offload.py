@@ -71,7 +71,7 @@ _random_experts = jax.jit(_random_experts, static_argnums=(1, 2, 3, 4))
 def build_host_experts(config, expert_format: str, dtype, seed: int = 0) -> HostExperts:
     """Random experts drawn on the device one layer at a time, quantized, packed into pinned host memory."""
     moe = config.moe
-    layout, experts = None, []
+    layout, layers = None, []
     for layer in range(config.num_layers):
         gate_up, down = _random_experts(jax.random.key(1000 * seed + layer), moe.num_experts, config.hidden_dim,
                                         moe.expert_ffn_dim, dtype)
@@ -79,21 +79,24 @@ def build_host_experts(config, expert_format: str, dtype, seed: int = 0) -> Host
             gate_up, down = quantize_int8(gate_up), quantize_int8(down)
         elif expert_format == "int4":
             gate_up, down = quantize_int4(gate_up), quantize_int4(down)
-        layout, buffers = HostExperts.pack_layer(gate_up, down)
-        jax.block_until_ready(buffers)
+        layout, buffer = HostExperts.pack_layer(gate_up, down)
+        jax.block_until_ready(buffer)
         del gate_up, down
-        experts.append(buffers)
-    return HostExperts(layout, experts)
+        layers.append(buffer)
+    return HostExperts(layout, layers)
 
 
-def measure_h2d_experts(host: HostExperts, repeats: int = 3) -> float:
-    """GB/s of one layer's experts copied the scheduler's way (one batched device_put of per-expert buffers)."""
+def measure_h2d_experts(host: HostExperts, experts=None, repeats: int = 3) -> float:
+    """GB/s of experts of layer 0 copied the scheduler's way (`HostExperts.to_device`): experts=None, the whole
+    layer in one copy; else those experts as row copies."""
+    count = host.num_experts if experts is None else len(experts)
+    jax.block_until_ready([buf for buf, _ in host.to_device(0, experts)])    # compiles the row copies
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(jax.device_put(host.experts[0], device_sharding()))
+        jax.block_until_ready([buf for buf, _ in host.to_device(0, experts)])
         times.append(time.perf_counter() - t)
-    return host.num_experts * host.layout.nbytes / statistics.median(times) / 1e9
+    return count * host.layout.nbytes / statistics.median(times) / 1e9
 
 
 def run_prompts(runner, prompts: dict[int, np.ndarray], warmup: dict[int, np.ndarray], chunk: int,
@@ -171,7 +174,8 @@ def main(argv=None):
         host = build_host_experts(config, fmt, dtype)
         fmt_info = {"expert_format": fmt, "expert_bytes": host.layout.nbytes, "all_expert_bytes": host.nbytes,
                     "host_init_s": round(time.perf_counter() - t, 1),
-                    "experts_h2d_gbps": round(measure_h2d_experts(host), 2)}
+                    "experts_h2d_gbps": round(measure_h2d_experts(host), 2),
+                    "experts_h2d_gbps_rows_64": round(measure_h2d_experts(host, list(range(0, 256, 4))[:64]), 2)}
         print(json.dumps(fmt_info), flush=True)
         floor_gbps = header["pinned_h2d_gbps"]
         resident = {}

@@ -24,3 +24,11 @@ def test_moe_layer_breakdown_smoke(tmp_path):
         assert all(v > 0 for v in row["stage_ms"].values()) and row["layer_ms"] > 0
         assert abs(sum(row["stage_share"].values()) - 1) < 0.01
     assert (tmp_path / "moe.json").exists()
+
+
+def test_h2d_copies_smoke(tmp_path):
+    doc = _load("h2d_copies").main(["--experts", "16", "--expert-bytes", "1024", "--rows", "3", "8",
+                                    "--repeats", "1", "--out", str(tmp_path / "h2d.json")])
+    assert doc["rows_3_intact"] and doc["rows_8_intact"]
+    assert set(doc["gbps"]) == {"per_expert_buffers", "layer_buffer", "parts_4", "parts_16", "rows_3", "rows_8"}
+    assert all(v > 0 for v in doc["gbps"].values())

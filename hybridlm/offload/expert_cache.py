@@ -133,9 +133,9 @@ class ExpertLayout:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _write_slots(layout: ExpertLayout, pool, staged: tuple[jax.Array, ...], slots: jax.Array):
-    """pool[slots[j]] = unpack(staged[j]); slots past the pool are dropped (bucket padding)."""
-    values = layout.unpack(jnp.stack(staged))                     # leaves [m, ...]
+def _write_slots(layout: ExpertLayout, pool, staged: jax.Array, slots: jax.Array):
+    """pool[slots[j]] = unpack(staged[j]) for staged uint8 [m, nbytes]; slots past the pool are dropped."""
+    values = layout.unpack(staged)                     # leaves [m, ...]
     return jax.tree_util.tree_map(lambda p, v: p.at[slots].set(v.astype(p.dtype), mode="drop"), pool, values)
 
 
@@ -425,16 +425,17 @@ class ExpertCache:
         for key in [k for k in self.slot_of if k[0] == layer and k not in keep]:
             self._drop(key)
 
-    def write(self, staged: list[jax.Array], slots: list[int]) -> None:
-        """Enqueues pool[slots[j]] = staged[j] (uint8 [nbytes] device arrays); one jitted call, bucketed."""
-        if not staged:
-            return
-        m = len(staged)
-        bucket = 1 << (m - 1).bit_length()
-        padded = list(staged) + [staged[0]] * (bucket - m)
-        slot_ids = np.full((bucket,), self.num_slots, np.int32)      # past the pool: dropped
-        slot_ids[:m] = slots
-        self.pool = _write_slots(self.layout, self.pool, tuple(padded), jnp.asarray(slot_ids))
+    def write(self, staged: jax.Array, slots) -> None:
+        """Enqueues pool[slots[j]] = staged[j] for staged uint8 [m, nbytes] on the device (one jitted scatter;
+        m is a power of two or a whole layer, so the scatter compiles for few shapes).
+
+        Raises:
+          ValueError: len(slots) != m.
+        """
+        slots = np.asarray(slots, np.int32)
+        if slots.shape != (staged.shape[0],):
+            raise ValueError(f"{staged.shape[0]} staged experts but {slots.shape[0]} slots")
+        self.pool = _write_slots(self.layout, self.pool, staged, jnp.asarray(slots))
 
     def slot_table(self, layer: int) -> np.ndarray:
         """[experts] int32: the slot of each resident expert of `layer`, 0 for the others (never read)."""

@@ -62,7 +62,9 @@ class BlockSizes:
     state_warps: int = 4
     output_warps: int = 4
     state_stages: int = 2
-    fuse_output: bool = False  # compute the output inside the state pass (no chunk states in memory)
+    # Compute the output inside the state pass (no chunk states in memory). The default since run 4 on an
+    # H100 (docs/benchmarks.md): 10-12% faster than the separate output kernel at T=4096, 16384 and 8 x 8192.
+    fuse_output: bool = True
     # Split each sequence (or the packed batch's chunk list) into this many segments for the state pass: their
     # end states from zero and transitions are computed in parallel, combined by a short scan, then each
     # segment is rerun from its true start state. 1 = one sequential walk (the default: on an H100, 4 and 8

@@ -144,3 +144,30 @@ def test_batch_of_two_and_profile(tiny, host_experts, base_runner, whole_layer):
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
     assert out.phase_seconds["experts"] > 0
     assert_stats_add_up(runner.stats()["prefill"], eb)
+
+
+@pytest.mark.parametrize("in_program", [True, False], ids=["in-program-copies", "device-put-copies"])
+@pytest.mark.parametrize("policy", ["stream", "static", "lru"])
+def test_whole_layer_streaming_copies_inside_programs(tiny, host_experts, reference, prompts, monkeypatch,
+                                                      policy, in_program):
+    """Whole-layer mode copies the next absent layer inside the mixer / experts programs (or, switched off,
+    by device_put): same logits, same statistics, and the in-program path is really taken."""
+    from hybridlm.offload import scheduler
+
+    calls = []
+    for name in ("_mix_copying", "_pool_experts_copying"):
+        fn = getattr(scheduler, name)
+        monkeypatch.setattr(scheduler, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    ref = reference("short", 16)
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy=policy,
+                             host_experts=host_experts, in_program_copies=in_program)
+    out = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    stats = runner.stats()["prefill"]
+    assert_stats_add_up(stats, eb)
+    assert stats["prefetched"] > 0
+    if in_program:
+        assert calls.count("_mix_copying") == calls.count("_pool_experts_copying") > 0
+    else:
+        assert not calls
