@@ -13,7 +13,8 @@ Each: median of --repeats copies, synchronised; GB/s = 10^9 bytes/s.
 Overlap with compute (`overlap`): a jitted chain of bf16 matmuls (~--compute-ms alone) and the whole-layer copy,
 timed alone and together: `after_compute` enqueues the compute then the copy (the scheduler's pattern);
 `in_program` returns the copy from inside the compute's jitted program (XLA's host offloader issues it as an
-asynchronous copy); `pageable` copies from a numpy array instead of pinned memory. overlap = (alone sum -
+asynchronous copy); `half_slice` copies a static slice (half the layer) of the host buffer inside the program,
+`half_buffer` a separate pinned buffer of the same bytes (the scheduler's way: one part per program); `pageable` copies from a numpy array instead of pinned memory. overlap = (alone sum -
 together) / min(alone): 1 = the copy hides entirely behind compute, 0 = they run one after the other.
 Prints one JSON document.
 
@@ -64,11 +65,21 @@ def measure_overlap(host: HostExperts, host_np: np.ndarray, compute_ms: float, r
     n = max(1, int(compute_ms / 1e3 / one))
     compute = jax.jit(chain, static_argnums=1)
     fused = jax.jit(lambda x, h: (chain(x, n), jax.device_put(h, jax.memory.Space.Device)))
-    layer = host.layers[0]
+    layer = host.layers[0][0]
     t_compute = median_s(lambda: compute(x, n), repeats)
     t_copy = median_s(lambda: jax.device_put(layer, dev), repeats)
     t_after = median_s(lambda: (compute(x, n), jax.device_put(layer, dev)), repeats)
     t_fused = median_s(lambda: fused(x, layer), repeats)
+    half = layer.shape[0] // 2
+    copy_half = jax.jit(lambda h: jax.device_put(h[:half], jax.memory.Space.Device))
+    fused_half = jax.jit(lambda x, h: (chain(x, n), jax.device_put(h[:half], jax.memory.Space.Device)))
+    t_half = median_s(lambda: copy_half(layer), repeats)
+    t_fused_half = median_s(lambda: fused_half(x, layer), repeats)
+    part = jax.device_put(host_np[:half], pinned_host_sharding())     # a whole buffer of the same bytes
+    copy_part = jax.jit(lambda h: jax.device_put(h, jax.memory.Space.Device))
+    fused_part = jax.jit(lambda x, h: (chain(x, n), jax.device_put(h, jax.memory.Space.Device)))
+    t_part = median_s(lambda: copy_part(part), repeats)
+    t_fused_part = median_s(lambda: fused_part(x, part), repeats)
     t_page = median_s(lambda: jax.device_put(host_np, dev), repeats)
     t_page_after = median_s(lambda: (compute(x, n), jax.device_put(host_np, dev)), repeats)
 
@@ -80,7 +91,13 @@ def measure_overlap(host: HostExperts, host_np: np.ndarray, compute_ms: float, r
             "pageable_copy_ms": round(t_page * 1e3, 3), "pageable_after_compute_ms": round(t_page_after * 1e3, 3),
             "overlap_after_compute": ov(t_compute, t_copy, t_after),
             "overlap_in_program": ov(t_compute, t_copy, t_fused),
-            "overlap_pageable": ov(t_compute, t_page, t_page_after)}
+            "overlap_pageable": ov(t_compute, t_page, t_page_after),
+            "half_slice_copy_in_own_program_ms": round(t_half * 1e3, 3),
+            "half_slice_in_program_ms": round(t_fused_half * 1e3, 3),
+            "overlap_half_slice_in_program": ov(t_compute, t_half, t_fused_half),
+            "half_buffer_copy_in_own_program_ms": round(t_part * 1e3, 3),
+            "half_buffer_in_program_ms": round(t_fused_part * 1e3, 3),
+            "overlap_half_buffer_in_program": ov(t_compute, t_part, t_fused_part)}
 
 
 def main(argv=None) -> dict:
@@ -105,13 +122,13 @@ def main(argv=None) -> dict:
     res["gbps"]["layer_buffer"] = E * nb / median_s(lambda: host.to_device(0)[0][0], a.repeats) / 1e9
     for n in (4, 16):
         parts = [jax.device_put(x, pinned_host_sharding()) for x in np.array_split(host_np, n)]
-        res["gbps"][f"parts_{n}"] = E * nb / median_s(lambda: jax.device_put(parts, dev), a.repeats) / 1e9
+        res["gbps"][f"parts_{n}"] = E * nb / median_s(lambda parts=parts: jax.device_put(parts, dev), a.repeats) / 1e9
     rng = np.random.default_rng(1)
     for m in a.rows:
         ids = [int(e) for e in rng.permutation(E)[:m]]
         got = host.to_device(0, ids)
         intact = all(np.array_equal(np.asarray(buf), host_np[rows]) for buf, rows in got)
-        t = median_s(lambda: [buf for buf, _ in host.to_device(0, ids)], a.repeats)
+        t = median_s(lambda ids=ids: [buf for buf, _ in host.to_device(0, ids)], a.repeats)
         res["gbps"][f"rows_{m}"] = m * nb / t / 1e9
         res[f"rows_{m}_intact"] = intact
     res["gbps"] = {k: round(v, 2) for k, v in res["gbps"].items()}

@@ -36,7 +36,6 @@ from flax import nnx
 import hybridlm
 from hybridlm.model import HybridLM, _random_param_jax
 from hybridlm.offload import HostExperts, OffloadedRunner, measure_h2d_gbps, parse_bytes
-from hybridlm.offload.scheduler import device_sharding
 from pallas_kernels.quantized import quantize_int4, quantize_int8
 
 EXPERT_NAMES = ("experts_gate_up", "experts_down")

@@ -114,28 +114,38 @@ def power_of_two_parts(n: int, cap: int = MAX_ROWS_PER_COPY) -> list[int]:
     return [cap] * full + [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
 
 
-class HostExperts:
-    """Every layer's experts in pinned host memory, one contiguous uint8 `jax.Array` [experts, nbytes] per layer.
+HOST_PARTS = 2   # contiguous pinned buffers per layer: one copied inside each of a layer's two programs
 
-    One buffer per layer, so that a whole layer moves in one copy at the full pinned host -> device rate (50
-    GB/s measured on an H100 for a 0.4 GB layer, against 21 GB/s for 256 per-expert buffers); a subset of
-    experts moves as row copies of the same buffer (`to_device`).
+
+class HostExperts:
+    """Every layer's experts in pinned host memory: per layer, `parts` contiguous uint8 `jax.Array`s
+    [experts / parts, nbytes] (experts in order).
+
+    Contiguous, so that a layer moves at the full pinned host -> device rate: 49-51 GB/s measured on an H100
+    for a 0.4 GB layer as one buffer or 4-16 parts, against 16-21 GB/s for 256 per-expert buffers
+    (benchmarks/h2d_copies.py). Two parts by default, because a copy overlaps compute when it is a whole
+    buffer moved inside a jitted program (XLA's copy-start / copy-done), not a slice of one; the offload
+    scheduler copies one part inside each of a layer's two programs. A subset of experts moves as row copies.
 
     Args:
       layout: byte layout of one expert.
-      layers: layers[layer] -> uint8 [experts, layout.nbytes] jax.Array with memory_kind="pinned_host".
+      layers: layers[layer] -> list of uint8 [rows, layout.nbytes] jax.Arrays with memory_kind="pinned_host"
+        (or one such array), the same row counts in every layer.
 
     Raises:
-      ValueError: layers of different shapes, or rows of a size other than layout.nbytes.
+      ValueError: layers of different part shapes, or rows of a size other than layout.nbytes.
     """
 
-    def __init__(self, layout: ExpertLayout, layers: list[jax.Array]):
-        shapes = {tuple(buf.shape) for buf in layers}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[1] != layout.nbytes:
-            raise ValueError(f"host expert buffers must all be [experts, {layout.nbytes}] uint8; got shapes "
-                             f"{sorted(shapes)}")
+    def __init__(self, layout: ExpertLayout, layers: list[list[jax.Array]] | list[jax.Array]):
+        layers = [list(parts) if isinstance(parts, (list, tuple)) else [parts] for parts in layers]
+        shapes = {tuple(tuple(buf.shape) for buf in parts) for parts in layers}
+        if len(shapes) != 1 or any(len(sh) != 2 or sh[1] != layout.nbytes for sh in next(iter(shapes))):
+            raise ValueError(f"host expert buffers must all be [rows, {layout.nbytes}] uint8 with the same rows "
+                             f"in every layer; got part shapes {sorted(shapes)}")
         self.layout = layout
         self.layers = layers
+        self.part_rows = [buf.shape[0] for buf in layers[0]]
+        self.part_start = [sum(self.part_rows[:p]) for p in range(len(self.part_rows))]
 
     @property
     def num_layers(self) -> int:
@@ -143,27 +153,34 @@ class HostExperts:
 
     @property
     def num_experts(self) -> int:
-        return self.layers[0].shape[0]
+        return sum(self.part_rows)
 
     @property
     def nbytes(self) -> int:
         return self.num_layers * self.num_experts * self.layout.nbytes
 
+    def part_experts(self, part: int) -> list[int]:
+        """Expert ids held by `part` (the same in every layer)."""
+        return list(range(self.part_start[part], self.part_start[part] + self.part_rows[part]))
+
     @staticmethod
-    def pack_layer(gate_up, down, host_sharding=None) -> tuple[ExpertLayout, jax.Array]:
-        """One layer's experts (device arrays or QuantizedWeights [experts, ...]) -> (layout, pinned buffer
-        uint8 [experts, nbytes]). Packs on the device (bitcasts, no host round trip), then one copy to the host."""
+    def pack_layer(gate_up, down, host_sharding=None, parts: int = HOST_PARTS) -> tuple[ExpertLayout, list[jax.Array]]:
+        """One layer's experts (device arrays or QuantizedWeights [experts, ...]) -> (layout, `parts` pinned
+        buffers uint8 [~experts / parts, nbytes]). Packs on the device (bitcasts, no host round trip)."""
         layout = ExpertLayout.of(gate_up, down)
-        return layout, jax.device_put(_pack_layer(layout, gate_up, down), host_sharding or pinned_host_sharding())
+        packed = _pack_layer(layout, gate_up, down)
+        bounds = np.linspace(0, packed.shape[0], min(parts, packed.shape[0]) + 1).astype(int)
+        pieces = [packed[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return layout, list(jax.device_put(pieces, host_sharding or pinned_host_sharding()))
 
     @classmethod
-    def from_model(cls, model: HybridLM, host_sharding=None) -> HostExperts:
+    def from_model(cls, model: HybridLM, host_sharding=None, parts: int = HOST_PARTS) -> HostExperts:
         """Copies the experts of `model` (its values are left in place) to pinned host memory."""
         layout, layers = None, []
         for layer in model.layers:
-            layout, buffer = cls.pack_layer(layer.ffn.experts_gate_up.get_value(),
-                                            layer.ffn.experts_down.get_value(), host_sharding)
-            layers.append(buffer)
+            layout, buffers = cls.pack_layer(layer.ffn.experts_gate_up.get_value(),
+                                             layer.ffn.experts_down.get_value(), host_sharding, parts)
+            layers.append(buffers)
         return cls(layout, layers)
 
     def to_device(self, layer: int, experts=None, sharding=None) -> list[tuple[jax.Array, list[int]]]:
@@ -171,32 +188,48 @@ class HostExperts:
 
         Args:
           layer: layer index.
-          experts: expert ids (any order, no repeats); None: the whole layer in one copy.
+          experts: expert ids (no repeats); None: the whole layer.
           sharding: destination (default: device memory of the first device).
 
         Returns:
-          [(uint8 [m, nbytes] device array, the m expert ids of its rows)]: one entry for a whole layer, else
-          one per part of `power_of_two_parts(len(experts))`.
+          [(uint8 [m, nbytes] device array, the m expert ids of its rows)], covering `experts` (in some order):
+          a part wholly requested moves as one copy, the rest as row copies in batches of
+          `power_of_two_parts` sizes.
         """
         sharding = sharding or device_sharding()
-        if experts is None or len(experts) == self.num_experts and list(experts) == list(range(self.num_experts)):
-            return [(jax.device_put(self.layers[layer], sharding), list(range(self.num_experts)))]
-        experts = [int(e) for e in experts]
-        out, at = [], 0
-        for m in power_of_two_parts(len(experts)):
-            ids = experts[at:at + m]
-            at += m
-            out.append((_gather_to_device(self.layers[layer], jnp.asarray(ids, jnp.int32)), ids))
+        wanted = set(range(self.num_experts)) if experts is None else {int(e) for e in experts}
+        out = []
+        for p, buf in enumerate(self.layers[layer]):
+            ids = self.part_experts(p)
+            mine = [e for e in ids if e in wanted]
+            if len(mine) == len(ids):
+                out.append((jax.device_put(buf, sharding), ids))
+                continue
+            at = 0
+            for m in power_of_two_parts(len(mine)):
+                rows = mine[at:at + m]
+                at += m
+                local = jnp.asarray([e - self.part_start[p] for e in rows], jnp.int32)
+                out.append((_gather_to_device(buf, local), rows))
         return out
+
+    def compile_row_copies(self, sharding=None) -> None:
+        """Compiles the row-copy programs of every batch size `to_device` can use (copies a few rows)."""
+        for p in sorted({self.part_rows.index(r) for r in self.part_rows}):
+            m = 1
+            while m <= min(MAX_ROWS_PER_COPY, self.part_rows[p] - 1):
+                jax.block_until_ready([b for b, _ in self.to_device(0, self.part_experts(p)[:m], sharding)])
+                m *= 2
 
     def unpack_layer(self, layer: int, sharding=None):
         """All experts of `layer` on the device as the model holds them: (gate_up, down) [experts, ...]."""
-        return _unpack_all(self.layout, jax.device_put(self.layers[layer], sharding or device_sharding()))
+        staged = jax.device_put(self.layers[layer], sharding or device_sharding())
+        return _unpack_all(self.layout, tuple(staged))
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _unpack_all(layout: ExpertLayout, staged):
-    return layout.unpack(staged)
+    return layout.unpack(jnp.concatenate(staged))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -228,24 +261,24 @@ def _pool_experts(graphdef, params, pool, slot_table, h, u, weights, ids, num_va
     return h + layer.ffn.experts(u, weights, ids, valid).reshape(batch, seq, hidden)
 
 
-def _rows_to_device(host_layer: jax.Array, rows: tuple[int, int]) -> jax.Array:
-    """host_layer[rows[0]:rows[1]] (pinned host, static bounds) moved to device memory inside a jitted program."""
-    return jax.device_put(host_layer[rows[0]:rows[1]], jax.memory.Space.Device)
+def _to_device(host_parts):
+    """Whole pinned host buffers moved to device memory inside a jitted program: XLA issues a copy-start /
+    copy-done pair that runs beside the program's compute (a slice of a host buffer does not: measured)."""
+    return jax.device_put(host_parts, jax.memory.Space.Device)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
-def _mix_copying(graphdef, params, x, state, start, num_valid, host_layer, rows):
-    """`_mix`, and rows of a host expert buffer copied to the device beside it (returned third)."""
+@functools.partial(jax.jit, static_argnums=0)
+def _mix_copying(graphdef, params, x, state, start, num_valid, host_parts):
+    """`_mix`, and host expert buffers (a tuple) copied to the device beside it (returned third)."""
     x, state = _mix(graphdef, params, x, state, start, num_valid)
-    return x, state, _rows_to_device(host_layer, rows)
+    return x, state, _to_device(host_parts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9, 11))
-def _pool_experts_copying(graphdef, params, pool, slot_table, h, u, weights, ids, num_valid, compact, host_layer,
-                          rows):
-    """`_pool_experts`, and rows of a host expert buffer copied to the device beside it (returned second)."""
+@functools.partial(jax.jit, static_argnums=(0, 9))
+def _pool_experts_copying(graphdef, params, pool, slot_table, h, u, weights, ids, num_valid, compact, host_parts):
+    """`_pool_experts`, and host expert buffers (a tuple) copied to the device beside it (returned second)."""
     out = _pool_experts(graphdef, params, pool, slot_table, h, u, weights, ids, num_valid, compact)
-    return out, _rows_to_device(host_layer, rows)
+    return out, _to_device(host_parts)
 
 
 def _placeholder_experts(params):
@@ -279,7 +312,7 @@ class OffloadedRunner(LayerwiseRunner):
       device_memory_bytes: device memory available for the budget; None reads `device.memory_stats()`
         (bytes_limit - bytes_in_use); backends without memory stats (CPU) are not checked.
       in_program_copies: whole-layer mode: copy the next layer absent from the device inside this layer's
-        mixer and experts programs (half each), where the copy overlaps their compute; False: a separate
+        mixer and experts programs (one host part each), where the copy overlaps their compute; False: a separate
         `jax.device_put` (which, measured on an H100 with JAX 0.11.2, runs mostly after the queued compute).
 
     Raises:
@@ -375,7 +408,9 @@ class OffloadedRunner(LayerwiseRunner):
         # Staging for prefetched experts comes out of the budget too: up to prefetch_depth layers (whole-layer
         # mode) or one layer's active experts (exact mode), leaving at least `need` pool slots.
         everything = self.num_layers * self.num_experts
-        want = 0 if self.prefetch == "none" else self.num_experts * (self.prefetch_depth if whole else 1)
+        # Whole-layer mode holds depth + 1 layers of staged bytes at once: the layer about to be written into
+        # the pool and the `prefetch_depth` layers being copied behind it.
+        want = 0 if self.prefetch == "none" else self.num_experts * (self.prefetch_depth + 1 if whole else 1)
         if self.total_slots >= everything:     # all experts fit: one slot each, spare budget for staging
             slots = everything
             staging = min(want, self.total_slots - everything)
@@ -389,6 +424,7 @@ class OffloadedRunner(LayerwiseRunner):
         self.cache = None
         self.cache = ExpertCache(self.host.layout, slots, self.cache_policy, num_layers=self.num_layers,
                                  num_experts=self.num_experts, pinned_count=pinned, sharding=self.dev_sharding)
+        self.host.compile_row_copies(self.dev_sharding)   # no compilation inside a timed prefill
 
     # ----- statistics -----
     def _new_stats(self, kind: str) -> CacheStats:
@@ -519,8 +555,8 @@ class OffloadedRunner(LayerwiseRunner):
             in_program = None      # (layer, host buffer): its two halves are copied inside this layer's programs
             if whole:
                 # Every expert is needed: lookups and on-demand copies now, then the next layers' copies. The
-                # first layer wholly absent from the device is copied by this layer's own programs (mixer: rows
-                # [0, E/2), experts: [E/2, E)), where XLA runs the copy beside the compute; a standalone
+                # first layer wholly absent from the device is copied by this layer's own programs (mixer: its
+                # first host part, experts: the second), where XLA runs the copy beside the compute; a standalone
                 # device_put would run after it (benchmarks/h2d_copies.py); the rest through `_prefetch`.
                 keys = [(i, e) for e in range(E)]
                 protected = set(keys) | set(self._staged)
@@ -538,11 +574,13 @@ class OffloadedRunner(LayerwiseRunner):
                         else:
                             for pending in self._stage(layer_keys):
                                 self._record_prefetch(pending, stats)
-            half = E // 2
-            if in_program is not None:
+            if in_program is not None:   # parts [0, n/2) copied inside the mixer program, the rest in the experts'
+                j, parts = in_program
+                first, second = tuple(range((len(parts) + 1) // 2)), tuple(range((len(parts) + 1) // 2, len(parts)))
                 x, state, copied = timer(phase, _mix_copying, graphdef, params, x, state, start, num_valid_dev,
-                                         in_program[1], (0, half))
-                self._record_prefetch(Staged(copied, [(in_program[0], e) for e in range(half)], True), stats)
+                                         tuple(parts[p] for p in first))
+                for p, buf in zip(first, copied):
+                    self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)], True), stats)
             else:
                 x, state = timer(phase, _mix, graphdef, params, x, state, start, num_valid_dev)
             new_states.append(state)
@@ -582,12 +620,16 @@ class OffloadedRunner(LayerwiseRunner):
             table = jnp.asarray(cache.slot_table(i))
             compact = whole and cache.num_slots > E
             args = (graphdef, params, cache.pool, table, x, u, weights, expert_ids, num_valid_dev, compact)
-            if in_program is not None:
-                x, copied = timer("experts", _pool_experts_copying, *args, in_program[1], (half, E))
-                self._record_prefetch(Staged(copied, [(in_program[0], e) for e in range(half, E)], True), stats)
+            if in_program is not None and second:
+                x, copied = timer("experts", _pool_experts_copying, *args, tuple(parts[p] for p in second))
+                for p, buf in zip(second, copied):
+                    self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)], True), stats)
             else:
                 x = timer("experts", _pool_experts, *args)
-            if stream:
-                cache.release_layer(i, keep=self._staged)
+            if stream or (whole and self.cache_policy == "static"):
+                # static in whole-layer mode: the unpinned experts are streamed too. Kept, they would leave
+                # partial layers that move as row copies instead of one whole-layer copy, and be evicted before
+                # their next use anyway (the working slots hold about two layers).
+                cache.release_layer(i, keep=set(self._staged) | cache.pinned)
         cache.speculative.clear()   # unused prefetches stay cached as ordinary entries (counted in `prefetched`)
         return x, new_states

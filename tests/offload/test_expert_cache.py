@@ -6,8 +6,8 @@ from offload_helpers import assert_stats_add_up
 
 import hybridlm
 from hybridlm.offload import HostExperts, OffloadedRunner, parse_bytes, static_pinned_keys
-from hybridlm.offload.scheduler import power_of_two_parts
 from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout
+from hybridlm.offload.scheduler import power_of_two_parts
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 8, 16, 4
 
@@ -101,9 +101,10 @@ def test_bad_arguments(tiny, host_experts):
 
 def test_experts_live_in_pinned_host_memory(tiny, host_experts):
     runner = OffloadedRunner(tiny, expert_budget="1MiB", host_experts=host_experts)
-    kinds = {buf.sharding.memory_kind for buf in runner.host.layers}
+    kinds = {buf.sharding.memory_kind for parts in runner.host.layers for buf in parts}
     assert kinds == {"pinned_host"}
-    assert {buf.shape for buf in runner.host.layers} == {(tiny.config.moe.num_experts, host_experts.layout.nbytes)}
+    assert [[buf.shape for buf in parts] for parts in runner.host.layers] == \
+        [[(tiny.config.moe.num_experts // 2, host_experts.layout.nbytes)] * 2] * tiny.config.num_layers
     moe, hidden = tiny.config.moe, tiny.config.hidden_dim
     assert host_experts.layout.nbytes == 3 * hidden * moe.expert_ffn_dim * 4    # float32 gate, up, down
     for _, params in runner.layers:   # the runner's per-layer trees hold no expert weights
@@ -146,22 +147,24 @@ def test_power_of_two_parts():
     for n in range(1, 300):
         parts = power_of_two_parts(n, cap=16)
         assert sum(parts) == n and max(parts) <= 16 and all(p & (p - 1) == 0 for p in parts)
-        assert len(set(p for p in parts if p < 16)) == len([p for p in parts if p < 16])
+        assert len({p for p in parts if p < 16}) == len([p for p in parts if p < 16])
 
 
 @pytest.mark.parametrize("experts", [None, [3], [5, 0, 7], list(range(8)), [7, 6, 5, 4, 3, 2, 1]])
 def test_host_rows_reach_the_device_intact(host_experts, experts):
     """Whole-layer copies and row copies (power-of-two batches, any order) deliver exactly the host bytes."""
-    host_np = np.asarray(host_experts.layers[1])
+    host_np = np.concatenate([np.asarray(buf) for buf in host_experts.layers[1]])
     batches = host_experts.to_device(1, experts)
     got_ids = [e for _, ids in batches for e in ids]
-    assert got_ids == (list(range(host_experts.num_experts)) if experts is None else experts)
+    assert sorted(got_ids) == sorted(range(host_experts.num_experts) if experts is None else experts)
     for buf, ids in batches:
         assert buf.sharding.memory_kind == "device"
-        assert len(ids) & (len(ids) - 1) == 0 or len(ids) == host_experts.num_experts
+        assert len(ids) & (len(ids) - 1) == 0 or len(ids) in host_experts.part_rows
         np.testing.assert_array_equal(np.asarray(buf), host_np[ids])
 
 
 def test_host_experts_refuse_mismatched_buffers(host_experts):
     with pytest.raises(ValueError, match="must all be"):
-        HostExperts(host_experts.layout, [host_experts.layers[0][:, :8]])
+        HostExperts(host_experts.layout, [[buf[:, :8] for buf in host_experts.layers[0]]])
+    with pytest.raises(ValueError, match="must all be"):
+        HostExperts(host_experts.layout, [host_experts.layers[0], host_experts.layers[1][:1]])
