@@ -437,6 +437,14 @@ class ExpertCache:
             raise ValueError(f"{staged.shape[0]} staged experts but {slots.shape[0]} slots")
         self.pool = _write_slots(self.layout, self.pool, staged, jnp.asarray(slots))
 
+    def compile_writes(self, sizes, sharding=None) -> None:
+        """Compiles `write` for staged batches of each of `sizes` rows (writes zeros to slots past the pool,
+        which the scatter drops: the pool is unchanged), so that no prefill compiles a scatter while timed."""
+        for m in sorted(set(sizes)):
+            staged = jax.device_put(np.zeros((m, self.layout.nbytes), np.uint8), sharding)
+            self.write(staged, np.full((m,), self.num_slots, np.int32))
+        jax.block_until_ready(self.pool)
+
     def slot_table(self, layer: int) -> np.ndarray:
         """[experts] int32: the slot of each resident expert of `layer`, 0 for the others (never read)."""
         table = np.zeros((self.num_experts,), np.int32)

@@ -25,6 +25,7 @@ expert, head) stays on the device.
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from typing import Literal, NamedTuple
@@ -170,7 +171,7 @@ class HostExperts:
         layout = ExpertLayout.of(gate_up, down)
         packed = _pack_layer(layout, gate_up, down)
         bounds = np.linspace(0, packed.shape[0], min(parts, packed.shape[0]) + 1).astype(int)
-        pieces = [packed[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        pieces = [packed[a:b] for a, b in itertools.pairwise(bounds)]
         return layout, list(jax.device_put(pieces, host_sharding or pinned_host_sharding()))
 
     @classmethod
@@ -424,7 +425,12 @@ class OffloadedRunner(LayerwiseRunner):
         self.cache = None
         self.cache = ExpertCache(self.host.layout, slots, self.cache_policy, num_layers=self.num_layers,
                                  num_experts=self.num_experts, pinned_count=pinned, sharding=self.dev_sharding)
-        self.host.compile_row_copies(self.dev_sharding)   # no compilation inside a timed prefill
+        # No compilation inside a timed prefill: the row-copy programs and the pool writes of every batch size
+        # (a whole part, or a power of two of rows; the first timed prompt of the 2026-11-22 H100 run compiled
+        # its writes of partial layers, which the warm-up prompt had moved whole).
+        self.host.compile_row_copies(self.dev_sharding)
+        sizes = set(self.host.part_rows) | {1 << b for b in range(MAX_ROWS_PER_COPY.bit_length())}
+        self.cache.compile_writes(sizes, self.dev_sharding)
 
     # ----- statistics -----
     def _new_stats(self, kind: str) -> CacheStats:
