@@ -171,3 +171,35 @@ def test_whole_layer_streaming_copies_inside_programs(tiny, host_experts, refere
         assert calls.count("_mix_copying") == calls.count("_pool_experts_copying") > 0
     else:
         assert not calls
+
+
+@pytest.mark.parametrize("policy", ["static", "slru"])
+def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
+    """A first prefill compiles every program later prefills of the same length use, whatever the cache
+    then holds (the static policy's second prompt, its pinned layers resident, used to compile the programs
+    without an in-program copy, and programs fed uncommitted arrays)."""
+    import logging
+
+    import jax
+
+    eb = expert_bytes(host_experts)
+    # 101 experts: 48 working slots (a layer and two staged), 32 more staged, 21 pinned by static (layer 0
+    # and 5 of layer 7, so that in the second prompt layer 6 copies nothing inside its programs).
+    runner = OffloadedRunner(tiny, expert_budget=(NUM_LAYERS * NUM_EXPERTS * 3 // 4 + 5) * eb,
+                             cache_policy=policy, host_experts=host_experts)
+    first, second = prompts["long"][:64], prompts["long"][64:128]
+    hybridlm.prefill(runner, first, chunk_size=64)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            out = hybridlm.prefill(runner, second, chunk_size=64)
+    finally:
+        logger.removeHandler(handler)
+    assert_finite(out.logits)
+    assert runner.stats()["pool"]["pinned"] == (21 if policy == "static" else 0)
+    compiled = [m.split(" with ")[0] for m in records if m.startswith("Compiling")]
+    assert not compiled, compiled
