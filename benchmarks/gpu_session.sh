@@ -26,8 +26,8 @@ for part in "${parts[@]}"; do
     prefill) timeout 420 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 8192 32768 \
                --chunk-sizes 4096 8192 --repeats 2 --profile > "$OUT/prefill.jsonl" ; tail -3 "$OUT/prefill.jsonl" ;;
     h2d) timeout 120 python3 benchmarks/h2d_copies.py --out "$OUT/h2d.json" | tail -12 ;;
-    offload) timeout 420 python3 benchmarks/offload.py --expert-formats int4 --budgets 12GiB 24GiB \
-               --policies static stream slru --max-seconds 330 --out "$OUT/offload.json" | tail -3 ;;
+    offload) timeout 420 python3 benchmarks/offload.py --expert-formats ${OFFLOAD_FORMAT:-int4} --budgets 12GiB 24GiB \
+               --policies static stream slru --profile --max-seconds 330 --out "$OUT/offload.json" | tail -3 ;;
     *) echo "unknown part $part (gdn gmm moe prefill h2d offload)"; exit 2 ;;
   esac
 done

@@ -99,7 +99,7 @@ def measure_h2d_experts(host: HostExperts, experts=None, repeats: int = 3) -> fl
 
 
 def run_prompts(runner, prompts: dict[int, np.ndarray], warmup: dict[int, np.ndarray], chunk: int,
-                offload: bool) -> list:
+                offload: bool, profile: bool = False) -> list:
     out = []
     for tokens, ids in prompts.items():
         # Each prompt length has its own KV-cache capacity (attention shapes), so each is warmed up (compiled)
@@ -116,6 +116,10 @@ def run_prompts(runner, prompts: dict[int, np.ndarray], warmup: dict[int, np.nda
                                           "bytes_h2d")})
             row.update({"hit_rate": round(s["hit_rate"], 4), "stall_s": round(s["stall_s"], 4),
                         "achieved_gbps": round(s["achieved_gbps"], 2)})
+        if profile:   # one more pass, synchronised after every program: where the time goes (no overlap
+            # between programs; a copy inside a program still overlaps that program's compute)
+            p = hybridlm.prefill(runner, warmup[tokens], chunk_size=chunk, profile=True)
+            row["phase_seconds"] = {k: round(v, 4) for k, v in p.phase_seconds.items()}
         out.append(row)
     return out
 
@@ -133,6 +137,7 @@ def main(argv=None):
     p.add_argument("--no-resident", action="store_true", help="skip the all-resident comparison")
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
     p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new configurations after this")
+    p.add_argument("--profile", action="store_true", help="add per-phase seconds from one more, synchronised pass")
     p.add_argument("--out", default=None, help="write the final JSON here")
     a = p.parse_args(argv)
 
@@ -157,7 +162,8 @@ def main(argv=None):
     rows = []
 
     short = ("expert_format", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s", "bytes_h2d",
-             "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "error", "skipped")
+             "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "phase_seconds", "error",
+             "skipped")
 
     def emit(row):
         rows.append(row)
@@ -184,7 +190,8 @@ def main(argv=None):
                     gate_up, down = host.unpack_layer(i)
                     layer.ffn.experts_gate_up.set_value(gate_up)
                     layer.ffn.experts_down.set_value(down)
-                for row in run_prompts(hybridlm.LayerwiseRunner(model), prompts, warmup, a.chunk_size, False):
+                for row in run_prompts(hybridlm.LayerwiseRunner(model), prompts, warmup, a.chunk_size, False,
+                                       a.profile):
                     resident[row["prompt_tokens"]] = row["ttft_s"]
                     emit({**fmt_info, "mode": "resident", **row})
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
@@ -203,7 +210,7 @@ def main(argv=None):
                     runner = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, prefetch=a.prefetch,
                                              prefetch_depth=a.prefetch_depth, host_experts=host,
                                              chunk_size=a.chunk_size)
-                    for row in run_prompts(runner, prompts, warmup, a.chunk_size, True):
+                    for row in run_prompts(runner, prompts, warmup, a.chunk_size, True, a.profile):
                         floor_s = row["bytes_h2d"] / (floor_gbps * 1e9)
                         bound = max(floor_s, resident.get(row["prompt_tokens"], 0.0))
                         row.update({"floor_s": round(floor_s, 4),

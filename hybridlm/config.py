@@ -107,7 +107,7 @@ class ModelConfig:
     # Kernel choice per op: None picks the fast kernel on GPU and the pure-JAX path elsewhere.
     gdn_implementation: str | None = None                 # "reference" | "chunked" | "pallas"
     moe_implementation: str | None = None                 # grouped matmul: "reference" | "pallas"
-    attention_implementation: str | None = None           # jax.nn.dot_product_attention: None | "xla" | "cudnn"
+    attention_implementation: str | None = None           # None (cuDNN on GPU for bf16/fp16, else XLA) | "xla" | "cudnn"
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_dim", "num_layers", "full_attention_interval"):

@@ -18,7 +18,14 @@ from hybridlm.state import KVCache
 
 
 def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
-    """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32)."""
+    """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32).
+
+    implementation None: cuDNN on a GPU for bf16 / fp16 inputs, else XLA. (JAX's own None picks XLA when the
+    logsumexp is asked for: measured on an H100, Qwen3.6 shapes, 32 768 tokens in chunks of 8192, the 10
+    attention layers took 1.00 s with XLA and 0.24 s with cuDNN.)
+    """
+    if implementation is None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        implementation = "cudnn"
     out, lse = jax.nn.dot_product_attention(
         q, k, v, is_causal=is_causal, key_value_seq_lengths=kv_lengths, implementation=implementation,
         return_residual=True)
