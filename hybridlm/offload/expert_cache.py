@@ -13,8 +13,9 @@ Policies (`POLICIES`): which resident expert to evict when a slot is needed.
   slru    segmented LRU: new entries enter a probation segment; a second use promotes to a protected
           segment (80% of the slots); victims come from probation first. Resists one-off scans.
   lfu     least frequently used (use counts kept across evictions), ties broken by recency.
-  static  experts of the first and last layers (then second, second-to-last, ...) are pinned once loaded
-          and never evicted, up to the budget minus a working area; the rest of the slots are LRU.
+  static  whole layers spread evenly over the depth are pinned once loaded and never evicted, up to the
+          budget minus a working area; the rest of the slots are LRU. Spread, so that in whole-layer
+          streaming the copies of the layers in between run beside the pinned layers' compute.
   stream  no reuse: every expert is dropped right after its layer used it (every lookup misses).
 """
 
@@ -256,18 +257,14 @@ class _Static(_LRU):
 
 
 def static_pinned_keys(num_layers: int, num_experts: int, count: int) -> set[Key]:
-    """The first `count` experts in pinning order: layer 0, layer L-1, layer 1, layer L-2, ... (experts 0..E-1)."""
-    order, lo, hi = [], 0, num_layers - 1
-    while lo <= hi:
-        order.append(lo)
-        if hi != lo:
-            order.append(hi)
-        lo, hi = lo + 1, hi - 1
+    """The first `count` experts in pinning order: ceil(count / experts) layers spaced evenly over the depth
+    (layer int((k + 1/2) * L / n) for k < n), whole layers first, the remainder from the last of them."""
+    count = max(0, min(count, num_layers * num_experts))
+    n = -(-count // num_experts)
+    layers = [int((k + 0.5) * num_layers / n) for k in range(n)]
     keys: set[Key] = set()
-    for layer in order:
-        for e in range(num_experts):
-            if len(keys) >= count:
-                return keys
+    for layer in layers:
+        for e in range(min(num_experts, count - len(keys))):
             keys.add((layer, e))
     return keys
 

@@ -115,7 +115,8 @@ def power_of_two_parts(n: int, cap: int = MAX_ROWS_PER_COPY) -> list[int]:
     return [cap] * full + [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
 
 
-HOST_PARTS = 2   # contiguous pinned buffers per layer: one copied inside each of a layer's two programs
+HOST_PARTS = 4   # contiguous pinned buffers per layer: whole-layer streaming copies 0-2 inside each program
+MAX_PARTS_PER_PROGRAM = 2   # bounds the program variants compiled (0, 1 or 2 copies inside)
 
 
 class HostExperts:
@@ -124,9 +125,10 @@ class HostExperts:
 
     Contiguous, so that a layer moves at the full pinned host -> device rate: 49-51 GB/s measured on an H100
     for a 0.4 GB layer as one buffer or 4-16 parts, against 16-21 GB/s for 256 per-expert buffers
-    (benchmarks/h2d_copies.py). Two parts by default, because a copy overlaps compute when it is a whole
-    buffer moved inside a jitted program (XLA's copy-start / copy-done), not a slice of one; the offload
-    scheduler copies one part inside each of a layer's two programs. A subset of experts moves as row copies.
+    (benchmarks/h2d_copies.py). Four parts by default, because a copy overlaps compute when it is a whole
+    buffer moved inside a jitted program (XLA's copy-start / copy-done), not a slice of one, and smaller
+    parts let the offload scheduler spread a layer's copy over several programs. A subset of experts moves
+    as row copies.
 
     Args:
       layout: byte layout of one expert.
@@ -303,7 +305,8 @@ class OffloadedRunner(LayerwiseRunner):
       cache_policy: "lru" | "slru" | "lfu" | "static" | "stream" (see `hybridlm.offload.expert_cache`).
       prefetch: "auto" (router prediction in exact mode, whole-layer streaming in whole-layer mode), "router",
         "layer" (whole next layers in both modes), or "none" (on-demand copies only).
-      prefetch_depth: layers streamed ahead in whole-layer mode (1 = double buffering).
+      prefetch_depth: layers streamed ahead in whole-layer mode (their staging comes out of the budget). At 2,
+        the copy of a layer can spread over the programs of the two layers before it.
       whole_layer: force whole-layer mode on (True) or off (False); None: when chunk tokens * top_k >=
         4 * experts.
       host_experts: experts already in pinned host memory (e.g. built per layer for a model too large to
@@ -322,7 +325,7 @@ class OffloadedRunner(LayerwiseRunner):
     """
 
     def __init__(self, model: HybridLM, *, expert_budget: int | str, cache_policy: str = "slru",
-                 prefetch: Prefetch = "auto", prefetch_depth: int = 1, whole_layer: bool | None = None,
+                 prefetch: Prefetch = "auto", prefetch_depth: int = 2, whole_layer: bool | None = None,
                  host_experts: HostExperts | None = None, chunk_size: int | None = None, batch: int = 1,
                  device_memory_bytes: int | None = None, in_program_copies: bool = True):
         if model.config.moe is None:
@@ -338,7 +341,8 @@ class OffloadedRunner(LayerwiseRunner):
         self.cache_policy, self.prefetch, self.prefetch_depth = cache_policy, prefetch, prefetch_depth
         self.whole_layer = whole_layer
         self.in_program_copies = in_program_copies
-        self._twins_run: set = set()   # see `_compile_twin`
+        self._twins_run: set = set()   # see `_compile_twins`
+        self._queue: list[tuple[int, int]] = []   # (layer, host part) allocated, to be copied inside a program
         self.device = jax.devices()[0]
         self.dev_sharding = device_sharding(self.device)
         moe = self.config.moe
@@ -421,8 +425,11 @@ class OffloadedRunner(LayerwiseRunner):
             slots = self.total_slots - staging
         working = need + (staging if self.prefetch != "none" else 0)
         pinned = max(0, slots - working) if self.cache_policy == "static" else 0
+        if whole:     # whole layers only: a partial layer moves as row copies, outside the programs
+            pinned -= pinned % self.num_experts
         self.staging_slots = staging
         self._staged.clear()
+        self._queue.clear()
         self.cache = None
         self.cache = ExpertCache(self.host.layout, slots, self.cache_policy, num_layers=self.num_layers,
                                  num_experts=self.num_experts, pinned_count=pinned, sharding=self.dev_sharding)
@@ -466,20 +473,45 @@ class OffloadedRunner(LayerwiseRunner):
         return logits
 
     # ----- the schedule -----
-    def _compile_twin(self, name: str, graphdef, args, twin, *twin_args) -> None:
-        """Runs `twin(*twin_args)` (result discarded) the first time program `name` runs for `graphdef` and
-        these argument shapes.
+    def _compile_twins(self, name: str, graphdef, args, run, copies: int) -> None:
+        """The first time program `name` runs for `graphdef` and these argument shapes, runs its variants
+        with the other numbers of in-program copies (0..MAX_PARTS_PER_PROGRAM; results discarded).
 
-        In whole-layer mode a layer's mixer and experts run as one of two programs: with the next layer's
-        host -> device copy inside, or without (nothing to copy: that layer is resident). Which one depends on
-        the cache, so a later prompt could compile the one the first did not use (measured on an H100: the
-        static policy's second 8192-token prompt took 12.8 s instead of ~0.6 s). Running the other variant
-        once, during the first prompt's compilation, keeps compilation out of every later prefill.
+        In whole-layer mode a layer's mixer and experts programs copy 0, 1 or 2 host parts of later layers
+        beside their compute, as the copy queue and the cache's contents decide; so a later prompt could need
+        a variant the first did not (measured on an H100: the static policy's second 8192-token prompt took
+        12.8 s instead of ~0.6 s). Running every variant during the first prompt's compilation keeps
+        compilation out of every later prefill. run(parts) runs the program with host parts `parts`.
         """
         key = (name, graphdef, tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
         if key not in self._twins_run:
             self._twins_run.add(key)
-            jax.block_until_ready(twin(*twin_args))
+            spare = [buf for layer in self.host.layers for buf in layer][:MAX_PARTS_PER_PROGRAM]
+            for n in range(MAX_PARTS_PER_PROGRAM + 1):
+                if n != copies:
+                    jax.block_until_ready(run(tuple(spare[:n])))
+
+    def _queued_experts(self) -> int:
+        return sum(self.host.part_rows[p] for _, p in self._queue)
+
+    def _pop_parts(self, layer_now: int, programs_done: int) -> list[tuple[int, int]]:
+        """Host parts to copy inside the next program of layer `layer_now` (its mixer: programs_done=0, its
+        experts: 1): at least one if any is queued, and as many as every queued layer's deadline needs,
+        spread evenly over the programs left before it (layer j's parts must be copied by the programs of
+        layers layer_now..j-1), at most MAX_PARTS_PER_PROGRAM."""
+        if not self._queue:
+            return []
+        n, queued = 1, 0
+        for j in sorted({q[0] for q in self._queue}):
+            queued += sum(1 for q in self._queue if q[0] == j)
+            n = max(n, -(-queued // max(1, 2 * (j - layer_now) - programs_done)))
+        n = min(n, MAX_PARTS_PER_PROGRAM)
+        taken, self._queue = self._queue[:n], self._queue[n:]
+        return taken
+
+    def _record_in_program(self, taken, copied, stats: CacheStats) -> None:
+        for (j, p), buf in zip(taken, copied):
+            self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)], True), stats)
 
     def _needed(self, ids: np.ndarray, batch: int, seq: int, num_valid: int) -> np.ndarray:
         ids = ids.reshape(batch, seq, -1)[:, :num_valid]
@@ -502,7 +534,7 @@ class OffloadedRunner(LayerwiseRunner):
         cache = self.cache
         issue = []
         for key in keys:
-            if key in cache or len(self._staged) + len(issue) >= self.staging_slots:
+            if key in cache or len(self._staged) + self._queued_experts() + len(issue) >= self.staging_slots:
                 continue
             got = cache.allocate(key, protected)
             if got is None:
@@ -577,14 +609,21 @@ class OffloadedRunner(LayerwiseRunner):
             s = stats.layers[i]
             phase = "gdn" if layer_type == "linear_attention" else "attention"
             batches: list[Staged] = []
-            in_program = None      # (layer, host buffer): its two halves are copied inside this layer's programs
             if whole:
-                # Every expert is needed: lookups and on-demand copies now, then the next layers' copies. The
-                # first layer wholly absent from the device is copied by this layer's own programs (mixer: its
-                # first host part, experts: the second), where XLA runs the copy beside the compute; a standalone
-                # device_put would run after it (benchmarks/h2d_copies.py); the rest through `_prefetch`.
+                # Every expert is needed. Queued parts of this layer no program copied in time move now (they
+                # stall); then lookups and on-demand copies; then the next layers' slots are allocated and
+                # their host parts queued, to be copied inside the coming programs (mixer and experts) where
+                # XLA runs a copy beside the compute (a standalone device_put runs after it, measured:
+                # benchmarks/h2d_copies.py). Partial layers move as row copies through `_stage`.
+                late = [q for q in self._queue if q[0] == i]
+                if late:
+                    self._queue = [q for q in self._queue if q[0] != i]
+                    for j, p in late:
+                        buf = jax.device_put(self.host.layers[j][p], self.dev_sharding)
+                        self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)]), stats)
                 keys = [(i, e) for e in range(E)]
-                protected = set(keys) | set(self._staged)
+                protected = set(keys) | set(self._staged) | {(j, e) for j, p in self._queue
+                                                             for e in self.host.part_experts(p)}
                 demand = self._lookup(keys, s, protected)
                 batches = self._stage(demand)
                 s.bytes_h2d += len(demand) * self.expert_bytes
@@ -594,28 +633,25 @@ class OffloadedRunner(LayerwiseRunner):
                     issue = self._allocate_prefetch(predicted, protected, stats, i)
                     for j in sorted({k[0] for k in issue}):
                         layer_keys = [k for k in issue if k[0] == j]
-                        if in_program is None and self.in_program_copies and len(layer_keys) == E:
-                            in_program = (j, self.host.layers[j])
+                        if self.in_program_copies and len(layer_keys) == E:
+                            self._queue += [(j, p) for p in range(len(self.host.layers[j]))]
                         else:
                             for pending in self._stage(layer_keys):
                                 self._record_prefetch(pending, stats)
             twins = whole and stream_layers and self.in_program_copies
-            # Host parts for a twin run of the copying programs: those of the layer copied in-program, or layer 0's.
-            j, parts = in_program if in_program is not None else (0, self.host.layers[0])
-            first, second = tuple(range((len(parts) + 1) // 2)), tuple(range((len(parts) + 1) // 2, len(parts)))
+            taken = self._pop_parts(i, 0) if twins else []
             mix_args = (graphdef, params, x, state, start, num_valid_dev)
+
+            def run_mix(parts, mix_args=mix_args):
+                return _mix_copying(*mix_args, parts) if parts else _mix(*mix_args)
+
             if twins:
-                copying = in_program is not None
-                self._compile_twin(("mix", copying), graphdef, mix_args[2:],
-                                   *((_mix, *mix_args) if copying else
-                                     (_mix_copying, *mix_args, tuple(parts[p] for p in first))))
-            if in_program is not None:   # parts [0, n/2) copied inside the mixer program, the rest in the experts'
-                x, state, copied = timer(phase, _mix_copying, graphdef, params, x, state, start, num_valid_dev,
-                                         tuple(parts[p] for p in first))
-                for p, buf in zip(first, copied):
-                    self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)], True), stats)
+                self._compile_twins("mix", graphdef, mix_args[2:], run_mix, len(taken))
+            if taken:
+                x, state, copied = timer(phase, run_mix, tuple(self.host.layers[j][p] for j, p in taken))
+                self._record_in_program(taken, copied, stats)
             else:
-                x, state = timer(phase, _mix, graphdef, params, x, state, start, num_valid_dev)
+                x, state = timer(phase, _mix, *mix_args)
             new_states.append(state)
             u, weights, expert_ids = timer("router", _route, graphdef, params, x)
 
@@ -653,15 +689,16 @@ class OffloadedRunner(LayerwiseRunner):
             table = jnp.asarray(cache.slot_table(i))
             compact = whole and cache.num_slots > E
             args = (graphdef, params, cache.pool, table, x, u, weights, expert_ids, num_valid_dev, compact)
-            if twins and second:
-                copying = in_program is not None
-                self._compile_twin(("experts", copying, compact), graphdef, args[2:9],
-                                   *((_pool_experts, *args) if copying else
-                                     (_pool_experts_copying, *args, tuple(parts[p] for p in second))))
-            if in_program is not None and second:
-                x, copied = timer("experts", _pool_experts_copying, *args, tuple(parts[p] for p in second))
-                for p, buf in zip(second, copied):
-                    self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)], True), stats)
+            taken = self._pop_parts(i, 1) if twins else []
+
+            def run_experts(parts, args=args):
+                return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
+
+            if twins:
+                self._compile_twins(("experts", compact), graphdef, args[2:9], run_experts, len(taken))
+            if taken:
+                x, copied = timer("experts", run_experts, tuple(self.host.layers[j][p] for j, p in taken))
+                self._record_in_program(taken, copied, stats)
             else:
                 x = timer("experts", _pool_experts, *args)
             if stream or (whole and self.cache_policy == "static"):
@@ -669,5 +706,9 @@ class OffloadedRunner(LayerwiseRunner):
                 # partial layers that move as row copies instead of one whole-layer copy, and be evicted before
                 # their next use anyway (the working slots hold about two layers).
                 cache.release_layer(i, keep=set(self._staged) | cache.pinned)
+        for j, p in self._queue:   # none expected (each layer takes its late parts): never leave a slot unfilled
+            buf = jax.device_put(self.host.layers[j][p], self.dev_sharding)
+            self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)]), stats)
+        self._queue.clear()
         cache.speculative.clear()   # unused prefetches stay cached as ordinary entries (counted in `prefetched`)
         return x, new_states

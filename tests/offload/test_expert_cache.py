@@ -7,7 +7,7 @@ from offload_helpers import assert_stats_add_up
 import hybridlm
 from hybridlm.offload import HostExperts, OffloadedRunner, parse_bytes, static_pinned_keys
 from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout
-from hybridlm.offload.scheduler import power_of_two_parts
+from hybridlm.offload.scheduler import HOST_PARTS, MAX_PARTS_PER_PROGRAM, power_of_two_parts
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 8, 16, 4
 
@@ -57,15 +57,20 @@ def test_lfu_evicts_least_frequent():
     assert _use(c, (0, 2)) == (0, 1)
 
 
-def test_static_pins_first_and_last_layers():
-    keys = static_pinned_keys(NUM_LAYERS, NUM_EXPERTS, 2 * NUM_EXPERTS + 3)
-    assert {(0, e) for e in range(NUM_EXPERTS)} <= keys and {(7, e) for e in range(NUM_EXPERTS)} <= keys
-    assert {k for k in keys if k[0] not in (0, 7)} == {(1, 0), (1, 1), (1, 2)}
+def test_static_pins_layers_spread_over_the_depth():
+    keys = static_pinned_keys(NUM_LAYERS, NUM_EXPERTS, 2 * NUM_EXPERTS + 3)   # 3 layers of 8: 1, 4, 6
+    assert {(1, e) for e in range(NUM_EXPERTS)} <= keys and {(4, e) for e in range(NUM_EXPERTS)} <= keys
+    assert {k for k in keys if k[0] not in (1, 4)} == {(6, 0), (6, 1), (6, 2)}
+    assert static_pinned_keys(40, 256, 20 * 256) == {(layer, e) for layer in range(1, 40, 2) for e in range(256)}
+    assert not static_pinned_keys(NUM_LAYERS, NUM_EXPERTS, 0)
+    assert len(static_pinned_keys(NUM_LAYERS, NUM_EXPERTS, 10**6)) == NUM_LAYERS * NUM_EXPERTS
     c = _cache("static", 3, pinned=1)
-    _use(c, (0, 0))                          # pinned
+    (pinned,) = static_pinned_keys(NUM_LAYERS, NUM_EXPERTS, 1)
+    assert pinned == (4, 0)
+    _use(c, pinned)
     for e in range(10):
-        assert _use(c, (3, e)) != (0, 0)
-    assert (0, 0) in c
+        assert _use(c, (3, e)) != pinned
+    assert pinned in c
 
 
 def test_allocate_respects_protected():
@@ -104,7 +109,8 @@ def test_experts_live_in_pinned_host_memory(tiny, host_experts):
     kinds = {buf.sharding.memory_kind for parts in runner.host.layers for buf in parts}
     assert kinds == {"pinned_host"}
     assert [[buf.shape for buf in parts] for parts in runner.host.layers] == \
-        [[(tiny.config.moe.num_experts // 2, host_experts.layout.nbytes)] * 2] * tiny.config.num_layers
+        [[(tiny.config.moe.num_experts // HOST_PARTS, host_experts.layout.nbytes)] * HOST_PARTS] * \
+        tiny.config.num_layers
     moe, hidden = tiny.config.moe, tiny.config.hidden_dim
     assert host_experts.layout.nbytes == 3 * hidden * moe.expert_ffn_dim * 4    # float32 gate, up, down
     for _, params in runner.layers:   # the runner's per-layer trees hold no expert weights
@@ -168,3 +174,18 @@ def test_host_experts_refuse_mismatched_buffers(host_experts):
         HostExperts(host_experts.layout, [[buf[:, :8] for buf in host_experts.layers[0]]])
     with pytest.raises(ValueError, match="must all be"):
         HostExperts(host_experts.layout, [host_experts.layers[0], host_experts.layers[1][:1]])
+
+
+def test_copy_queue_spreads_parts_over_the_programs_before_each_deadline(tiny, host_experts):
+    """Layer j's parts must be copied by the programs (mixer, experts) of the layers before j: a layer
+    queued two layers ahead goes one part per program, one queued one layer ahead as fast as needed."""
+    runner = OffloadedRunner(tiny, expert_budget="1MiB", host_experts=host_experts)
+    runner._queue = [(3, p) for p in range(HOST_PARTS)]            # 4 parts, 4 programs (layers 1 and 2)
+    assert [len(runner._pop_parts(1, 0)), len(runner._pop_parts(1, 1))] == [1, 1]
+    runner._queue = [(2, p) for p in range(HOST_PARTS)]            # 4 parts, 2 programs (layer 1)
+    assert [len(runner._pop_parts(1, 0)), len(runner._pop_parts(1, 1))] == [2, 2]
+    runner._queue = [(2, p) for p in range(HOST_PARTS)] + [(3, 0)]  # never more than the cap
+    assert len(runner._pop_parts(1, 1)) == MAX_PARTS_PER_PROGRAM
+    assert runner._queue[0] == (2, MAX_PARTS_PER_PROGRAM)          # in order, earliest deadline first
+    runner._queue = []
+    assert runner._pop_parts(0, 0) == []

@@ -183,10 +183,10 @@ def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
     import jax
 
     eb = expert_bytes(host_experts)
-    # 101 experts: 48 working slots (a layer and two staged), 32 more staged, 21 pinned by static (layer 0
-    # and 5 of layer 7, so that in the second prompt layer 6 copies nothing inside its programs).
+    # 101 experts at prefetch depth 1: 16 for the layer, 32 staged, 53 left of which static pins one whole
+    # layer (layer 4: in the second prompt, layer 3 copies nothing inside its programs).
     runner = OffloadedRunner(tiny, expert_budget=(NUM_LAYERS * NUM_EXPERTS * 3 // 4 + 5) * eb,
-                             cache_policy=policy, host_experts=host_experts)
+                             cache_policy=policy, host_experts=host_experts, prefetch_depth=1)
     first, second = prompts["long"][:64], prompts["long"][64:128]
     hybridlm.prefill(runner, first, chunk_size=64)
     records = []
@@ -200,6 +200,6 @@ def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
     finally:
         logger.removeHandler(handler)
     assert_finite(out.logits)
-    assert runner.stats()["pool"]["pinned"] == (21 if policy == "static" else 0)
+    assert runner.stats()["pool"]["pinned"] == (NUM_EXPERTS if policy == "static" else 0)
     compiled = [m.split(" with ")[0] for m in records if m.startswith("Compiling")]
     assert not compiled, compiled
