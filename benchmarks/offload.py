@@ -133,7 +133,7 @@ def main(argv=None):
     p.add_argument("--budgets", nargs="+", default=["12GiB", "24GiB"])
     p.add_argument("--policies", nargs="+", default=["static", "slru", "lru", "lfu", "stream"])
     p.add_argument("--prefetch", default="auto", choices=("auto", "router", "layer", "none"))
-    p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--prefetch-depth", type=int, default=2, help="layers streamed ahead (whole-layer mode)")
     p.add_argument("--no-resident", action="store_true", help="skip the all-resident comparison")
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
     p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new configurations after this")
