@@ -419,8 +419,9 @@ class ExpertCache:
 
     def release_layer(self, layer: int, keep=()) -> None:
         """Stream policy: forget every resident expert of `layer` except `keep`."""
-        for key in [k for k in self.slot_of if k[0] == layer and k not in keep]:
-            self._drop(key)
+        for key in [(layer, e) for e in range(self.num_experts)]:
+            if key in self.slot_of and key not in keep:
+                self._drop(key)
 
     def write(self, staged: jax.Array, slots) -> None:
         """Enqueues pool[slots[j]] = staged[j] for staged uint8 [m, nbytes] on the device (one jitted scatter;
@@ -432,7 +433,7 @@ class ExpertCache:
         slots = np.asarray(slots, np.int32)
         if slots.shape != (staged.shape[0],):
             raise ValueError(f"{staged.shape[0]} staged experts but {slots.shape[0]} slots")
-        self.pool = _write_slots(self.layout, self.pool, staged, jnp.asarray(slots))
+        self.pool = _write_slots(self.layout, self.pool, staged, slots)
 
     def compile_writes(self, sizes, sharding=None) -> None:
         """Compiles `write` for staged batches of each of `sizes` rows (writes zeros to slots past the pool,

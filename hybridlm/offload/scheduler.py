@@ -533,8 +533,9 @@ class OffloadedRunner(LayerwiseRunner):
         """Allocates slots for predicted `keys` (best effort within staging and slots); returns those allocated."""
         cache = self.cache
         issue = []
+        room = self.staging_slots - len(self._staged) - self._queued_experts()
         for key in keys:
-            if key in cache or len(self._staged) + self._queued_experts() + len(issue) >= self.staging_slots:
+            if key in cache or len(issue) >= room:
                 continue
             got = cache.allocate(key, protected)
             if got is None:
@@ -686,7 +687,7 @@ class OffloadedRunner(LayerwiseRunner):
                 s.stall_s += time.perf_counter() - t0
             for b in batches:
                 cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
-            table = jnp.asarray(cache.slot_table(i))
+            table = cache.slot_table(i)     # numpy: jit moves it (an eager jnp.asarray costs more host time)
             compact = whole and cache.num_slots > E
             args = (graphdef, params, cache.pool, table, x, u, weights, expert_ids, num_valid_dev, compact)
             taken = self._pop_parts(i, 1) if twins else []
