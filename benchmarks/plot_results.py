@@ -16,14 +16,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 GIB = 1 << 30
-# Rows of the 2026-11-22 offload run whose time includes compilation (docs/offload.md, note (*)): the run
-# warmed up on 8 192-token prompts only. (expert format, mode, policy, budget, prompt tokens).
-COMPILE_INCLUDED = {
-    ("int4", "resident", None, None, 32768),
-    ("int8", "resident", None, None, 32768),
-    ("int4", "offload", "static", "12GiB", 8192),
-    ("int4", "offload", "static", "12GiB", 32768),
-}
 
 
 def load_offload(path: pathlib.Path) -> tuple[dict, list[dict]]:
@@ -43,16 +35,17 @@ def budget_label(row: dict) -> str:
     return f"{row['budget_bytes'] / GIB:.0f} GiB"
 
 
-def plot(offload_file: pathlib.Path, prefill_file: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    meta, rows = load_offload(offload_file)
+def plot(offload_files: list[pathlib.Path], prefill_file: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Left: prefill tokens/s against expert budget (every offload file: one per expert format, one run
+    each); right: all-resident tokens/s against chunk size (the prefill file)."""
+    loaded = [load_offload(f) for f in offload_files]
+    meta, rows = loaded[0][0], [r for _, file_rows in loaded for r in file_rows]
     pmeta, prows = load_prefill(prefill_file)
     fig, (ax_budget, ax_chunk) = plt.subplots(1, 2, figsize=(12, 4.5))
 
     series: dict[tuple, list] = {}
     for r in rows:
         if "tokens_per_s" not in r:
-            continue
-        if (r["expert_format"], r["mode"], r.get("policy"), r.get("budget"), r["prompt_tokens"]) in COMPILE_INCLUDED:
             continue
         policy = r.get("policy", "resident") if r["mode"] != "resident" else "resident"
         series.setdefault((r["expert_format"], r["prompt_tokens"]), []).append(
@@ -107,8 +100,8 @@ def main() -> None:
     p.add_argument("--results", type=pathlib.Path, default=pathlib.Path("docs/results"))
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/img"))
     args = p.parse_args()
-    print(plot(args.results / "2026-11-22_h100_offload.json",
-               args.results / "2026-11-22_h100_prefill_qwen36_int8.jsonl", args.out))
+    print(plot([args.results / "2026-11-23_h100_offload_int4.json", args.results / "2026-11-23_h100_offload_int8.json"],
+               args.results / "2026-11-23_h100_prefill_qwen36_int8.jsonl", args.out))
 
 
 if __name__ == "__main__":
