@@ -284,6 +284,21 @@ def _pool_experts_copying(graphdef, params, pool, slot_table, h, u, weights, ids
     return out, _to_device(host_parts)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _staged_experts(layout: ExpertLayout, graphdef, params, staged, h, u, weights, ids, num_valid, host_parts=()):
+    """The experts of a layer run straight from its staged parts (a tuple of uint8 [rows, nbytes] device
+    arrays covering experts 0..E-1 in order), unpacked in this program: no pool write, no gather (whole-layer
+    mode, for a layer whose experts are all dropped after use). Host buffers `host_parts` are copied to the
+    device beside it (returned second)."""
+    gate_up, down = layout.unpack(jnp.concatenate(staged))
+    layer = nnx.merge(graphdef, params)
+    layer.ffn.experts_gate_up.set_value(gate_up)
+    layer.ffn.experts_down.set_value(down)
+    batch, seq, hidden = h.shape
+    valid = jnp.broadcast_to(jnp.arange(seq) < num_valid, (batch, seq)).reshape(-1)
+    return h + layer.ffn.experts(u, weights, ids, valid).reshape(batch, seq, hidden), _to_device(host_parts)
+
+
 def _placeholder_experts(params):
     """A copy of a layer's params tree whose expert weights are 1-element placeholders (no device memory)."""
     params = jax.tree_util.tree_map(lambda x: x, params)
@@ -685,24 +700,40 @@ class OffloadedRunner(LayerwiseRunner):
                 t0 = time.perf_counter()
                 jax.block_until_ready(outside)
                 s.stall_s += time.perf_counter() - t0
-            for b in batches:
-                cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
-            table = cache.slot_table(i)     # numpy: jit moves it (an eager jnp.asarray costs more host time)
-            compact = whole and cache.num_slots > E
-            args = (graphdef, params, cache.pool, table, x, u, weights, expert_ids, num_valid_dev, compact)
+            releases = stream or (whole and self.cache_policy == "static")
+            batches.sort(key=lambda b: b.keys[0][1])
+            # A layer whose staged bytes are exactly its host parts, none of it kept after use: its experts
+            # run straight from the staged parts (no scatter into the pool, no gather out of it).
+            direct = (twins and releases and len(batches) == len(self.host.part_rows)
+                      and all(b.keys == [(i, e) for e in self.host.part_experts(p)] for p, b in enumerate(batches))
+                      and not any((i, e) in cache.pinned for e in range(E)))
+            if direct:
+                staged = tuple(b.buf for b in batches)
+                args = (self.host.layout, graphdef, params, staged, x, u, weights, expert_ids, num_valid_dev)
+
+                def run_experts(parts, args=args):
+                    out = _staged_experts(*args, parts)
+                    return out if parts else out[0]
+                name, shapes = "staged_experts", args[3:8]
+            else:
+                for b in batches:
+                    cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
+                table = cache.slot_table(i)     # numpy: jit moves it (an eager jnp.asarray costs more host time)
+                compact = whole and cache.num_slots > E
+                args = (graphdef, params, cache.pool, table, x, u, weights, expert_ids, num_valid_dev, compact)
+
+                def run_experts(parts, args=args):
+                    return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
+                name, shapes = ("experts", compact), args[2:9]
             taken = self._pop_parts(i, 1) if twins else []
-
-            def run_experts(parts, args=args):
-                return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
-
             if twins:
-                self._compile_twins(("experts", compact), graphdef, args[2:9], run_experts, len(taken))
+                self._compile_twins(name, graphdef, shapes, run_experts, len(taken))
             if taken:
                 x, copied = timer("experts", run_experts, tuple(self.host.layers[j][p] for j, p in taken))
                 self._record_in_program(taken, copied, stats)
             else:
-                x = timer("experts", _pool_experts, *args)
-            if stream or (whole and self.cache_policy == "static"):
+                x = timer("experts", run_experts, ())
+            if releases:
                 # static in whole-layer mode: the unpinned experts are streamed too. Kept, they would leave
                 # partial layers that move as row copies instead of one whole-layer copy, and be evicted before
                 # their next use anyway (the working slots hold about two layers).

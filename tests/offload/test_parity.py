@@ -155,9 +155,9 @@ def test_whole_layer_streaming_copies_inside_programs(tiny, host_experts, refere
     from hybridlm.offload import scheduler
 
     calls = []
-    for name in ("_mix_copying", "_pool_experts_copying"):
+    for name in ("_mix_copying", "_pool_experts_copying", "_staged_experts"):
         fn = getattr(scheduler, name)
-        monkeypatch.setattr(scheduler, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+        monkeypatch.setattr(scheduler, name, lambda *a, _fn=fn, _name=name: calls.append((_name, a)) or _fn(*a))
     ref = reference("short", 16)
     eb = expert_bytes(host_experts)
     runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy=policy,
@@ -167,13 +167,16 @@ def test_whole_layer_streaming_copies_inside_programs(tiny, host_experts, refere
     stats = runner.stats()["prefill"]
     assert_stats_add_up(stats, eb)
     assert stats["prefetched"] > 0
+    copying = [name for name, a in calls if name != "_staged_experts" or a[-1]]   # with host parts to copy
     if in_program:
-        assert calls.count("_mix_copying") == calls.count("_pool_experts_copying") > 0
+        assert copying.count("_mix_copying") > 0 and len(copying) > copying.count("_mix_copying")
     else:
-        assert not calls
+        assert not copying
+    # stream, and static pinning nothing at this budget: experts run straight from the staged parts
+    assert any(name == "_staged_experts" for name, _ in calls) == (policy in ("stream", "static") and in_program)
 
 
-@pytest.mark.parametrize("policy", ["static", "slru"])
+@pytest.mark.parametrize("policy", ["static", "slru", "stream"])
 def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
     """A first prefill compiles every program later prefills of the same length use, whatever the cache
     then holds (the static policy's second prompt, its pinned layers resident, used to compile the programs
