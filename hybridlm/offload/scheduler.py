@@ -700,7 +700,10 @@ class OffloadedRunner(LayerwiseRunner):
                 t0 = time.perf_counter()
                 jax.block_until_ready(outside)
                 s.stall_s += time.perf_counter() - t0
-            releases = stream or (whole and self.cache_policy == "static")
+            # Whole-layer mode sweeps the layers in a cycle: below the full-model budget a recency or frequency
+            # policy evicts every expert before its next use (0% hits, measured), so its layers are released
+            # after use like stream's and take the direct path; static releases its unpinned experts.
+            releases = stream or (whole and (self.cache_policy == "static" or cache.num_slots < num_layers * E))
             batches.sort(key=lambda b: b.keys[0][1])
             # A layer whose staged bytes are exactly its host parts, none of it kept after use: its experts
             # run straight from the staged parts (no scatter into the pool, no gather out of it).
@@ -734,9 +737,8 @@ class OffloadedRunner(LayerwiseRunner):
             else:
                 x = timer("experts", run_experts, ())
             if releases:
-                # static in whole-layer mode: the unpinned experts are streamed too. Kept, they would leave
-                # partial layers that move as row copies instead of one whole-layer copy, and be evicted before
-                # their next use anyway (the working slots hold about two layers).
+                # Kept, they would leave partial layers that move as row copies instead of whole parts, and be
+                # evicted before their next use anyway.
                 cache.release_layer(i, keep=set(self._staged) | cache.pinned)
         for j, p in self._queue:   # none expected (each layer takes its late parts): never leave a slot unfilled
             buf = jax.device_put(self.host.layers[j][p], self.dev_sharding)
