@@ -138,6 +138,10 @@ def main(argv=None):
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
     p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new configurations after this")
     p.add_argument("--profile", action="store_true", help="add per-phase seconds from one more, synchronised pass")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after each offloaded configuration, one more prefill of each prompt under jax.profiler.trace "
+                        "(perfetto trace under DIR/<format>_<budget>_<policy>_<tokens>; summary: "
+                        "benchmarks/trace_summary.py)")
     p.add_argument("--out", default=None, help="write the final JSON here")
     a = p.parse_args(argv)
 
@@ -219,6 +223,13 @@ def main(argv=None):
                         emit({**fmt_info, "mode": "offload", "budget": budget,
                               "budget_bytes": parse_bytes(budget), "policy": policy,
                               "slots": runner.cache.num_slots, "staging_slots": runner.staging_slots, **row})
+                    if a.trace:   # no Python function events: they would slow the host side being measured
+                        options = jax.profiler.ProfileOptions()
+                        options.python_tracer_level = 0
+                        for tokens, ids in prompts.items():
+                            with jax.profiler.trace(f"{a.trace}/{fmt}_{budget}_{policy}_{tokens}",
+                                                    create_perfetto_trace=True, profiler_options=options):
+                                hybridlm.prefill(runner, ids, chunk_size=a.chunk_size)
                     del runner
                 except Exception as e:  # noqa: BLE001
                     emit({**fmt_info, "mode": "offload", "budget": budget, "policy": policy, "error": repr(e)[:300]})
@@ -231,6 +242,7 @@ def main(argv=None):
     else:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """GPU benchmark scripts run end to end on the CPU at toy sizes (their figures come from the GPU machine)."""
 
+import gzip
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -32,3 +34,38 @@ def test_h2d_copies_smoke(tmp_path):
     assert doc["rows_3_intact"] and doc["rows_8_intact"]
     assert set(doc["gbps"]) == {"per_expert_buffers", "layer_buffer", "parts_4", "parts_16", "rows_3", "rows_8"}
     assert all(v > 0 for v in doc["gbps"].values())
+
+
+def test_offload_trace_and_summary_smoke(tmp_path):
+    doc = _load("offload").main(["--preset", "tiny", "--num-layers", "4", "--expert-formats", "int4",
+                                 "--budgets", "1MiB", "--policies", "static", "--prompt-tokens", "256",
+                                 "--chunk-size", "128", "--no-resident", "--trace", str(tmp_path / "traces")])
+    (row,) = doc["results"]
+    assert row["tokens_per_s"] > 0 and 0 <= row["hit_rate"] <= 1
+    summary = _load("trace_summary").summarize(next((tmp_path / "traces").rglob("perfetto_trace.json.gz")))
+    assert summary["host_threads"] and all(t["busy_ms"] >= 0 for t in summary["host_threads"].values())
+
+
+def test_cached_attention_loop_smoke():
+    doc = _load("cached_attention_loop").main(["--chunk", "16", "--capacity", "64", "--heads", "4",
+                                               "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"])
+    assert {r["variant"] for r in doc["results"]} == {"dynamic", "static_loop", "unrolled"}
+    assert all(r["finite"] and r["max_abs_diff_vs_dynamic"] < 1e-5 for r in doc["results"])
+
+
+def test_trace_summary_device_streams(tmp_path):
+    # A synthetic GPU trace (times in us): kernels at [0, 10) and [14, 20), a host -> device copy at [5, 16).
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute,MemcpyD2H)"}},
+            {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8(MemcpyH2D)"}}]
+    spans = [{"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 10, "name": "gmm"},
+             {"ph": "X", "pid": 1, "tid": 7, "ts": 14, "dur": 6, "name": "attention"},
+             {"ph": "X", "pid": 1, "tid": 8, "ts": 5, "dur": 11, "name": "MemcpyH2D"}]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + spans}, f)
+    s = _load("trace_summary").summarize(path, gap_ms=0.001)
+    assert s["window_ms"] == 0.02 and s["compute_busy_ms"] == 0.016 and s["copy_busy_ms"] == 0.011
+    assert s["compute_and_copy_ms"] == 0.007 and s["idle_ms"] == 0.0
+    (gap,) = s["compute_gaps"]["largest"]
+    assert gap["ms"] == 0.004 and gap["after"] == "gmm" and gap["before"] == "attention" and gap["copy_during_ms"] == 0.004

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from support import assert_finite
 
+from hybridlm.layers import gated_attention
 from hybridlm.layers.gated_attention import cached_attention
 from hybridlm.layers.gated_deltanet import causal_depthwise_conv
 from hybridlm.layers.moe import dispatch, route_top_k, routed_experts
@@ -88,15 +89,22 @@ def test_routed_experts_match_per_token_loop(with_padding):
     assert int(d.group_sizes.sum()) == valid.sum() * top_k
 
 
+@pytest.mark.parametrize("seq", [8, 1])
+@pytest.mark.parametrize("unrolled", [True, False])
 @pytest.mark.parametrize("start", [0, 8, 13, 24])
-def test_cached_attention_matches_masked_softmax(start):
-    batch, seq, heads, kv_heads, hd, capacity = 1, 8, 4, 2, 16, 32
+def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypatch):
+    # unrolled: a static block loop whose blocks past `start` are empty; else the loop with a traced trip count.
+    # seq=1 is decode: the whole cache is one block.
+    if not unrolled:
+        monkeypatch.setattr(gated_attention, "MAX_UNROLLED_BLOCKS", 0)
+    batch, heads, kv_heads, hd, capacity = 1, 4, 2, 16, 32
     k0 = jax.random.key(start)
     q, k, v = (jax.random.normal(jax.random.fold_in(k0, i), (batch, seq, h, hd)) for i, h in
                enumerate((heads, kv_heads, kv_heads)))
     cache = KVCache(*(jax.random.normal(jax.random.fold_in(k0, 9 + i), (batch, capacity, kv_heads, hd))
                       for i in range(2)))
-    got = np.asarray(cached_attention(q, k, v, cache, jnp.int32(start)))
+    got = np.asarray(jax.jit(lambda *a: cached_attention(*a))(q, k, v, cache, jnp.int32(start)))   # traced anew
+    assert np.isfinite(got).all()
     keys = np.concatenate([np.asarray(cache.key)[:, :start], np.asarray(k)], 1)
     values = np.concatenate([np.asarray(cache.value)[:, :start], np.asarray(v)], 1)
     keys, values = np.repeat(keys, heads // kv_heads, 2), np.repeat(values, heads // kv_heads, 2)
