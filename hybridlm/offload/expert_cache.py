@@ -288,7 +288,7 @@ class LayerStats:
     prefetch_used: int = 0    # prefetched experts that the router then asked for (counted in misses)
     evictions: int = 0
     bytes_h2d: int = 0        # host -> device bytes copied
-    stall_s: float = 0.0      # seconds the host waited for this layer's copies before launching its experts
+    stall_s: float = 0.0      # seconds the host waited for this layer's copies before its experts (exact mode)
 
     def add(self, other: LayerStats) -> None:
         for f in dataclasses.fields(self):
