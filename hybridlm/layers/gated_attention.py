@@ -17,6 +17,12 @@ from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
 from hybridlm.state import KVCache
 
 
+def _resolve(implementation: str | None, dtype) -> str | None:
+    if implementation is None and jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return implementation
+
+
 def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
     """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32).
 
@@ -24,8 +30,7 @@ def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
     logsumexp is asked for: measured on an H100, Qwen3.6 shapes, 32 768 tokens in chunks of 8192, the 10
     attention layers took 1.00 s with XLA and 0.24 s with cuDNN.)
     """
-    if implementation is None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        implementation = "cudnn"
+    implementation = _resolve(implementation, q.dtype)
     out, lse = jax.nn.dot_product_attention(
         q, k, v, is_causal=is_causal, key_value_seq_lengths=kv_lengths, implementation=implementation,
         return_residual=True)
@@ -33,13 +38,13 @@ def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
     return out, lse.astype(jnp.float32)
 
 
-# Cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs (whose predicate
-# XLA's GPU runtime reads back to the host on every iteration: dispatch then waits for the device).
+# With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs (whose
+# predicate XLA's GPU runtime reads back to the host on every iteration: dispatch then waits for the device).
 MAX_UNROLLED_BLOCKS = 16
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, start: jax.Array, *,
-                     implementation: str | None = None) -> jax.Array:
+                     implementation: str | None = None, static_blocks: bool | None = None) -> jax.Array:
     """Causal attention of a chunk over the cached prefix [0, start) and itself.
 
     The chunk attends to itself with an aligned causal mask, and to the prefix block by block; the partial
@@ -48,26 +53,29 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
     Every call is a plain `jax.nn.dot_product_attention` (cuDNN flash attention on GPU) and no [seq, capacity]
     mask is built.
 
-    The block loop has a static trip count (capacity / block, up to MAX_UNROLLED_BLOCKS, unrolled); a block
-    at or past `start` has zero valid keys, which cuDNN skips, and is merged with weight 0. A loop over the
-    ceil(start / block) blocks with a traced trip count would make XLA's GPU runtime read the loop predicate
-    back to the host, so dispatching the program would wait for the device (measured on an H100, Qwen3.6
+    With cuDNN the block loop has a static trip count (capacity / block, up to MAX_UNROLLED_BLOCKS, unrolled);
+    a block at or past `start` has zero valid keys, which cuDNN skips, and is merged with weight 0. A loop over
+    the ceil(start / block) blocks with a traced trip count would make XLA's GPU runtime read the loop
+    predicate back to the host, so dispatching the program would wait for the device (measured on an H100, Qwen3.6
     shapes, chunk 8192, capacity 32 768: the host blocked 1.8-7.3 ms per call; unrolled, dispatch takes
     0.7-1.0 ms and the device time per call drops from 1.79 / 3.68 / 5.50 / 7.31 ms to 1.26 / 2.75 / 4.40 /
     6.19 ms at start 0 / 8192 / 16 384 / 24 576: `benchmarks/cached_attention_loop.py`). Beyond
-    MAX_UNROLLED_BLOCKS blocks that loop is used, so that the program stays small. With the XLA
-    implementation (CPU; not bfloat16 on GPU) blocks past `start` cost a full block each.
+    MAX_UNROLLED_BLOCKS blocks, and with the XLA implementation (CPU; not bfloat16 on GPU), where an empty
+    block would cost a full block, that loop is used.
 
     Args:
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] of this chunk (post-RoPE).
       cache: the KV cache *before* this chunk was written (positions >= start are ignored).
       start: absolute position of the chunk's first token (int32 scalar, may be traced).
       implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn").
+      static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN.
 
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
     """
     batch, seq = q.shape[:2]
+    if static_blocks is None:
+        static_blocks = _resolve(implementation, q.dtype) == "cudnn"
     out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
     blocks = cache.capacity // seq if seq > 1 and cache.capacity % seq == 0 else 1
     block = cache.capacity // blocks
@@ -86,7 +94,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
         return acc, new_lse
 
     carry = (out.astype(jnp.float32), lse)
-    if blocks <= MAX_UNROLLED_BLOCKS:
+    if static_blocks and blocks <= MAX_UNROLLED_BLOCKS:
         for j in range(blocks):
             carry = merge_block(j, carry)
     else:

@@ -93,17 +93,19 @@ def test_routed_experts_match_per_token_loop(with_padding):
 @pytest.mark.parametrize("unrolled", [True, False])
 @pytest.mark.parametrize("start", [0, 8, 13, 24])
 def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypatch):
-    # unrolled: a static block loop whose blocks past `start` are empty; else the loop with a traced trip count.
-    # seq=1 is decode: the whole cache is one block.
-    if not unrolled:
-        monkeypatch.setattr(gated_attention, "MAX_UNROLLED_BLOCKS", 0)
+    # unrolled: a static block loop whose blocks past `start` are empty (the cuDNN path); else the loop with a
+    # traced trip count (the XLA path, and beyond MAX_UNROLLED_BLOCKS). seq=1 is decode: the whole cache is one
+    # block.
+    if unrolled:
+        monkeypatch.setattr(gated_attention, "MAX_UNROLLED_BLOCKS", 4)
     batch, heads, kv_heads, hd, capacity = 1, 4, 2, 16, 32
     k0 = jax.random.key(start)
     q, k, v = (jax.random.normal(jax.random.fold_in(k0, i), (batch, seq, h, hd)) for i, h in
                enumerate((heads, kv_heads, kv_heads)))
     cache = KVCache(*(jax.random.normal(jax.random.fold_in(k0, 9 + i), (batch, capacity, kv_heads, hd))
                       for i in range(2)))
-    got = np.asarray(jax.jit(lambda *a: cached_attention(*a))(q, k, v, cache, jnp.int32(start)))   # traced anew
+    attend = jax.jit(lambda *a: cached_attention(*a, static_blocks=unrolled))
+    got = np.asarray(attend(q, k, v, cache, jnp.int32(start)))
     assert np.isfinite(got).all()
     keys = np.concatenate([np.asarray(cache.key)[:, :start], np.asarray(k)], 1)
     values = np.concatenate([np.asarray(cache.value)[:, :start], np.asarray(v)], 1)
