@@ -46,23 +46,24 @@ def init_layer_states(config, batch: int, capacity: int, dtype=jnp.float32) -> l
     Returns:
       One `GatedDeltaNetState` or `KVCache` per layer, in layer order.
     """
+    return _init_layer_states(config, batch, capacity, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_layer_states(config, batch: int, capacity: int, dtype) -> list[LayerState]:
+    # One program for every layer's zeros: created eagerly one by one, the 80 arrays of a 40-layer model took
+    # ~20 ms of host dispatch at the start of each prefill (measured on an H100).
     g, a = config.gdn, config.attention
-    kv = (batch, capacity, a.num_kv_heads, a.head_dim)
-    specs = tuple(((batch, g.conv_kernel - 1, g.conv_dim), (batch, g.num_v_heads, g.key_dim, g.value_dim))
-                  if layer_type == "linear_attention" else (kv, kv) for layer_type in config.layer_types)
-    dtypes = tuple((jnp.dtype(dtype), jnp.dtype(jnp.float32)) if layer_type == "linear_attention"
-                   else (jnp.dtype(dtype),) * 2 for layer_type in config.layer_types)
-    zeros = _zeros(specs, dtypes)
-    return [GatedDeltaNetState(conv=z[0], recurrent=z[1]) if layer_type == "linear_attention"
-            else KVCache(key=z[0], value=z[1]) for layer_type, z in zip(config.layer_types, zeros)]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _zeros(shapes, dtypes):
-    # One program for every layer's zeros: created one by one, the 80 arrays of a 40-layer model took ~20 ms
-    # of host dispatch at the start of each prefill (measured on an H100).
-    return jax.tree_util.tree_map(lambda shape, dt: jnp.zeros(shape, dt), shapes, dtypes,
-                                  is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
+    states: list[LayerState] = []
+    for layer_type in config.layer_types:
+        if layer_type == "linear_attention":
+            states.append(GatedDeltaNetState(
+                conv=jnp.zeros((batch, g.conv_kernel - 1, g.conv_dim), dtype),
+                recurrent=jnp.zeros((batch, g.num_v_heads, g.key_dim, g.value_dim), jnp.float32)))
+        else:
+            shape = (batch, capacity, a.num_kv_heads, a.head_dim)
+            states.append(KVCache(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype)))
+    return states
 
 
 def state_nbytes(states: list[LayerState]) -> int:

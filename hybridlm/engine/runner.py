@@ -38,8 +38,13 @@ def _route(graphdef, params, h):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _experts(graphdef, params, h, u, weights, ids, num_valid):
+def _experts(graphdef, params, h, u, weights, ids, num_valid, experts=None):
+    """The layer's routed experts on h (post-attention residual); `experts` = (gate_up, down) replaces the
+    layer's own expert weights (the offload runner passes weights held outside the layer)."""
     layer = nnx.merge(graphdef, params)
+    if experts is not None:
+        layer.ffn.experts_gate_up.set_value(experts[0])
+        layer.ffn.experts_down.set_value(experts[1])
     batch, seq, hidden = h.shape
     valid = jnp.broadcast_to(jnp.arange(seq) < num_valid, (batch, seq)).reshape(-1)
     return h + layer.ffn.experts(u, weights, ids, valid).reshape(batch, seq, hidden)

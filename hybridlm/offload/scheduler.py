@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, _embed, _mix, _route
+from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, _embed, _experts, _mix, _route
 from hybridlm.model import HybridLM
 from hybridlm.offload.expert_cache import (
     POLICIES,
@@ -252,16 +252,11 @@ def _pool_experts(graphdef, params, pool, slot_table, h, u, weights, ids, num_va
     [experts, ...] array (a device copy of one layer, ~1 ms per GB of experts), so the grouped matmul sees
     exactly the shapes, group order and tile sizes of the all-resident model.
     """
-    layer = nnx.merge(graphdef, params)
     if compact:
         pool = jax.tree_util.tree_map(lambda p: p[slot_table], pool)   # [experts, ...] in expert order
     else:
         ids = slot_table[ids]                                         # [tokens, top_k] expert id -> pool slot
-    layer.ffn.experts_gate_up.set_value(pool[0])
-    layer.ffn.experts_down.set_value(pool[1])
-    batch, seq, hidden = h.shape
-    valid = jnp.broadcast_to(jnp.arange(seq) < num_valid, (batch, seq)).reshape(-1)
-    return h + layer.ffn.experts(u, weights, ids, valid).reshape(batch, seq, hidden)
+    return _experts(graphdef, params, h, u, weights, ids, num_valid, pool)
 
 
 def _to_device(host_parts):
@@ -290,13 +285,8 @@ def _staged_experts(layout: ExpertLayout, graphdef, params, staged, h, u, weight
     arrays covering experts 0..E-1 in order), unpacked in this program: no pool write, no gather (whole-layer
     mode, for a layer whose experts are all dropped after use). Host buffers `host_parts` are copied to the
     device beside it (returned second)."""
-    gate_up, down = layout.unpack(jnp.concatenate(staged))
-    layer = nnx.merge(graphdef, params)
-    layer.ffn.experts_gate_up.set_value(gate_up)
-    layer.ffn.experts_down.set_value(down)
-    batch, seq, hidden = h.shape
-    valid = jnp.broadcast_to(jnp.arange(seq) < num_valid, (batch, seq)).reshape(-1)
-    return h + layer.ffn.experts(u, weights, ids, valid).reshape(batch, seq, hidden), _to_device(host_parts)
+    experts = layout.unpack(jnp.concatenate(staged))
+    return _experts(graphdef, params, h, u, weights, ids, num_valid, experts), _to_device(host_parts)
 
 
 def _placeholder_experts(params):
@@ -524,9 +514,18 @@ class OffloadedRunner(LayerwiseRunner):
         taken, self._queue = self._queue[:n], self._queue[n:]
         return taken
 
+    def _part_keys(self, layer: int, part: int) -> list[Key]:
+        return [(layer, e) for e in self.host.part_experts(part)]
+
     def _record_in_program(self, taken, copied, stats: CacheStats) -> None:
         for (j, p), buf in zip(taken, copied):
-            self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)], True), stats)
+            self._record_prefetch(Staged(buf, self._part_keys(j, p), True), stats)
+
+    def _put_parts(self, parts, stats: CacheStats) -> None:
+        """Copies host parts [(layer, part)] with `device_put`, outside any program, and records them staged."""
+        for j, p in parts:
+            buf = jax.device_put(self.host.layers[j][p], self.dev_sharding)
+            self._record_prefetch(Staged(buf, self._part_keys(j, p)), stats)
 
     def _needed(self, ids: np.ndarray, batch: int, seq: int, num_valid: int) -> np.ndarray:
         ids = ids.reshape(batch, seq, -1)[:, :num_valid]
@@ -634,12 +633,9 @@ class OffloadedRunner(LayerwiseRunner):
                 late = [q for q in self._queue if q[0] == i]
                 if late:
                     self._queue = [q for q in self._queue if q[0] != i]
-                    for j, p in late:
-                        buf = jax.device_put(self.host.layers[j][p], self.dev_sharding)
-                        self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)]), stats)
+                    self._put_parts(late, stats)
                 keys = [(i, e) for e in range(E)]
-                protected = set(keys) | set(self._staged) | {(j, e) for j, p in self._queue
-                                                             for e in self.host.part_experts(p)}
+                protected = set(keys) | set(self._staged) | {k for q in self._queue for k in self._part_keys(*q)}
                 demand = self._lookup(keys, s, protected)
                 batches = self._stage(demand)
                 s.bytes_h2d += len(demand) * self.expert_bytes
@@ -711,7 +707,7 @@ class OffloadedRunner(LayerwiseRunner):
             # A layer whose staged bytes are exactly its host parts, none of it kept after use: its experts
             # run straight from the staged parts (no scatter into the pool, no gather out of it).
             direct = (twins and releases and len(batches) == len(self.host.part_rows)
-                      and all(b.keys == [(i, e) for e in self.host.part_experts(p)] for p, b in enumerate(batches))
+                      and all(b.keys == self._part_keys(i, p) for p, b in enumerate(batches))
                       and not any((i, e) in cache.pinned for e in range(E)))
             if direct:
                 staged = tuple(b.buf for b in batches)
@@ -743,9 +739,7 @@ class OffloadedRunner(LayerwiseRunner):
                 # Kept, they would leave partial layers that move as row copies instead of whole parts, and be
                 # evicted before their next use anyway.
                 cache.release_layer(i, keep=set(self._staged) | cache.pinned)
-        for j, p in self._queue:   # none expected (each layer takes its late parts): never leave a slot unfilled
-            buf = jax.device_put(self.host.layers[j][p], self.dev_sharding)
-            self._record_prefetch(Staged(buf, [(j, e) for e in self.host.part_experts(p)]), stats)
+        self._put_parts(self._queue, stats)   # none expected (each layer takes its late parts): fill every slot
         self._queue.clear()
         cache.speculative.clear()   # unused prefetches stay cached as ordinary entries (counted in `prefetched`)
         return x, new_states
