@@ -100,7 +100,7 @@ def prefill(model: HybridLM | LayerwiseRunner, input_ids, *, chunk_size: int = D
     padded[:, :seq] = ids
 
     timer = PhaseTimer(profile)
-    runner.on_prefill_start()
+    runner.on_prefill_start(num_chunks)
     t0 = time.perf_counter()
     states = init_layer_states(config, batch, capacity, runner.model.dtype)
     x = None

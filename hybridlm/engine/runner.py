@@ -96,8 +96,9 @@ class LayerwiseRunner:
         self.embed_table = model.embed[...]
         self.whole = nnx.split(model)
 
-    def on_prefill_start(self) -> None:
-        """Hook called by `prefill` before its first chunk (no-op; the offload runner resets its statistics)."""
+    def on_prefill_start(self, num_chunks: int = 1) -> None:
+        """Hook called by `prefill` before the first of its `num_chunks` chunks (no-op; the offload runner resets
+        its statistics and prefetches across chunk boundaries when more chunks follow)."""
 
     def head_logits(self, x_last: jax.Array) -> jax.Array:
         """Final norm + lm head: [batch, hidden] -> [batch, vocab] float32."""

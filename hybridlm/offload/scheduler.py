@@ -46,6 +46,7 @@ from hybridlm.offload.expert_cache import (
     LayerStats,
     format_bytes,
     parse_bytes,
+    static_pinned_keys,
 )
 from hybridlm.state import LayerState
 
@@ -279,6 +280,19 @@ def _pool_experts_copying(graphdef, params, pool, slot_table, h, u, weights, ids
     return out, _to_device(host_parts)
 
 
+def _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts):
+    """`_experts` with the weights `experts`, and host buffers `host_parts` copied to the device beside it."""
+    return _experts(graphdef, params, h, u, weights, ids, num_valid, experts), _to_device(host_parts)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _held_experts(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts=()):
+    """`_experts` with the layer's experts (gate_up, down) [experts, ...] held on the device outside the pool
+    (the static policy's pinned layers in whole-layer mode, held as the all-resident model holds them: no
+    gather out of the pool). Host buffers `host_parts` are copied to the device beside it (returned second)."""
+    return _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _staged_experts(layout: ExpertLayout, graphdef, params, staged, h, u, weights, ids, num_valid, host_parts=()):
     """The experts of a layer run straight from its staged parts (a tuple of uint8 [rows, nbytes] device
@@ -286,7 +300,7 @@ def _staged_experts(layout: ExpertLayout, graphdef, params, staged, h, u, weight
     mode, for a layer whose experts are all dropped after use). Host buffers `host_parts` are copied to the
     device beside it (returned second)."""
     experts = layout.unpack(jnp.concatenate(staged))
-    return _experts(graphdef, params, h, u, weights, ids, num_valid, experts), _to_device(host_parts)
+    return _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
 def _placeholder_experts(params):
@@ -379,8 +393,11 @@ class OffloadedRunner(LayerwiseRunner):
         # Per-layer trunk params without expert weights: the runner holds no device copy of any expert.
         self.layers = [(g, _placeholder_experts(p)) for g, p in self.layers]
         self.cache: ExpertCache | None = None
+        self.held_layers: frozenset[int] = frozenset()     # static, whole-layer mode: layers held outside the pool
+        self.held: dict[int, tuple] = {}                   # ... those loaded: layer -> (gate_up, down) on the device
         self._staged: dict[Key, Staged] = {}     # pending (prefetched) keys -> their staged batch
         self._kind = "prefill"
+        self._num_chunks = 1     # of the prefill running: see on_prefill_start
         self._prefill_stats = self._new_stats("prefill")
         self._decode_stats = self._new_stats("decode")
         self._t_start: float | None = None
@@ -430,8 +447,14 @@ class OffloadedRunner(LayerwiseRunner):
             slots = self.total_slots - staging
         working = need + (staging if self.prefetch != "none" else 0)
         pinned = max(0, slots - working) if self.cache_policy == "static" else 0
-        if whole:     # whole layers only: a partial layer moves as row copies, outside the programs
+        self.held_layers, self.held = frozenset(), {}
+        if whole:
+            # Whole layers only (a partial layer would move as row copies, outside the programs), held outside
+            # the pool as the all-resident model holds them: a pinned layer in the pool was gathered out of it
+            # for each use (41 ms of device copies per 32k-token prefill in the H100 trace of 2026-11-23).
             pinned -= pinned % self.num_experts
+            self.held_layers = frozenset(k[0] for k in static_pinned_keys(self.num_layers, self.num_experts, pinned))
+            slots, pinned = slots - pinned, 0
         self.staging_slots = staging
         self._staged.clear()
         self._queue.clear()
@@ -450,9 +473,11 @@ class OffloadedRunner(LayerwiseRunner):
         return CacheStats(kind=kind, expert_bytes=self.expert_bytes,
                           layers=[LayerStats() for _ in range(self.num_layers)])
 
-    def on_prefill_start(self) -> None:
-        """Called by `prefill` before its first chunk: starts new prefill statistics."""
+    def on_prefill_start(self, num_chunks: int = 1) -> None:
+        """Called by `prefill` before its first chunk: starts new prefill statistics; `num_chunks` tells whole-
+        layer streaming whether to prefetch the next chunk's first layers during this chunk's last ones."""
         self._kind = "prefill"
+        self._num_chunks = num_chunks
         self._prefill_stats = self._new_stats("prefill")
         self._decode_stats = self._new_stats("decode")
         self._t_start = None
@@ -463,7 +488,7 @@ class OffloadedRunner(LayerwiseRunner):
                 "prefetch": self.prefetch, "prefetch_depth": self.prefetch_depth,
                 "slots": self.cache.num_slots if self.cache else None,
                 "staging_slots": getattr(self, "staging_slots", None),
-                "pinned": len(self.cache.pinned) if self.cache else 0}
+                "pinned": (len(self.cache.pinned) + len(self.held_layers) * self.num_experts) if self.cache else 0}
         return {"prefill": self._prefill_stats.to_dict(per_layer), "decode": self._decode_stats.to_dict(per_layer),
                 "pool": pool}
 
@@ -507,9 +532,10 @@ class OffloadedRunner(LayerwiseRunner):
         if not self._queue:
             return []
         n, queued = 1, 0
-        for j in sorted({q[0] for q in self._queue}):
+        ahead = lambda j: (j - layer_now) % self.num_layers
+        for j in sorted({q[0] for q in self._queue}, key=ahead):
             queued += sum(1 for q in self._queue if q[0] == j)
-            n = max(n, -(-queued // max(1, 2 * (j - layer_now) - programs_done)))
+            n = max(n, -(-queued // max(1, 2 * ahead(j) - programs_done)))
         n = min(n, MAX_PARTS_PER_PROGRAM)
         taken, self._queue = self._queue[:n], self._queue[n:]
         return taken
@@ -549,7 +575,7 @@ class OffloadedRunner(LayerwiseRunner):
         issue = []
         room = self.staging_slots - len(self._staged) - self._queued_experts()
         for key in keys:
-            if key in cache or len(issue) >= room:
+            if key in cache or key[0] in self.held_layers or len(issue) >= room:
                 continue
             got = cache.allocate(key, protected)
             if got is None:
@@ -572,6 +598,18 @@ class OffloadedRunner(LayerwiseRunner):
         """Allocates slots for predicted `keys` and issues their copies; best effort within staging and slots."""
         for pending in self._stage(self._allocate_prefetch(keys, protected, stats, layer_now)):
             self._record_prefetch(pending, stats)
+
+    def _hold(self, layer: int, s: LayerStats, lookups: int) -> tuple:
+        """A held layer's experts (gate_up, down) on the device; `lookups` of its experts counted as hits, or as
+        misses when this first use copies the layer (outside any program; its bytes counted)."""
+        s.lookups += lookups
+        if layer in self.held:
+            s.hits += lookups
+        else:
+            s.misses += lookups
+            s.bytes_h2d += self.num_experts * self.expert_bytes
+            self.held[layer] = self.host.unpack_layer(layer, self.dev_sharding)
+        return self.held[layer]
 
     def _lookup(self, keys: list[Key], s: LayerStats, protected: set) -> list[Key]:
         """Counts hits and misses of one layer's `keys`, allocates slots for the misses not already prefetched;
@@ -608,6 +646,9 @@ class OffloadedRunner(LayerwiseRunner):
             self._t_start = time.perf_counter()
         stats.chunks += 1
         stats.tokens += tokens
+        # Whole-layer streaming runs on into the next chunk's first layers while this chunk's last ones compute
+        # (without it, each chunk began with ~7 ms of copies and no compute: H100 trace of 2026-11-23).
+        more = self._kind == "prefill" and stats.chunks < self._num_chunks
         cache, num_layers, E = self.cache, self.num_layers, self.num_experts
         stream = self.cache_policy == "stream"
         nv = int(num_valid)
@@ -634,16 +675,16 @@ class OffloadedRunner(LayerwiseRunner):
                 if late:
                     self._queue = [q for q in self._queue if q[0] != i]
                     self._put_parts(late, stats)
-                keys = [(i, e) for e in range(E)]
+                keys = [] if i in self.held_layers else [(i, e) for e in range(E)]
                 protected = set(keys) | set(self._staged) | {k for q in self._queue for k in self._part_keys(*q)}
                 demand = self._lookup(keys, s, protected)
                 batches = self._stage(demand)
                 s.bytes_h2d += len(demand) * self.expert_bytes
                 if stream_layers:
-                    predicted = [(j, e) for j in range(i + 1, min(i + 1 + self.prefetch_depth, num_layers))
-                                 for e in range(E)]
+                    ahead = range(i + 1, min(i + 1 + self.prefetch_depth, i + num_layers if more else num_layers))
+                    predicted = [(j % num_layers, e) for j in ahead for e in range(E)]
                     issue = self._allocate_prefetch(predicted, protected, stats, i)
-                    for j in sorted({k[0] for k in issue}):
+                    for j in sorted({k[0] for k in issue}, key=lambda j: (j - i) % num_layers):
                         layer_keys = [k for k in issue if k[0] == j]
                         if self.in_program_copies and len(layer_keys) == E:
                             self._queue += [(j, p) for p in range(len(self.host.layers[j]))]
@@ -673,7 +714,7 @@ class OffloadedRunner(LayerwiseRunner):
                 needed = self._needed(np.asarray(expert_ids), batch, seq, nv)
                 keys = [(i, int(e)) for e in needed]
                 protected = set(keys) | set(self._staged)
-                demand = self._lookup(keys, s, protected)
+                demand = self._lookup(keys, s, protected) if i not in self.held_layers else []
                 batches = self._stage(demand)
                 s.bytes_h2d += len(demand) * self.expert_bytes
                 predicted: list[Key] = []
@@ -709,7 +750,15 @@ class OffloadedRunner(LayerwiseRunner):
             direct = (twins and releases and len(batches) == len(self.host.part_rows)
                       and all(b.keys == self._part_keys(i, p) for p, b in enumerate(batches))
                       and not any((i, e) in cache.pinned for e in range(E)))
-            if direct:
+            if i in self.held_layers:
+                args = (graphdef, params, self._hold(i, s, E if whole else len(keys)), x, u, weights, expert_ids,
+                        num_valid_dev)
+
+                def run_experts(parts, args=args):
+                    out = _held_experts(*args, parts)
+                    return out if parts else out[0]
+                name, shapes = "held_experts", args[2:7]
+            elif direct:
                 staged = tuple(b.buf for b in batches)
                 args = (self.host.layout, graphdef, params, staged, x, u, weights, expert_ids, num_valid_dev)
 
@@ -739,7 +788,8 @@ class OffloadedRunner(LayerwiseRunner):
                 # Kept, they would leave partial layers that move as row copies instead of whole parts, and be
                 # evicted before their next use anyway.
                 cache.release_layer(i, keep=set(self._staged) | cache.pinned)
-        self._put_parts(self._queue, stats)   # none expected (each layer takes its late parts): fill every slot
-        self._queue.clear()
+        if not more:   # none expected (each layer takes its late parts): fill every slot
+            self._put_parts(self._queue, stats)
+            self._queue.clear()
         cache.speculative.clear()   # unused prefetches stay cached as ordinary entries (counted in `prefetched`)
         return x, new_states

@@ -207,3 +207,64 @@ def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
     assert runner.stats()["pool"]["pinned"] == (NUM_EXPERTS if policy == "static" else 0)
     compiled = [m.split(" with ")[0] for m in records if m.startswith("Compiling")]
     assert not compiled, compiled
+
+
+def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_experts, base_runner, prompts,
+                                                                  monkeypatch):
+    """In whole-layer mode the static policy's pinned layers are held as [experts, ...] arrays outside the
+    pool (no gather out of it): same logits in prefill and in the decode steps after it, the held program is
+    the one run, their lookups are misses the first prompt (bytes counted) and hits the next."""
+    from hybridlm.offload import scheduler
+
+    calls = []
+    fn = scheduler._held_experts
+    monkeypatch.setattr(scheduler, "_held_experts", lambda *a: calls.append(a) or fn(*a))
+    eb = expert_bytes(host_experts)
+    # 7 layers of experts at prefetch depth 1: one for the layer, two staged, two pinned (layers 2 and 6)
+    runner = OffloadedRunner(tiny, expert_budget=7 * NUM_EXPERTS * eb, cache_policy="static",
+                             host_experts=host_experts, prefetch_depth=1)
+    ids = prompts["short"]
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=2)
+    for prompt in range(2):
+        calls.clear()
+        out = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=2)
+        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+        stats = runner.stats()
+        assert runner.held_layers == {2, 6} and stats["pool"]["pinned"] == 2 * NUM_EXPERTS
+        assert stats["pool"]["slots"] == 3 * NUM_EXPERTS     # the held layers are not pool slots
+        # (plus, the first time, its variants with other numbers of in-program copies: `_compile_twins`)
+        assert len(calls) == 2 * out.num_chunks or (prompt == 0 and len(calls) > 2 * out.num_chunks)
+        assert_stats_add_up(stats["prefill"], eb)
+        for layer in runner.held_layers:
+            s = stats["prefill"]["per_layer"][layer]
+            assert s["hits"] == s["lookups"] - (NUM_EXPERTS if prompt == 0 else 0)
+    logits_ref, states_ref, logits, states = ref.logits, ref.states, out.logits, out.states
+    for step in range(2):
+        token = jnp.argmax(logits_ref, axis=-1).astype(jnp.int32)
+        logits_ref, states_ref = hybridlm.decode_step(base_runner, token, states_ref, len(ids) + step)
+        logits, states = hybridlm.decode_step(runner, token, states, len(ids) + step)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), atol=ATOL, rtol=RTOL)
+    decode = runner.stats()["decode"]
+    assert_stats_add_up(decode, eb)
+    assert all(decode["per_layer"][layer]["hits"] == decode["per_layer"][layer]["lookups"] > 0
+               for layer in runner.held_layers)
+
+
+def test_whole_layer_streaming_prefetches_across_chunks(tiny, host_experts, reference, prompts):
+    """Whole-layer streaming runs on into the next chunk's first layers during a chunk's last ones: after the
+    first chunk no layer is copied on demand, and the last chunk prefetches nothing past the prompt (stream
+    moves every layer exactly once per chunk)."""
+    ref = reference("short", 16)
+    eb = expert_bytes(host_experts)
+    # 5 layers of experts: one for the layer, staging for two (prefetch depth 2), two slack
+    runner = OffloadedRunner(tiny, expert_budget=5 * NUM_EXPERTS * eb, cache_policy="stream",
+                             host_experts=host_experts, whole_layer=True)
+    out = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    stats = runner.stats()["prefill"]
+    assert_stats_add_up(stats, eb)
+    assert out.num_chunks == 3 and stats["lookups"] == 3 * NUM_LAYERS * NUM_EXPERTS
+    assert stats["bytes_h2d"] == stats["lookups"] * eb
+    first = stats["per_layer"][0]
+    assert first["prefetch_used"] == first["prefetched"] == 2 * NUM_EXPERTS     # chunks 2 and 3
+    assert all(s["prefetch_used"] == s["misses"] for s in stats["per_layer"][1:])
