@@ -6,11 +6,16 @@ at one expert budget and records, per run: prefill tokens/s, bytes host->device,
 waited on copies), the ratio of TTFT to the transfer floor (bytes moved / pinned host->device bandwidth
 measured in the same process) and the logit difference to the all-resident prefill.
 
-Run: python experiments/offload_prefetch_vs_chunk_size.py (the `tiny` preset on CPU, where the timings only
-exercise the bookkeeping). This script initialises the whole model on the device first, so on a GPU use it with
-a preset whose experts fit there (the budget then decides what is offloaded), e.g. `preset="qwen3.6-35b-a3b"`,
-`expert_format="int4"`, `budget="12GiB"`, `prompt_tokens=8192`, `chunk_sizes=(512, 2048, 8192)`. For experts
-that do not fit, benchmarks/offload.py builds them straight into pinned host memory.
+The schedules are compared as the scheduler runs them: "router" in exact mode (the ids read back per layer,
+only the experts the chunk needs move; forced at every chunk size), "layer" in whole-layer mode (every expert of
+the next layers streams, no ids read back; forced at every chunk size), "none" in the mode the chunk size picks
+(tokens * top_k >= 4 * experts: whole-layer) with on-demand copies only.
+
+Run: python experiments/offload_prefetch_vs_chunk_size.py [tiny|h100] (`tiny`, the default: the tiny preset on
+CPU, where the timings only exercise the bookkeeping; `h100`: qwen3.6-35b-a3b with int4 experts and a 12 GiB
+budget, ~6 minutes on an H100). This script initialises the whole model on the device first, so on a GPU use it
+with a preset whose experts fit there (the budget then decides what is offloaded); for experts that do not fit,
+benchmarks/offload.py builds them straight into pinned host memory.
 Writes results/offload_prefetch_vs_chunk_size.json.
 """
 
@@ -19,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
+import time
 
 import jax
 import numpy as np
@@ -37,9 +44,16 @@ class OffloadSweep:
     prefetch: tuple[str, ...] = ("none", "router", "layer")
     policies: tuple[str, ...] = ("slru", "static", "stream")
     h2d_probe_bytes: int = 64 * 2**20          # one pinned device_put of this size gives the floor's bandwidth
+    max_seconds: float | None = None           # rows not started by then are recorded as skipped
 
+
+# The schedule each prefetch mode is measured in (None: the mode the chunk size picks).
+WHOLE_LAYER = {"router": False, "layer": True, "none": None}
 
 EXPERIMENT = OffloadSweep()
+H100 = OffloadSweep(preset="qwen3.6-35b-a3b", expert_format="int4", budget="12GiB", prompt_tokens=2048,
+                    chunk_sizes=(32, 128, 512, 2048), prefetch=("router", "layer", "none"), policies=("slru",),
+                    h2d_probe_bytes=512 * 2**20, max_seconds=420)
 
 
 def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
@@ -52,12 +66,17 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
     host = HostExperts.from_model(model)                     # pinned host copy of the experts, shared
     budget = int(exp.budget * host.nbytes) if isinstance(exp.budget, float) else exp.budget
     rows = []
+    t_start = time.perf_counter()
     for policy in exp.policies:
         for prefetch in exp.prefetch:
             runner = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, prefetch=prefetch,
-                                     host_experts=host)
+                                     whole_layer=WHOLE_LAYER[prefetch], host_experts=host)
             for chunk in exp.chunk_sizes:
-                key = {"policy": policy, "prefetch": prefetch, "chunk_size": chunk}
+                key = {"policy": policy, "prefetch": prefetch, "chunk_size": chunk,
+                       "whole_layer": runner.uses_whole_layer(chunk)}
+                if exp.max_seconds is not None and time.perf_counter() - t_start > exp.max_seconds:
+                    rows.append({**key, "error": f"skipped: past max_seconds={exp.max_seconds}"})
+                    continue
                 try:
                     hybridlm.prefill(runner, ids, chunk_size=chunk)                # compile, warm the cache
                     result = hybridlm.prefill(runner, ids, chunk_size=chunk)
@@ -82,4 +101,8 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
 
 
 if __name__ == "__main__":
-    run(EXPERIMENT)
+    configs = {"tiny": EXPERIMENT, "h100": H100}
+    name = sys.argv[1] if len(sys.argv) > 1 else "tiny"
+    if name not in configs:
+        sys.exit(f"unknown configuration {name!r}; choose from {sorted(configs)}")
+    run(configs[name])

@@ -417,14 +417,15 @@ class OffloadedRunner(LayerwiseRunner):
                 f"({need * self.expert_bytes} bytes = min(top_k={self.top_k} x {tokens} tokens, "
                 f"{self.num_experts} experts)) for one chunk")
 
-    def _whole(self, tokens: int) -> bool:
+    def uses_whole_layer(self, tokens: int) -> bool:
+        """Whether a chunk of `tokens` tokens (batch x seq) runs in whole-layer mode (see the class docstring)."""
         if self.whole_layer is not None:
             return self.whole_layer
         return self.top_k * tokens >= WHOLE_LAYER_FACTOR * self.num_experts
 
     def _ensure_pool(self, tokens: int) -> None:
         need = self.min_experts(tokens)
-        whole = self._whole(tokens)
+        whole = self.uses_whole_layer(tokens)
         if whole:
             need = self.num_experts
         if self.cache is not None and self.cache.num_slots >= need:
@@ -640,7 +641,7 @@ class OffloadedRunner(LayerwiseRunner):
         batch, seq = ids.shape
         tokens = batch * seq
         self._ensure_pool(tokens)          # budget errors before any work
-        whole = self._whole(tokens)
+        whole = self.uses_whole_layer(tokens)
         stats = self._prefill_stats if self._kind == "prefill" else self._decode_stats
         if self._t_start is None:
             self._t_start = time.perf_counter()
