@@ -11,7 +11,7 @@ only the experts the chunk needs move; forced at every chunk size), "layer" in w
 the next layers streams, no ids read back; forced at every chunk size), "none" in the mode the chunk size picks
 (tokens * top_k >= 4 * experts: whole-layer) with on-demand copies only.
 
-Run: python experiments/offload_prefetch_vs_chunk_size.py [tiny|h100] (`tiny`, the default: the tiny preset on
+Run: python experiments/offload_prefetch_vs_chunk_size.py [tiny|h100] [--chunk-sizes N ...] [--prefetch MODE ...] (`tiny`, the default: the tiny preset on
 CPU, where the timings only exercise the bookkeeping; `h100`: qwen3.6-35b-a3b with int4 experts and a 12 GiB
 budget, ~6 minutes on an H100). This script initialises the whole model on the device first, so on a GPU use it
 with a preset whose experts fit there (the budget then decides what is offloaded); for experts that do not fit,
@@ -21,10 +21,10 @@ Writes results/offload_prefetch_vs_chunk_size.json.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
-import sys
 import time
 
 import jax
@@ -62,7 +62,10 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
     model = hybridlm.init_random(config, seed=0, dtype=dtype, expert_format=exp.expert_format)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, exp.prompt_tokens)
     gbps = measure_h2d_gbps(exp.h2d_probe_bytes)
-    reference = hybridlm.prefill(hybridlm.LayerwiseRunner(model), ids, chunk_size=max(exp.chunk_sizes))
+    # The all-resident prefill at each chunk size: offload must not change a logit (chunking may, in bf16).
+    resident = hybridlm.LayerwiseRunner(model)
+    reference = {c: np.asarray(hybridlm.prefill(resident, ids, chunk_size=c).logits, np.float32)
+                 for c in exp.chunk_sizes}
     host = HostExperts.from_model(model)                     # pinned host copy of the experts, shared
     budget = int(exp.budget * host.nbytes) if isinstance(exp.budget, float) else exp.budget
     rows = []
@@ -85,12 +88,15 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
                     continue
                 s = runner.stats(per_layer=False)["prefill"]
                 floor_s = s["bytes_h2d"] / (gbps * 1e9)
-                diff = np.abs(np.asarray(result.logits) - np.asarray(reference.logits)).max()
+                logits, ref = np.asarray(result.logits, np.float32), reference[chunk]
+                diff = np.abs(logits - ref).max()
                 rows.append({**key, "budget_bytes": runner.budget, "ttft_s": result.ttft_s,
                              "tokens_per_s": result.tokens_per_s, "bytes_h2d": s["bytes_h2d"],
                              "hit_rate": s["hit_rate"], "stall_s": s["stall_s"], "floor_s": floor_s,
                              "ttft_over_floor": result.ttft_s / floor_s if floor_s else None,
-                             "max_abs_logit_diff_vs_resident": float(diff)})
+                             "max_abs_logit_diff_vs_resident": float(diff),
+                             "max_abs_logit_resident": float(np.abs(ref).max()),
+                             "top1_agrees_with_resident": bool((logits.argmax(-1) == ref.argmax(-1)).all())})
                 print({k: rows[-1][k] for k in ("policy", "prefetch", "chunk_size", "tokens_per_s", "hit_rate")})
     out = pathlib.Path(results_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,8 +107,14 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
 
 
 if __name__ == "__main__":
-    configs = {"tiny": EXPERIMENT, "h100": H100}
-    name = sys.argv[1] if len(sys.argv) > 1 else "tiny"
-    if name not in configs:
-        sys.exit(f"unknown configuration {name!r}; choose from {sorted(configs)}")
-    run(configs[name])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", default="tiny", choices=["tiny", "h100"])
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", help="override the configuration's chunk sizes")
+    parser.add_argument("--prefetch", nargs="+", choices=sorted(WHOLE_LAYER), help="override the prefetch modes")
+    args = parser.parse_args()
+    exp = {"tiny": EXPERIMENT, "h100": H100}[args.config]
+    if args.chunk_sizes:
+        exp = dataclasses.replace(exp, chunk_sizes=tuple(args.chunk_sizes))
+    if args.prefetch:
+        exp = dataclasses.replace(exp, prefetch=tuple(args.prefetch))
+    run(exp)

@@ -244,19 +244,20 @@ def _predict_ids(graphdef, params, h):
     return layer.ffn.route(layer.post_norm(h).reshape(batch * seq, hidden))[1]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9))
-def _pool_experts(graphdef, params, pool, slot_table, h, u, weights, ids, num_valid, compact):
-    """`_experts` of the all-resident runner on the pool.
+@functools.partial(jax.jit, static_argnums=0)
+def _pool_experts(graphdef, params, pool, gather, remap, h, u, weights, ids, num_valid):
+    """`_experts` of the all-resident runner on experts in the pool.
 
-    compact=False: the grouped matmul runs on the whole pool (groups = slots) with ids remapped to slots.
-    compact=True (whole-layer mode): the layer's experts are first gathered from the pool into a contiguous
-    [experts, ...] array (a device copy of one layer, ~1 ms per GB of experts), so the grouped matmul sees
-    exactly the shapes, group order and tile sizes of the all-resident model.
+    gather: int32 [groups] pool slots copied out of the pool into a contiguous [groups, ...] array (a device
+      copy, ~1 ms per GB) that the grouped matmul runs on; None: it runs on the whole pool (groups = slots;
+      only for a pool of at most one layer, see `_pool_tables`).
+    remap: int32 [experts] expert id -> group (the gathered row or the pool slot); None: the identity (the
+      layer gathered in expert order: exactly the shapes, group order and tile sizes of the all-resident model).
     """
-    if compact:
-        pool = jax.tree_util.tree_map(lambda p: p[slot_table], pool)   # [experts, ...] in expert order
-    else:
-        ids = slot_table[ids]                                         # [tokens, top_k] expert id -> pool slot
+    if gather is not None:
+        pool = jax.tree_util.tree_map(lambda p: p[gather], pool)     # [groups, ...]
+    if remap is not None:
+        ids = remap[ids]                                               # [tokens, top_k] expert id -> group
     return _experts(graphdef, params, h, u, weights, ids, num_valid, pool)
 
 
@@ -273,10 +274,10 @@ def _mix_copying(graphdef, params, x, state, start, num_valid, host_parts):
     return x, state, _to_device(host_parts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9))
-def _pool_experts_copying(graphdef, params, pool, slot_table, h, u, weights, ids, num_valid, compact, host_parts):
+@functools.partial(jax.jit, static_argnums=0)
+def _pool_experts_copying(graphdef, params, pool, gather, remap, h, u, weights, ids, num_valid, host_parts):
     """`_pool_experts`, and host expert buffers (a tuple) copied to the device beside it (returned second)."""
-    out = _pool_experts(graphdef, params, pool, slot_table, h, u, weights, ids, num_valid, compact)
+    out = _pool_experts(graphdef, params, pool, gather, remap, h, u, weights, ids, num_valid)
     return out, _to_device(host_parts)
 
 
@@ -600,6 +601,28 @@ class OffloadedRunner(LayerwiseRunner):
         for pending in self._stage(self._allocate_prefetch(keys, protected, stats, layer_now)):
             self._record_prefetch(pending, stats)
 
+    def _pool_tables(self, layer: int, active: list[int] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(gather, remap) for `_pool_experts` (numpy: jit moves them; an eager jnp.asarray costs more host time).
+
+        A pool of at most one layer's experts: the grouped matmul runs on it, ids remapped to slots. A larger one
+        never goes to the kernel whole: its leaves can pass 2**31 elements (a 12 GiB pool of 4-bit experts
+        holds 6e9 bytes of gate_up codes), past the kernel's int32 offsets (measured on an H100, 2026-11-23: wrong
+        logits). Whole-layer mode (active None) gathers the layer in expert order (the all-resident shapes);
+        exact mode gathers only the chunk's `active` experts, padded to a power of two (few compiled shapes; a
+        decode step copies 8 experts), ids remapped to their rows.
+        """
+        table = self.cache.slot_table(layer)
+        if self.cache.num_slots <= self.num_experts:
+            return None, table
+        if active is None:
+            return table, None
+        groups = min(self.num_experts, 1 << max(0, len(active) - 1).bit_length())
+        gather = np.full((groups,), table[active[0]], np.int32)
+        gather[:len(active)] = table[active]
+        remap = np.zeros((self.num_experts,), np.int32)
+        remap[active] = np.arange(len(active), dtype=np.int32)
+        return gather, remap
+
     def _hold(self, layer: int, s: LayerStats, lookups: int) -> tuple:
         """A held layer's experts (gate_up, down) on the device; `lookups` of its experts counted as hits, or as
         misses when this first use copies the layer (outside any program; its bytes counted)."""
@@ -770,13 +793,12 @@ class OffloadedRunner(LayerwiseRunner):
             else:
                 for b in batches:
                     cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
-                table = cache.slot_table(i)     # numpy: jit moves it (an eager jnp.asarray costs more host time)
-                compact = whole and cache.num_slots > E
-                args = (graphdef, params, cache.pool, table, x, u, weights, expert_ids, num_valid_dev, compact)
+                gather, remap = self._pool_tables(i, None if whole else [e for _, e in keys])
+                args = (graphdef, params, cache.pool, gather, remap, x, u, weights, expert_ids, num_valid_dev)
 
                 def run_experts(parts, args=args):
                     return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
-                name, shapes = ("experts", compact), args[2:9]
+                name, shapes = ("experts", gather is None, remap is None), args[2:9]
             taken = self._pop_parts(i, 1) if twins else []
             if twins:
                 self._compile_twins(name, graphdef, shapes, run_experts, len(taken))

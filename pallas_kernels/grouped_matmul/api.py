@@ -67,7 +67,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
       `[m, n]` in preferred_element_type (or lhs.dtype).
 
     Raises:
-      ValueError: unknown implementation, or shapes that disagree.
+      ValueError: unknown implementation, shapes that disagree, or (Pallas) an operand of 2**31 elements or
+        more (the Triton kernel's offsets are int32).
 
     Source: megablox `gmm` / tokamax `ragged_dot` semantics; docs/benchmarks_gmm.md for speed.
     """

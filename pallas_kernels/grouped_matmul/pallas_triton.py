@@ -37,6 +37,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.quantized import QuantizedWeights
 
 
+# Triton computes element offsets in int32: an operand of 2**31 elements or more would be read at wrapped
+# offsets (silently wrong output, seen on an H100 with a 12 GiB pool of 4-bit experts as one rhs).
+MAX_OPERAND_ELEMENTS = 2**31
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """Tile shape and Triton launch parameters.
@@ -279,6 +284,11 @@ def _gmm_pallas(lhs, rhs, group_sizes, *, swiglu: bool, preferred_element_type, 
         weights = (rhs.values, rhs.scales) + (() if rhs.offsets is None else (rhs.offsets,))
     else:
         weights = (rhs,)
+    for operand in (lhs, *weights):
+        if operand.size >= MAX_OPERAND_ELEMENTS:
+            raise ValueError(f"gmm operand of shape {tuple(operand.shape)} has {operand.size} elements, more than "
+                             f"the kernel's int32 offsets address ({MAX_OPERAND_ELEMENTS}); split it (the offload "
+                             f"scheduler gathers the experts a chunk needs out of its pool)")
     kernel = functools.partial(
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision)

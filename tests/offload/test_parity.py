@@ -268,3 +268,21 @@ def test_whole_layer_streaming_prefetches_across_chunks(tiny, host_experts, refe
     first = stats["per_layer"][0]
     assert first["prefetch_used"] == first["prefetched"] == 2 * NUM_EXPERTS     # chunks 2 and 3
     assert all(s["prefetch_used"] == s["misses"] for s in stats["per_layer"][1:])
+
+
+def test_exact_mode_gathers_only_the_chunks_experts(tiny, host_experts, reference, prompts, monkeypatch):
+    """Exact mode never hands the kernel the whole pool (its leaves can pass the kernel's int32 offsets): it
+    gathers the chunk's experts, padded to a power of two, and remaps the ids; same logits."""
+    from hybridlm.offload import scheduler
+
+    groups = []
+    fn = scheduler._pool_experts
+    monkeypatch.setattr(scheduler, "_pool_experts",
+                        lambda *a: groups.append((a[3].shape[0], a[4] is not None)) or fn(*a))
+    ref = reference("short", 1)
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
+                             host_experts=host_experts)
+    out = hybridlm.prefill(runner, prompts["short"], chunk_size=1)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    assert groups and set(groups) == {(TOP_K, True)}      # one token: its top_k experts, a power of two

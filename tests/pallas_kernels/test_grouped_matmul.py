@@ -143,6 +143,19 @@ def test_shape_errors():
         gmm_swiglu(lhs, rhs[:, :, :63], gs)
 
 
+def test_operand_past_int32_offsets_is_an_error():
+    """An rhs of 2**31 elements or more would be read at wrapped int32 offsets: a clear error at trace time
+    (shapes only, nothing allocated)."""
+    lhs = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((1025, 2048, 1024), jnp.bfloat16)      # 2.15e9 elements
+    gs = jax.ShapeDtypeStruct((1025,), jnp.int32)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        jax.eval_shape(lambda a, b, c: gmm(a, b, c, implementation="pallas"), lhs, rhs, gs)
+    ok = jax.ShapeDtypeStruct((1023, 2048, 1024), jnp.bfloat16)     # below the limit
+    out = jax.eval_shape(lambda a, b, c: gmm(a, b, c[:1023], implementation="pallas"), lhs, ok, gs)
+    assert out.shape == (64, 1024)
+
+
 def test_assert_close_rejects_nan():
     expected = np.zeros((2, 2))
     with pytest.raises(AssertionError, match="NaN/Inf"):
