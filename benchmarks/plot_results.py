@@ -100,7 +100,8 @@ def main() -> None:
     p.add_argument("--results", type=pathlib.Path, default=pathlib.Path("docs/results"))
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/img"))
     args = p.parse_args()
-    print(plot([args.results / "2026-11-23_h100_offload_int4.json", args.results / "2026-11-23_h100_offload_int8.json"],
+    print(plot([args.results / "2026-11-23_h100_offload_int4_held_layers.json",
+                args.results / "2026-11-23_h100_offload_int8_held_layers.json"],
                args.results / "2026-11-23_h100_prefill_qwen36_int8.jsonl", args.out))
 
 

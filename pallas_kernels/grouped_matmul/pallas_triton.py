@@ -36,7 +36,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.quantized import QuantizedWeights
 
-
 # Triton computes element offsets in int32: an operand of 2**31 elements or more would be read at wrapped
 # offsets (silently wrong output, seen on an H100 with a 12 GiB pool of 4-bit experts as one rhs).
 MAX_OPERAND_ELEMENTS = 2**31
