@@ -8,15 +8,19 @@ Per chunk and layer i (see docs/offload.md):
        This is a device -> host sync per layer, inherent to routing-driven paging.
      - whole-layer mode (chunk tokens * top_k >= 4 * experts, where a chunk touches nearly every expert): all
        experts of the layer, no sync.
-  3. Misses get a slot (eviction by the cache policy) and are copied host -> device (a whole layer as one
-     `jax.device_put` of its contiguous pinned buffer, a subset as row copies inside one jitted program); then copies for the *next* layers are issued (prefetch, see below) so they run
-     while this layer computes; then the host waits for this layer's copies (measured as stall), writes the
-     staged bytes into the pool slots (one jitted scatter) and launches the grouped matmul on the pool with
-     expert ids remapped to slot ids.
+  3. Misses get a slot (eviction by the cache policy) and are copied host -> device (whole host parts of a
+     layer, inside the jitted programs in whole-layer mode; a subset as row copies inside one jitted program);
+     then copies for the *next* layers are issued (prefetch, see below) so they run while this layer
+     computes; then (exact mode) the host waits for this layer's copies (measured as stall), the staged bytes
+     are written into the pool slots (one jitted scatter) and the grouped matmul runs on the experts gathered
+     out of the pool (the chunk's experts in exact mode, ids remapped; the layer in expert order in whole-layer
+     mode), or straight from the staged parts (a layer released after use), or on the static policy's pinned
+     layers held outside the pool.
   Prefetch: exact mode applies layer i+1's router to the hidden state after layer i's mixer (a prediction,
   read back together with layer i's ids); whole-layer mode streams whole layers i+1..i+depth (double
-  buffering when depth = 1). Prefetched bytes wait in device staging buffers and are written into the pool
-  only when their layer runs, so the compute stream never waits on a copy it does not need yet.
+  buffering when depth = 1), on into the next chunk's first layers when `prefill` has more chunks to run.
+  Prefetched bytes wait in device staging buffers until their layer runs, so the compute stream never waits
+  on a copy it does not need yet.
 
 Device memory: pool slots + staging buffers <= expert_budget. The trunk (embeddings, mixers, router, shared
 expert, head) stays on the device.
