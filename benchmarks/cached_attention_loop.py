@@ -13,48 +13,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import time
 
 import jax
 import jax.numpy as jnp
 
-from hybridlm.layers.gated_attention import _attention
-
-
-def _merge(q, cache_k, cache_v, start, block, implementation, j, carry, guard):
-    acc, run_lse = carry
-    batch = q.shape[0]
-    keys = jax.lax.dynamic_slice_in_dim(cache_k, j * block, block, axis=1)
-    values = jax.lax.dynamic_slice_in_dim(cache_v, j * block, block, axis=1)
-    lengths = jnp.full((batch,), jnp.clip(start - j * block, 0, block), jnp.int32)
-    o_j, lse_j = _attention(q, keys, values, implementation=implementation, kv_lengths=lengths)
-    if guard:
-        live = (lengths > 0)[:, None, None]
-        lse_j = jnp.where(live, lse_j, -jnp.inf)
-        o_j = jnp.where(live[..., None], o_j, 0)
-    new_lse = jnp.logaddexp(run_lse, lse_j)
-    acc = acc * jnp.exp(run_lse - new_lse)[..., None] + o_j.astype(jnp.float32) * jnp.exp(lse_j - new_lse)[..., None]
-    return acc, new_lse
+from hybridlm.layers.gated_attention import _attention, merge_cached_block
+from hybridlm.state import KVCache
 
 
 def make(variant: str, implementation):
+    """The chunk's attention over the cache with the library's block merge (`merge_cached_block`) in a loop:
+    "dynamic" over ceil(start / chunk) blocks (a traced trip count), "static_loop" a fori_loop over every
+    block, "unrolled" a Python loop over every block (what `cached_attention` runs with cuDNN)."""
     def f(q, k, v, cache_k, cache_v, start):
-        seq = q.shape[1]
-        block = seq
+        block = q.shape[1]
+        merge = functools.partial(merge_cached_block, q, KVCache(key=cache_k, value=cache_v), start, block, implementation)
         out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
         carry = (out.astype(jnp.float32), lse)
         if variant == "dynamic":
-            n = (start + block - 1) // block
-            carry = jax.lax.fori_loop(0, n, lambda j, c: _merge(q, cache_k, cache_v, start, block, implementation,
-                                                               j, c, False), carry)
+            carry = jax.lax.fori_loop(0, (start + block - 1) // block, merge, carry)
         elif variant == "static_loop":
-            n = cache_k.shape[1] // block
-            carry = jax.lax.fori_loop(0, n, lambda j, c: _merge(q, cache_k, cache_v, start, block, implementation,
-                                                               j, c, True), carry)
+            carry = jax.lax.fori_loop(0, cache_k.shape[1] // block, merge, carry)
         elif variant == "unrolled":
             for j in range(cache_k.shape[1] // block):
-                carry = _merge(q, cache_k, cache_v, start, block, implementation, j, carry, True)
+                carry = merge(j, carry)
         else:
             raise ValueError(variant)
         return carry[0].astype(q.dtype)

@@ -7,6 +7,8 @@ the output is multiplied by sigmoid(gate) before o_proj. Source: HF `Qwen3_5MoeA
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,24 @@ def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
         return_residual=True)
     lse = lse if lse.shape == q.shape[:3] else jnp.swapaxes(lse, 1, 2)   # BTN or BNT depending on backend
     return out, lse.astype(jnp.float32)
+
+
+def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, carry):
+    """Online-softmax merge of q's attention to cached block j (keys [j * block, (j + 1) * block), those before
+    `start` valid) into carry = (acc [b, t, heads, hd] float32, normalised output so far; lse [b, t, heads]).
+    A block with no valid key weighs 0."""
+    acc, run_lse = carry
+    batch = q.shape[0]
+    keys = jax.lax.dynamic_slice_in_dim(cache.key, j * block, block, axis=1)
+    values = jax.lax.dynamic_slice_in_dim(cache.value, j * block, block, axis=1)
+    lengths = jnp.full((batch,), jnp.clip(start - j * block, 0, block), jnp.int32)
+    o_j, lse_j = _attention(q, keys, values, implementation=implementation, kv_lengths=lengths)
+    live = lengths[:, None, None] > 0
+    lse_j = jnp.where(live, lse_j, -jnp.inf)
+    o_j = jnp.where(live[..., None], o_j.astype(jnp.float32), 0.0)
+    new_lse = jnp.logaddexp(run_lse, lse_j)
+    acc = acc * jnp.exp(run_lse - new_lse)[..., None] + o_j * jnp.exp(lse_j - new_lse)[..., None]
+    return acc, new_lse
 
 
 # With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs (whose
@@ -73,26 +93,14 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
     """
-    batch, seq = q.shape[:2]
+    seq = q.shape[1]
     if static_blocks is None:
         static_blocks = _resolve(implementation, q.dtype) == "cudnn"
     out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
     blocks = cache.capacity // seq if seq > 1 and cache.capacity % seq == 0 else 1
     block = cache.capacity // blocks
 
-    def merge_block(j, carry):
-        acc, run_lse = carry                                         # acc: normalised output so far, float32
-        keys = jax.lax.dynamic_slice_in_dim(cache.key, j * block, block, axis=1)
-        values = jax.lax.dynamic_slice_in_dim(cache.value, j * block, block, axis=1)
-        lengths = jnp.full((batch,), jnp.clip(start - j * block, 0, block), jnp.int32)
-        o_j, lse_j = _attention(q, keys, values, implementation=implementation, kv_lengths=lengths)
-        live = lengths[:, None, None] > 0                            # a block with no valid key weighs 0
-        lse_j = jnp.where(live, lse_j, -jnp.inf)
-        o_j = jnp.where(live[..., None], o_j.astype(jnp.float32), 0.0)
-        new_lse = jnp.logaddexp(run_lse, lse_j)
-        acc = acc * jnp.exp(run_lse - new_lse)[..., None] + o_j * jnp.exp(lse_j - new_lse)[..., None]
-        return acc, new_lse
-
+    merge_block = functools.partial(merge_cached_block, q, cache, start, block, implementation)
     carry = (out.astype(jnp.float32), lse)
     if static_blocks and blocks <= MAX_UNROLLED_BLOCKS:
         for j in range(blocks):
