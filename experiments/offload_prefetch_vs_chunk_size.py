@@ -11,8 +11,8 @@ only the experts the chunk needs move; forced at every chunk size), "layer" in w
 the next layers streams, no ids read back; forced at every chunk size), "none" in the mode the chunk size picks
 (tokens * top_k >= 4 * experts: whole-layer) with on-demand copies only.
 
-Run: python experiments/offload_prefetch_vs_chunk_size.py [tiny|h100] [--chunk-sizes N ...] [--prefetch MODE ...] (`tiny`, the default: the tiny preset on
-CPU, where the timings only exercise the bookkeeping; `h100`: qwen3.6-35b-a3b with int4 experts and a 12 GiB
+Run: python experiments/offload_prefetch_vs_chunk_size.py [tiny|h100] [--chunk-sizes N ...] [--prefetch MODE ...]
+(`tiny`, the default: the tiny preset on CPU, where the timings only exercise the bookkeeping; `h100`: qwen3.6-35b-a3b with int4 experts and a 12 GiB
 budget, ~6 minutes on an H100). This script initialises the whole model on the device first, so on a GPU use it
 with a preset whose experts fit there (the budget then decides what is offloaded); for experts that do not fit,
 benchmarks/offload.py builds them straight into pinned host memory.
@@ -54,6 +54,7 @@ EXPERIMENT = OffloadSweep()
 H100 = OffloadSweep(preset="qwen3.6-35b-a3b", expert_format="int4", budget="12GiB", prompt_tokens=2048,
                     chunk_sizes=(32, 128, 512, 2048), prefetch=("router", "layer", "none"), policies=("slru",),
                     h2d_probe_bytes=512 * 2**20, max_seconds=420)
+CONFIGS = {"tiny": EXPERIMENT, "h100": H100}
 
 
 def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
@@ -108,11 +109,11 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("config", nargs="?", default="tiny", choices=["tiny", "h100"])
+    parser.add_argument("config", nargs="?", default="tiny", choices=sorted(CONFIGS))
     parser.add_argument("--chunk-sizes", type=int, nargs="+", help="override the configuration's chunk sizes")
     parser.add_argument("--prefetch", nargs="+", choices=sorted(WHOLE_LAYER), help="override the prefetch modes")
     args = parser.parse_args()
-    exp = {"tiny": EXPERIMENT, "h100": H100}[args.config]
+    exp = CONFIGS[args.config]
     if args.chunk_sizes:
         exp = dataclasses.replace(exp, chunk_sizes=tuple(args.chunk_sizes))
     if args.prefetch:
