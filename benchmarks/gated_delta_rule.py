@@ -83,12 +83,19 @@ def check_against_reference(variants=None) -> list[dict]:
     label -> (BlockSizes, chunk_size)) against the f32 reference."""
     rows = []
     cases = [
-        ("f32-seq130", jnp.float32, None),
-        ("bf16-seq130", jnp.bfloat16, None),
-        ("f32-packed", jnp.float32, (5, 70, 0, 64, 1)),
+        ("f32-seq130", jnp.float32, None, 0.0),
+        ("bf16-seq130", jnp.bfloat16, None, 0.0),
+        ("f32-packed", jnp.float32, (5, 70, 0, 64, 1), 0.0),
+        # keys at cosine ~0.9, beta 1, almost no decay: the hard case for the triangular inverse (TF32 products)
+        ("f32-correlated-keys", jnp.float32, None, 0.9),
+        ("bf16-correlated-keys", jnp.bfloat16, None, 0.9),
     ]
-    for name, dtype, seqlens in cases:
-        inputs = workloads.make_inputs(workloads.TINY, dtype=dtype, seed=1, seqlens=seqlens)
+    for name, dtype, seqlens, key_cosine in cases:
+        inputs = workloads.make_inputs(
+            workloads.TINY, dtype=dtype, seed=1, seqlens=seqlens, key_cosine=key_cosine
+        )
+        if key_cosine:
+            inputs = hard_gates(inputs)
         as_f32 = {
             n: (x if x is None or n == "cu_seqlens" else x.astype(jnp.float32)) for n, x in inputs.items()
         }
@@ -113,6 +120,12 @@ def check_against_reference(variants=None) -> list[dict]:
             rows.append(row)
             print(row, flush=True)
     return rows
+
+
+def hard_gates(inputs):
+    """beta 1 and log-decay -1e-3 everywhere (with correlated keys: (I + A) far from I in every chunk)."""
+    hard = {"beta": jnp.ones_like(inputs["beta"]), "log_decay": jnp.full_like(inputs["log_decay"], -1e-3)}
+    return {**inputs, **hard}
 
 
 def prepare_time(inputs, reps, block_sizes, chunk_size=64) -> float:
@@ -169,8 +182,10 @@ def parse_variant(spec: str, default) -> tuple[object, int]:
     return dataclasses.replace(default, **changes), chunk_size
 
 
-def bench_workload(workload, reps, fla, block_variants, deadline=float("inf")) -> list[dict]:
-    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=0)
+def bench_workload(workload, reps, fla, block_variants, deadline=float("inf"), key_cosine=0.0) -> list[dict]:
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=0, key_cosine=key_cosine)
+    if key_cosine:
+        inputs = hard_gates(inputs)
     inputs["beta"] = inputs["beta"].astype(jnp.bfloat16).astype(jnp.float32)
     cu = inputs.get("cu_seqlens")
     rows = []
@@ -181,6 +196,7 @@ def bench_workload(workload, reps, fla, block_variants, deadline=float("inf")) -
         "k_heads": workload.k_heads,
         "v_heads": workload.v_heads,
         "key_dim": workload.key_dim,
+        "key_cosine": key_cosine,
     }
     ours_out = None
     seen, prepare_seen = {}, {}
@@ -212,6 +228,7 @@ def bench_workload(workload, reps, fla, block_variants, deadline=float("inf")) -
                 block_sizes.fuse_output,
                 block_sizes.prepare_warps,
                 block_sizes.solve_block,
+                block_sizes.inverse_bf16,
                 chunk_size,
             )
             if prep_key not in prepare_seen:
@@ -322,6 +339,13 @@ def main():
         help="seconds for the timed workloads (after the checks), shared out over them: a workload starts no"
         " new variant once its share is spent",
     )
+    parser.add_argument(
+        "--key-cosine",
+        type=float,
+        default=0.0,
+        help="timed workloads: keys at about this cosine to each other, with beta 1 and log-decay -1e-3"
+        " (the hard case for the triangular inverse; 0 = independent keys, the usual inputs)",
+    )
     parser.add_argument("--json", default=None, help="also write the JSON here")
     args = parser.parse_args()
     result = {
@@ -346,7 +370,9 @@ def main():
     timing_start = time.monotonic()   # --budget-s covers the timed workloads, not the checks or imports
     for i, name in enumerate(args.workloads):  # each workload gets its share of the time left
         deadline = time.monotonic() + (timing_start + args.budget_s - time.monotonic()) / (len(args.workloads) - i)
-        result["rows"] += bench_workload(workloads.WORKLOADS[name], args.reps, fla, variants, deadline)
+        result["rows"] += bench_workload(
+            workloads.WORKLOADS[name], args.reps, fla, variants, deadline, key_cosine=args.key_cosine
+        )
     result["total_s"] = round(time.monotonic() - START, 1)
     text = json.dumps(result, indent=1)
     if args.json:

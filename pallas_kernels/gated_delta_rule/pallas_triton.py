@@ -82,6 +82,10 @@ class BlockSizes:
     # State pass (and segment summaries): load chunk n+1's tiles (W, U, K, gamma; Q, P fused) during chunk n,
     # carried through the loop, so the sequential walk does not wait on memory at each step.
     state_prefetch: bool = False
+    # Dense prepare, bf16 inputs: the triangular-inverse products take bf16 operands (f32 accumulation)
+    # instead of f32 operands run as TF32: half the operand bytes and the bf16 tensor-core rate, at ~8 bits of
+    # mantissa in the factors (T is rounded to bf16 before W and U either way). f32 inputs ignore it.
+    inverse_bf16: bool = False
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -92,24 +96,51 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def _unit_lower_inverse(a, exact, nilpotency=None):
-    """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two), by the exact product
-    (I - a)(I + a^2)(I + a^4)...: a is nilpotent, so the product ends after log2(s) factors. `nilpotency`
-    (a power of two, default s): a^nilpotency == 0 is known (e.g. a block-diagonal tile of 16-row blocks),
-    so log2(nilpotency) factors suffice."""
-    s = a.shape[0]
-    n = s if nilpotency is None else nilpotency
-    eye = jnp.where(
-        jax.lax.broadcasted_iota(jnp.int32, (s, s), 0) == jax.lax.broadcasted_iota(jnp.int32, (s, s), 1),
-        1.0,
-        0.0,
-    )
+# Rows per diagonal block that `_unit_lower_inverse` inverts by repeated squaring; larger blocks merge 4 at a
+# time. Squaring a whole 16-row block is exact in real numbers but not in TF32 (the GPU's f32 products): with
+# correlated keys (A entries near 1) its powers reach C(15, 7) ~ 6 400 and cancel, and the 10-bit mantissa
+# left errors of order 1 in T (emulated: relative error 1.1 at key cosine 0.9). 4-row squaring and 4-block
+# merges keep every factor of order 1 (error 1e-3 at cosine 0.99, the same 10 products for a 64-row chunk).
+SQUARING_BLOCK = 4
+
+
+def _identity(s):
+    i = jax.lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    return jnp.where(i == jax.lax.broadcasted_iota(jnp.int32, (s, s), 1), 1.0, 0.0)
+
+
+def _squaring_inverse(a, exact, nilpotency, cast):
+    """(I + a)^-1 for a strictly lower-triangular f32 tile with a^nilpotency == 0 (a power of two), by the
+    exact product (I - a)(I + a^2)(I + a^4)...: log2(nilpotency) factors."""
+    eye = _identity(a.shape[0])
     inv = eye - a
     power = a
-    for _ in range(max(n.bit_length() - 2, 0)):  # factors (I + a^2), (I + a^4), ...
-        power = _dot(power, power, exact=exact)
-        inv = _dot(inv, eye + power, exact=exact)
+    for _ in range(max(nilpotency.bit_length() - 2, 0)):  # factors (I + a^2), (I + a^4), ...
+        power = _dot(cast(power), cast(power), exact=exact)
+        inv = _dot(cast(inv), cast(eye + power), exact=exact)
     return inv
+
+
+def _unit_lower_inverse(a, exact, operand_dtype=None):
+    """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two), block by block: the
+    `SQUARING_BLOCK`-row diagonal blocks D by `_squaring_inverse`, then levels of 4x larger blocks:
+        (I + A_level) = (I + D)(I + N),  N = (I + D)^-1 L   (L: A inside the level's blocks, outside D's),
+        N is strictly block-lower over <= 4 blocks, so (I + N)^-1 = (I - N)(I + N^2);  T = (I + N)^-1 (I + D)^-1.
+    Every factor stays of order 1 (see SQUARING_BLOCK). `operand_dtype` (e.g. bf16): the products' operands
+    are rounded to it (f32 accumulation, f32 result)."""
+    s = a.shape[0]
+    cast = (lambda x: x) if operand_dtype is None else (lambda x: x.astype(operand_dtype))
+    i = jax.lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    lo = min(SQUARING_BLOCK, s)
+    t = _squaring_inverse(jnp.where(i // lo == j // lo, a, 0.0), exact, lo, cast)
+    while lo < s:
+        hi = min(4 * lo, s)
+        inside = jnp.logical_and(i // hi == j // hi, i // lo != j // lo)
+        n_mat = _dot(cast(t), cast(jnp.where(inside, a, 0.0)), exact=exact)
+        t = _dot(cast(_squaring_inverse(n_mat, exact, hi // lo, cast)), cast(t), exact=exact)
+        lo = hi
+    return t
 
 
 def _prepare_kernel(
@@ -178,7 +209,7 @@ def _prepare_kernel(
                     p = _dot(q_d, ks[e], _TRANS_B, exact) * decay(d, e, inclusive=True) * scale
                     p_ref[b, rows[d], h, cols] = p.astype(p_ref.dtype)
     for d in range(num_blocks):
-        t[d, d] = _unit_lower_inverse(a[d, d], exact)
+        t[d, d] = _unit_lower_inverse(a[d, d], exact)  # [sub, sub]
         for e in range(d - 1, -1, -1):
             acc = _dot(a[d, e], t[e, e], exact=exact)
             for m in range(e + 1, d):
@@ -211,15 +242,16 @@ def _prepare_dense_kernel(
     sub,
     scale,
     with_p,
+    inverse_bf16=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
-    #   D = A on the 16x16 diagonal blocks, L = A - D          (I + A) = (I + D)(I + N), N = (I + D)^-1 L
-    #   (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8)       D^sub = 0
-    #   (I + N)^-1 = (I - N)(I + N^2)...                       N is strictly block-lower: N^(c/sub) = 0
-    #   T = (I + N)^-1 (I + D)^-1;  W = T diag(beta e^gamma) K,  U = T diag(beta) V   (two products)
-    # The inverse products are [c, c] f32 (IEEE for f32 inputs, TF32 otherwise, like `_prepare_kernel`).
+    #   T = (I + A)^-1 by `_unit_lower_inverse` (4-row blocks, merged 4 at a time: 10 [c, c] products at c=64)
+    #   W = T diag(beta e^gamma) K,  U = T diag(beta) V        (two products)
+    # The inverse products are [c, c] f32 (IEEE for f32 inputs, TF32 otherwise, like `_prepare_kernel`), or
+    # with `inverse_bf16` (bf16 inputs) bf16 operands accumulated in f32.
     exact = compute_dtype == jnp.float32
+    inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
     n, bh = pl.program_id(0), pl.program_id(1)
     v_heads = v_ref.shape[2]
@@ -241,12 +273,7 @@ def _prepare_dense_kernel(
         incl = i >= j
         p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * jnp.exp(jnp.where(incl, diff, 0.0)), 0.0) * scale
         p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
-    same_block = (i // sub) == (j // sub)
-    t = _unit_lower_inverse(jnp.where(same_block, a, 0.0), exact, nilpotency=sub)  # (I + D)^-1
-    if c > sub:
-        n_mat = _dot(t, jnp.where(same_block, 0.0, a), exact=exact)  # (I + D)^-1 L
-        t = _dot(_unit_lower_inverse(n_mat, exact, nilpotency=c // sub), t, exact=exact)
-    t = t.astype(compute_dtype)
+    t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
     rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
     rhs_u = (v_ref[b, rows, h, :].astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
     w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
@@ -602,6 +629,7 @@ def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_s
     kernels = {"sub_blocks": _prepare_kernel, "dense": _prepare_dense_kernel}
     if block_sizes.prepare_kernel not in kernels:
         raise ValueError(f"prepare_kernel={block_sizes.prepare_kernel!r}; choose from {sorted(kernels)}")
+    options = {"inverse_bf16": True} if block_sizes.inverse_bf16 and block_sizes.prepare_kernel == "dense" else {}
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
@@ -611,6 +639,7 @@ def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_s
             sub=min(block_sizes.solve_block, chunk_size),
             scale=scale,
             with_p=with_p,
+            **options,
         ),
         out_shape=(
             jax.ShapeDtypeStruct((batch, padded, v_heads, key_dim), compute_dtype),

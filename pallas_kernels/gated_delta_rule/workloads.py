@@ -46,6 +46,7 @@ def make_inputs(
     seed: int = 0,
     initial_state: bool = True,
     seqlens: tuple[int, ...] | None = None,
+    key_cosine: float = 0.0,
 ) -> dict[str, jax.Array]:
     """Random inputs for `gated_delta_rule` in the caller's distribution.
 
@@ -59,6 +60,9 @@ def make_inputs(
       seed: numpy seed.
       initial_state: include a random initial state (else None).
       seqlens: packed sequence lengths (overrides workload.seqlens); adds cu_seqlens.
+      key_cosine: in [0, 1): q and k lean towards one direction per head, so that two keys have about this
+        cosine (0: independent). Trained models' keys correlate (repeated tokens: cosine 1); with beta
+        near 1 and little decay this is the hard case for the chunk's triangular inverse.
 
     Returns:
       dict of keyword arguments: query, key, value, log_decay, beta, initial_state[, cu_seqlens].
@@ -76,9 +80,18 @@ def make_inputs(
     if seqlens is not None:
         b = 1
 
+    if not 0.0 <= key_cosine < 1.0:
+        raise ValueError(f"key_cosine={key_cosine} must be in [0, 1)")
+    shared = np.random.default_rng([seed, 1]).standard_normal((1, 1, hk, dk), dtype=np.float32)
+    shared /= np.sqrt((shared * shared).sum(-1, keepdims=True))
+
     def unit(shape):
         x = rng.standard_normal(shape, dtype=np.float32)
-        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+        x = x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+        if key_cosine:
+            x = np.sqrt(1.0 - key_cosine) * x + np.sqrt(key_cosine) * shared
+            x = x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+        return x
 
     sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
     inputs = {
