@@ -35,18 +35,19 @@ import numpy as np
 from pallas_kernels.gated_delta_rule import _common, api, pallas_triton, reference, workloads
 
 START = time.monotonic()
-# Today's default first (the reference for the *_vs_first errors: dense prepare, state_block_v 32, one
-# sequential walk, output fused into the state pass), then the options. Measured on an H100 on 2026-11-22
-# (docs/benchmarks.md, runs 3 and 4): sub_blocks prepare 12-19% slower in stage 1; the separate output kernel
-# (unfused) 10-12% slower; prefetch no gain on one sequence, 20% loss packed; segments slower; chunk=128
-# exceeds shared memory.
+# Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products,
+# state_block_v 32 and 3 pipeline stages, one sequential walk, output fused into the state pass), then the
+# options. Measured on an H100 (docs/benchmarks.md, docs/benchmarks_gdn.md): TF32 inverse products 15-17%
+# slower, 2 stages 10-20% slower (both the defaults until 2026-11-23); sub_blocks prepare 12-19% slower in
+# stage 1; the separate output kernel (unfused) 10-12% slower; prefetch no gain on one sequence, 20% loss
+# packed; segments slower; chunk=128 exceeds shared memory; chunk=32, prepare_warps=8, state_warps=8 slower.
 DEFAULT_VARIANTS = [
     "fused:32",
+    "fused:32:inverse_bf16=0",
+    "fused:32:state_stages=2",
     "unfused:32",
     "fused:32:prepare=sub_blocks",
-    "fused:32:prefetch=1",
     "fused:16",
-    "fused:32:2:combine=pallas",
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
@@ -182,10 +183,25 @@ def parse_variant(spec: str, default) -> tuple[object, int]:
     return dataclasses.replace(default, **changes), chunk_size
 
 
-def bench_workload(workload, reps, fla, block_variants, deadline=float("inf"), key_cosine=0.0) -> list[dict]:
+def reference_outputs(inputs):
+    """The token-by-token f32 recurrence on the same (bf16-rounded) inputs, IEEE f32 products."""
+    as_f32 = {n: (x if x is None or n == "cu_seqlens" else x.astype(jnp.float32)) for n, x in inputs.items()}
+    with jax.default_matmul_precision("highest"):
+        return jax.block_until_ready(jax.jit(reference.gated_delta_rule_reference)(**as_f32))
+
+
+def bench_workload(
+    workload, reps, fla, block_variants, deadline=float("inf"), key_cosine=0.0, with_reference=False
+) -> list[dict]:
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=0, key_cosine=key_cosine)
     if key_cosine:
         inputs = hard_gates(inputs)
+    want = reference_outputs(inputs) if with_reference else None
+
+    def vs_reference(row, out):  # ours or FLA's (output, final state) against the f32 recurrence
+        if want is not None:
+            row["output_rel_err_vs_reference"] = rel_err(out[0], want[0])
+            row["state_rel_err_vs_reference"] = rel_err(out[1], want[1])
     inputs["beta"] = inputs["beta"].astype(jnp.bfloat16).astype(jnp.float32)
     cu = inputs.get("cu_seqlens")
     rows = []
@@ -242,6 +258,7 @@ def bench_workload(workload, reps, fla, block_variants, deadline=float("inf"), k
             )
             continue
         row["compile_and_time_s"] = round(time.monotonic() - start, 1)
+        vs_reference(row, out)
         if ours_out is None:
             ours_out = out
             ours_ms = ms
@@ -306,6 +323,7 @@ def bench_workload(workload, reps, fla, block_variants, deadline=float("inf"), k
             "state_rel_err_ours_vs_fla": rel_err(ours_out[1], fs),
         }
     )
+    vs_reference(rows[-1], (fo, fs))
     print(rows[-1], flush=True)
     return rows
 
@@ -346,6 +364,11 @@ def main():
         help="timed workloads: keys at about this cosine to each other, with beta 1 and log-decay -1e-3"
         " (the hard case for the triangular inverse; 0 = independent keys, the usual inputs)",
     )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also compare every timed output (ours and FLA) with the token-by-token f32 recurrence",
+    )
     parser.add_argument("--json", default=None, help="also write the JSON here")
     args = parser.parse_args()
     result = {
@@ -371,7 +394,13 @@ def main():
     for i, name in enumerate(args.workloads):  # each workload gets its share of the time left
         deadline = time.monotonic() + (timing_start + args.budget_s - time.monotonic()) / (len(args.workloads) - i)
         result["rows"] += bench_workload(
-            workloads.WORKLOADS[name], args.reps, fla, variants, deadline, key_cosine=args.key_cosine
+            workloads.WORKLOADS[name],
+            args.reps,
+            fla,
+            variants,
+            deadline,
+            key_cosine=args.key_cosine,
+            with_reference=args.reference,
         )
     result["total_s"] = round(time.monotonic() - START, 1)
     text = json.dumps(result, indent=1)

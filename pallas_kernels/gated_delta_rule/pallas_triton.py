@@ -16,16 +16,18 @@ end state from zero and its transition M (end = M start + end_from_zero); a shor
 XLA, or the `_segment_combine_kernel`) combines them into each segment's start state; then every segment
 walks its chunks at the same time. Packed sequences too: a segment restarts at each sequence's first chunk
 (M = 0 from there on), and finals are stored as the walk closes each sequence.
-Off-by-default options (`BlockSizes`), not yet timed on a GPU: `prepare_kernel="dense"`
-(`_prepare_dense_kernel`: one [c, c] K K^T product, the inverse from whole-chunk products, W and U as two
-products), `state_prefetch` (the sequential walks load chunk n+1's tiles during chunk n),
+Stage 1 comes in two kernels (`BlockSizes.prepare_kernel`): "dense" (the default, `_prepare_dense_kernel`:
+one [c, c] K K^T product, the inverse from whole-chunk products, W and U as two products) and "sub_blocks"
+(16-row tiles). Off-by-default options, timed on an H100 and slower there (docs/benchmarks_gdn.md):
+`state_prefetch` (the sequential walks load chunk n+1's tiles during chunk n), `segments` > 1,
 `segment_combine="pallas"`.
 Packed sequences (cu_seqlens) are regathered so each starts a chunk; the state pass restarts h from the
 sequence's initial state at its first chunk and stores the final state after its last.
 Grouped heads: v-head h reads q/k head h // (v_heads // k_heads) straight from the un-repeated arrays.
 Matrix products take the input dtype (bf16 -> tensor cores) and accumulate in f32; g, beta, gamma, A, T and
 the carried state are f32 (f32 inputs: every product in IEEE f32, precision=HIGHEST; bf16 inputs: the
-f32 inverse tiles use TF32 before they are rounded to bf16).
+inverse's products take bf16 operands of the f32 tiles (`BlockSizes.inverse_bf16`; else TF32), and T is
+rounded to bf16 before W and U). The inverse is blocked for stability (`_unit_lower_inverse`).
 """
 
 import dataclasses
@@ -61,7 +63,9 @@ class BlockSizes:
     prepare_warps: int = 4
     state_warps: int = 4
     output_warps: int = 4
-    state_stages: int = 2
+    # Software-pipelining depth of the state pass's chunk loop. 3 since 2026-11-23 (H100, docs/benchmarks.md):
+    # 16-20% faster than 2 at T=4096 and 16384, 10% packed; 4 no better than 3.
+    state_stages: int = 3
     # Compute the output inside the state pass (no chunk states in memory). The default since run 4 on an
     # H100 (docs/benchmarks.md): 10-12% faster than the separate output kernel at T=4096, 16384 and 8 x 8192.
     fuse_output: bool = True
@@ -84,8 +88,13 @@ class BlockSizes:
     state_prefetch: bool = False
     # Dense prepare, bf16 inputs: the triangular-inverse products take bf16 operands (f32 accumulation)
     # instead of f32 operands run as TF32: half the operand bytes and the bf16 tensor-core rate, at ~8 bits of
-    # mantissa in the factors (T is rounded to bf16 before W and U either way). f32 inputs ignore it.
-    inverse_bf16: bool = False
+    # mantissa in the factors (T is rounded to bf16 before W and U either way). f32 inputs ignore it. The
+    # default since 2026-11-23: on an H100 15-17% faster in all (T=4096 0.251 -> 0.207 ms, 16384 0.921 ->
+    # 0.778), and its error against the f32 recurrence is FLA's: independent keys 0.0054 / 0.0076 (TF32
+    # inverse the same, FLA 0.0068 / 0.0083); keys at cosine 0.9 with beta 1, 0.036 / 0.036 (TF32 0.031 /
+    # 0.039, FLA 0.032 / 0.033). Needs the 4-row blocks of `_unit_lower_inverse` (with 16-row squaring
+    # blocks, bf16 factors blew up to 1e9).
+    inverse_bf16: bool = True
 
     @classmethod
     def get_default(cls) -> "BlockSizes":

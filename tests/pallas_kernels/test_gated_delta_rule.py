@@ -1,6 +1,7 @@
 """Every gated-delta-rule implementation against the token-by-token f32 reference (Pallas interpreted)."""
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -206,7 +207,7 @@ VARIANTS = [
         1,
     ),
     ("dense-prepare-c64-f32", {"prepare_kernel": "dense"}, jnp.float32, 64, 150, None, 1),
-    ("dense-prepare-c32-bf16-inverse", {"inverse_bf16": True}, jnp.bfloat16, 32, 150, None, 1),
+    ("dense-prepare-c32-tf32-inverse", {"inverse_bf16": False}, jnp.bfloat16, 32, 150, None, 1),
     (
         "sub-blocks-prepare-c64-solve32",
         {"prepare_kernel": "sub_blocks", "solve_block": 32},
@@ -319,7 +320,9 @@ def test_packed_segments_refused_when_compiled():
     inputs = workloads.make_inputs(SMALL, seq=None, dtype=jnp.float32, seed=8, seqlens=(CHUNK, CHUNK))
     block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), segments=2)
     with pytest.raises(NotImplementedError, match="segments > 1 with cu_seqlens"):
-        pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=block_sizes, interpret=False)
+        pallas_triton.gated_delta_rule_pallas(
+            **inputs, chunk_size=CHUNK, block_sizes=block_sizes, interpret=False
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -331,7 +334,9 @@ def test_packed_as_padded_batch(dtype):
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, dtype)
     # The bound is static and may exceed the longest sequence.
-    loose = api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=3 * CHUNK + 1, implementation="pallas")
+    loose = api.gated_delta_rule(
+        **inputs, chunk_size=CHUNK, max_seqlen=3 * CHUNK + 1, implementation="pallas"
+    )
     for name, g, w in zip(("output", "final_state"), loose, got, strict=True):
         assert_close(name, g, w, dtype)
 
@@ -342,7 +347,9 @@ def test_packed_max_seqlen_too_small():
     inputs = workloads.make_inputs(SMALL, dtype=jnp.float32, seed=11, seqlens=(5, 2 * CHUNK + 3))
     with pytest.raises(ValueError, match="max_seqlen=16 but cu_seqlens has a sequence of 35 tokens"):
         api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas")
-    run = jax.jit(lambda x: api.gated_delta_rule(**x, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas"))
+    run = jax.jit(
+        lambda x: api.gated_delta_rule(**x, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas")
+    )
     out, final = run(inputs)
     assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(final)).all()
 
@@ -384,7 +391,11 @@ def test_pallas_tf32_inverse_products(monkeypatch):
     (operands rounded to TF32), the error against the f32 reference stays that of the bf16 tiles."""
     inputs = correlated_inputs(jnp.bfloat16, 0.9)
     want = expected(inputs)
-    plain = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64)
+    f32_inverse = dataclasses.replace(pallas_triton.BlockSizes.get_default(), inverse_bf16=False)
+    run = functools.partial(
+        pallas_triton.gated_delta_rule_pallas.__wrapped__, chunk_size=64, block_sizes=f32_inverse
+    )
+    plain = run(**inputs)
     dot = pallas_triton._dot
 
     def tf32_dot(a, b, dims=pallas_triton._PLAIN, exact=False):
@@ -393,7 +404,7 @@ def test_pallas_tf32_inverse_products(monkeypatch):
         return dot(a, b, dims, exact)
 
     monkeypatch.setattr(pallas_triton, "_dot", tf32_dot)
-    emulated = pallas_triton.gated_delta_rule_pallas.__wrapped__(**inputs, chunk_size=64)  # traced anew
+    emulated = run(**inputs)  # traced anew (no jit cache)
     for name, e, p, w in zip(("output", "final_state"), emulated, plain, want, strict=True):
         e, p, w = (np.asarray(x, np.float32) for x in (e, p, w))
         assert np.isfinite(e).all(), name
