@@ -35,6 +35,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also one profiled pass per configuration")
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="one more prefill per configuration under jax.profiler.trace (perfetto trace under "
+                        "DIR/<tokens>_<chunk>; summary of the kernels' device time: benchmarks/trace_summary.py)")
     a = p.parse_args(argv)
 
     config = hybridlm.get_config(a.preset)
@@ -74,6 +77,12 @@ def main(argv=None):
                 if a.profile:
                     prof = hybridlm.prefill(runner, ids, chunk_size=chunk, profile=True)
                     row["phase_seconds"] = {k: round(v, 4) for k, v in prof.phase_seconds.items()}
+                if a.trace:   # no Python function events: they would slow the host side being measured
+                    options = jax.profiler.ProfileOptions()
+                    options.python_tracer_level = 0
+                    with jax.profiler.trace(f"{a.trace}/{tokens}_{chunk}", create_perfetto_trace=True,
+                                            profiler_options=options):
+                        hybridlm.prefill(runner, ids, chunk_size=chunk)
             except Exception as e:  # noqa: BLE001 - report and go on to the next configuration
                 row["error"] = repr(e)[:300]
             rows.append(row)

@@ -45,6 +45,28 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
     return jax.nn.silu(out).astype(mixed.dtype)
 
 
+def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Array | int) -> jax.Array:
+    """The conv state after `num_valid` tokens: rows [num_valid, num_valid + kernel - 1) of
+    concat(history, mixed), without materialising that concatenation (a [batch, seq, channels] copy per layer
+    and chunk: 40 ms of a 32 768-token prefill on an H100 when it was built whole).
+
+    Args:
+      history: [batch, conv_kernel - 1, channels] inputs before the chunk.
+      mixed: [batch, seq, channels] the chunk's pre-conv inputs.
+      num_valid: valid tokens of the chunk, 0 <= num_valid <= seq (int or traced int32).
+
+    Returns:
+      [batch, conv_kernel - 1, channels] in mixed.dtype.
+    """
+    width = history.shape[1]
+    head = jnp.concatenate([history, mixed[:, :width]], axis=1)       # covers num_valid < width
+    from_head = jax.lax.dynamic_slice_in_dim(head, jnp.minimum(num_valid, head.shape[1] - width), width, axis=1)
+    if mixed.shape[1] < width:
+        return from_head
+    from_mixed = jax.lax.dynamic_slice_in_dim(mixed, jnp.maximum(num_valid - width, 0), width, axis=1)
+    return jnp.where(num_valid >= width, from_mixed, from_head)
+
+
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output projection."""
 
@@ -94,8 +116,7 @@ class GatedDeltaNet(nnx.Module):
             a + self.delta_time_bias[...].astype(jnp.float32))                       # g <= 0, [b, t, v_heads]
 
         conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
-        window = jnp.concatenate([state.conv.astype(mixed.dtype), mixed], axis=1)   # [b, kernel-1+t, conv_dim]
-        new_conv = jax.lax.dynamic_slice_in_dim(window, num_valid, cfg.conv_kernel - 1, axis=1)
+        new_conv = conv_history_after(state.conv.astype(mixed.dtype), mixed, num_valid)
 
         q = conv_out[..., :kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
         k = conv_out[..., kq:2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)

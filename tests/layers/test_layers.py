@@ -8,7 +8,7 @@ from support import assert_finite
 
 from hybridlm.layers import gated_attention
 from hybridlm.layers.gated_attention import cached_attention
-from hybridlm.layers.gated_deltanet import causal_depthwise_conv
+from hybridlm.layers.gated_deltanet import causal_depthwise_conv, conv_history_after
 from hybridlm.layers.moe import dispatch, route_top_k, routed_experts
 from hybridlm.layers.norms import gated_rms_norm, rms_norm
 from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
@@ -53,6 +53,20 @@ def test_causal_conv_with_history_equals_conv_of_concatenation():
     np.testing.assert_allclose(whole, direct / (1 + np.exp(-direct)), rtol=1e-5, atol=1e-6)
     tail = causal_depthwise_conv(x[:, 5:], w, x[:, 5 - (kernel - 1):5])
     np.testing.assert_allclose(tail, whole[:, 5:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seq", [1, 2, 3, 4, 9])
+def test_conv_history_after_is_a_window_of_the_concatenation(seq):
+    """Every num_valid in 0..seq, static and traced: rows [num_valid, num_valid + 3) of concat(history, x)."""
+    rng = np.random.default_rng(seq)
+    history = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    x = rng.standard_normal((2, seq, 5)).astype(np.float32)
+    window = np.concatenate([history, x], axis=1)
+    traced = jax.jit(conv_history_after)
+    for num_valid in range(seq + 1):
+        want = window[:, num_valid:num_valid + 3]
+        np.testing.assert_array_equal(np.asarray(conv_history_after(history, x, num_valid)), want)
+        np.testing.assert_array_equal(np.asarray(traced(history, x, jnp.int32(num_valid))), want)
 
 
 def test_routing_softmax_topk_renormalised():
