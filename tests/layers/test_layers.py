@@ -43,16 +43,21 @@ def test_partial_rope_rotates_pairs_i_and_i_plus_half():
     np.testing.assert_array_equal(got[..., rotary_dim:], x[..., rotary_dim:])   # dims past rotary_dim untouched
 
 
-def test_causal_conv_with_history_equals_conv_of_concatenation():
-    seq, channels, kernel = 9, 6, 4
+@pytest.mark.parametrize("seq", [1, 2, 3, 4, 9])
+def test_causal_conv_with_history_equals_conv_of_concatenation(seq):
+    channels, kernel = 6, 4
     x = rng.standard_normal((2, seq, channels)).astype(np.float32)
     w = rng.standard_normal((kernel, channels)).astype(np.float32)
-    whole = causal_depthwise_conv(x, w, np.zeros((2, kernel - 1, channels), np.float32))
-    padded = np.concatenate([np.zeros((2, kernel - 1, channels)), x], 1)
-    direct = sum(padded[:, j:j + seq] * w[j] for j in range(kernel))
-    np.testing.assert_allclose(whole, direct / (1 + np.exp(-direct)), rtol=1e-5, atol=1e-6)
-    tail = causal_depthwise_conv(x[:, 5:], w, x[:, 5 - (kernel - 1):5])
-    np.testing.assert_allclose(tail, whole[:, 5:], rtol=1e-5, atol=1e-6)
+    history = rng.standard_normal((2, kernel - 1, channels)).astype(np.float32)
+    for h in (np.zeros_like(history), history):
+        got = causal_depthwise_conv(x, w, h)
+        padded = np.concatenate([h, x], 1)
+        direct = sum(padded[:, j:j + seq] * w[j] for j in range(kernel))
+        np.testing.assert_allclose(got, direct / (1 + np.exp(-direct)), rtol=1e-5, atol=1e-6)
+    if seq > 5:   # a chunk boundary: the tail with the head's last inputs as history
+        whole = causal_depthwise_conv(x, w, history)
+        tail = causal_depthwise_conv(x[:, 5:], w, x[:, 5 - (kernel - 1):5])
+        np.testing.assert_allclose(tail, whole[:, 5:], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("seq", [1, 2, 3, 4, 9])
