@@ -30,9 +30,10 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
     """Causal depthwise convolution with SiLU; tap conv_kernel-1 multiplies the current token.
 
     out[t] = silu(sum_j weight[j] * window[t + j]) with window = concat(history, mixed), computed as shifted
-    copies of `mixed` (pad + slice, which XLA fuses into one pass) plus the history's share of the first
-    conv_kernel - 1 rows: the [batch, kernel - 1 + seq, channels] window itself is never built (XLA wrote it
-    out: 38 ms of a 32 768-token prefill on an H100).
+    copies of `mixed` plus the history's share of the first conv_kernel - 1 rows, all as pads and slices that
+    XLA fuses into one pass: the [batch, kernel - 1 + seq, channels] window itself is never built (XLA wrote
+    it out: 38 ms of a 32 768-token prefill on an H100; adding the head rows by dynamic_update_slice wrote
+    out an f32 copy instead).
 
     Args:
       mixed: [batch, seq, channels] pre-conv inputs.
@@ -54,7 +55,7 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
     rows = min(kernel - 1, seq)                  # rows that reach back into the history
     hist = jnp.concatenate([history.astype(jnp.float32), jnp.zeros((batch, rows, channels), jnp.float32)], 1)
     head = sum(hist[:, j:j + rows] * w[j] for j in range(kernel - 1))   # [batch, rows, channels]
-    out = jax.lax.dynamic_update_slice(out, out[:, :rows] + head, (0, 0, 0))
+    out = out + jnp.pad(head, ((0, 0), (0, seq - rows), (0, 0)))          # a pad fuses; an update-slice did not
     return jax.nn.silu(out).astype(mixed.dtype)
 
 
