@@ -209,6 +209,30 @@ def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
     assert not compiled, compiled
 
 
+@pytest.mark.parametrize("policy", ["lru", "slru", "lfu"])
+def test_every_policy_holds_layers_when_everything_fits(tiny, host_experts, base_runner, prompts, policy):
+    """A budget above every expert: lru / slru / lfu never evict, so in whole-layer mode they hold layers
+    outside the pool as static does (first and last layers first); same logits, and the second prompt copies
+    nothing for the held layers (the pool's layers stream through their slots as in static)."""
+    eb = expert_bytes(host_experts)
+    num_layers = host_experts.num_layers
+    runner = OffloadedRunner(tiny, expert_budget=(num_layers + 3) * NUM_EXPERTS * eb, cache_policy=policy,
+                             host_experts=host_experts, prefetch_depth=1)
+    ids = prompts["short"]
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=16)
+    for prompt in range(2):
+        out = hybridlm.prefill(runner, ids, chunk_size=16)
+        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+        stats = runner.stats()
+        assert_stats_add_up(stats["prefill"], eb)
+        # the pool keeps slots for the layer running and the two layers in staging (depth 1); the rest is held
+        assert len(runner.held_layers) == num_layers - 3 and stats["pool"]["slots"] == 3 * NUM_EXPERTS
+        if prompt == 1:
+            for layer in runner.held_layers:
+                s = stats["prefill"]["per_layer"][layer]
+                assert s["bytes_h2d"] == 0 and s["hits"] == s["lookups"] > 0
+
+
 def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_experts, base_runner, prompts,
                                                                   monkeypatch):
     """In whole-layer mode the static policy's pinned layers are held as [experts, ...] arrays outside the
