@@ -401,6 +401,7 @@ class OffloadedRunner(LayerwiseRunner):
         self.cache: ExpertCache | None = None
         self.held_layers: frozenset[int] = frozenset()     # whole-layer mode, static or all fit: held outside the pool
         self.held: dict[int, tuple] = {}                   # ... those loaded: layer -> (gate_up, down) on the device
+        self._pool_for_holding = False                     # the pool was sized for holding layers (may hold none)
         self._staged: dict[Key, Staged] = {}     # pending (prefetched) keys -> their staged batch
         self._kind = "prefill"
         self._num_chunks = 1     # of the prefill running: see on_prefill_start
@@ -429,13 +430,21 @@ class OffloadedRunner(LayerwiseRunner):
             return self.whole_layer
         return self.top_k * tokens >= WHOLE_LAYER_FACTOR * self.num_experts
 
+    def _holds_layers(self, whole: bool) -> bool:
+        """Whether a pool built for this mode holds layers outside it (see `_ensure_pool`)."""
+        everything = self.num_layers * self.num_experts
+        return whole and (self.cache_policy == "static" or self.total_slots >= everything)
+
     def _ensure_pool(self, tokens: int) -> None:
         need = self.min_experts(tokens)
         whole = self.uses_whole_layer(tokens)
         if whole:
             need = self.num_experts
         if self.cache is not None and self.cache.num_slots >= need:
-            return
+            # A pool first built for exact mode (decode, small chunks) is rebuilt once for the first whole-layer
+            # chunk that should hold layers outside it; one built holding layers serves exact mode as it is.
+            if not self._holds_layers(whole) or self._pool_for_holding:
+                return
         self.check_chunk(tokens)
         if self.total_slots < need:   # forced whole-layer mode on a budget below one layer
             raise ValueError(f"whole_layer=True needs {need} expert slots ({need * self.expert_bytes} bytes); "
@@ -455,7 +464,8 @@ class OffloadedRunner(LayerwiseRunner):
         working = need + (staging if self.prefetch != "none" else 0)
         pinned = max(0, slots - working) if self.cache_policy == "static" else 0
         self.held_layers, self.held = frozenset(), {}
-        if whole and (self.cache_policy == "static" or self.total_slots >= everything):
+        self._pool_for_holding = self._holds_layers(whole)
+        if self._pool_for_holding:
             # Whole layers only (a partial layer would move as row copies, outside the programs), held outside
             # the pool as the all-resident model holds them: a pinned layer in the pool was gathered out of it
             # for each use (41 ms of device copies per 32k-token prefill in the H100 trace of 2026-11-23).

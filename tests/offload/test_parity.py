@@ -233,6 +233,27 @@ def test_every_policy_holds_layers_when_everything_fits(tiny, host_experts, base
                 assert s["bytes_h2d"] == 0 and s["hits"] == s["lookups"] > 0
 
 
+def test_static_pool_built_for_exact_mode_is_rebuilt_to_hold_layers(tiny, host_experts, base_runner, prompts):
+    """A static runner whose first prefill ran in exact mode (1-token chunks) rebuilds its pool once for the
+    first whole-layer chunk, holding its pinned layers outside it; the exact-mode run after that keeps them."""
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(tiny, expert_budget=7 * NUM_EXPERTS * eb, cache_policy="static",
+                             host_experts=host_experts, prefetch_depth=1)
+    ids = prompts["short"][:3]
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=16)
+    out = hybridlm.prefill(runner, ids, chunk_size=1)
+    assert not runner.uses_whole_layer(1) and runner.held_layers == frozenset()
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+    whole = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
+    assert runner.uses_whole_layer(16) and runner.held_layers == {2, 6}
+    full_ref = hybridlm.prefill(base_runner, prompts["short"], chunk_size=16)
+    np.testing.assert_allclose(np.asarray(whole.logits), np.asarray(full_ref.logits), atol=ATOL, rtol=RTOL)
+    cache = runner.cache
+    out = hybridlm.prefill(runner, ids, chunk_size=1)
+    assert runner.cache is cache and runner.held_layers == {2, 6}
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
+
+
 def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_experts, base_runner, prompts,
                                                                   monkeypatch):
     """In whole-layer mode the static policy's pinned layers are held as [experts, ...] arrays outside the
