@@ -440,11 +440,11 @@ class OffloadedRunner(LayerwiseRunner):
         whole = self.uses_whole_layer(tokens)
         if whole:
             need = self.num_experts
-        if self.cache is not None and self.cache.num_slots >= need:
-            # A pool first built for exact mode (decode, small chunks) is rebuilt once for the first whole-layer
-            # chunk that should hold layers outside it; one built holding layers serves exact mode as it is.
-            if not self._holds_layers(whole) or self._pool_for_holding:
-                return
+        # A pool first built for exact mode (decode, small chunks) is rebuilt once for the first whole-layer
+        # chunk that should hold layers outside it; one built holding layers serves exact mode as it is.
+        if (self.cache is not None and self.cache.num_slots >= need
+                and (not self._holds_layers(whole) or self._pool_for_holding)):
+            return
         self.check_chunk(tokens)
         if self.total_slots < need:   # forced whole-layer mode on a budget below one layer
             raise ValueError(f"whole_layer=True needs {need} expert slots ({need * self.expert_bytes} bytes); "
