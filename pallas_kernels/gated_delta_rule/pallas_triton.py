@@ -57,7 +57,9 @@ def _dot(a, b, dims=_PLAIN, exact=False):
 class BlockSizes:
     """Tile sizes and Triton launch parameters of the three kernels."""
 
-    solve_block: int = 16  # rows per diagonal block of the chunk's triangular solve
+    # "sub_blocks" prepare: rows per tile of the chunk (its blocks merge as T_de = -T_dd sum A_dm T_me). The
+    # dense prepare ignores it (its inverse blocks are SQUARING_BLOCK rows, merged 4 at a time).
+    solve_block: int = 16
     state_block_v: int = 32  # value columns per program in the sequential state pass
     output_block_v: int = 128  # value columns per program in the output kernel (capped at value_dim)
     prepare_warps: int = 4
