@@ -433,7 +433,9 @@ class OffloadedRunner(LayerwiseRunner):
     def _holds_layers(self, whole: bool) -> bool:
         """Whether a pool built for this mode holds layers outside it (see `_ensure_pool`)."""
         everything = self.num_layers * self.num_experts
-        return whole and (self.cache_policy == "static" or self.total_slots >= everything)
+        if not whole or self.cache_policy == "stream":
+            return False
+        return self.cache_policy == "static" or self.total_slots >= everything
 
     def _ensure_pool(self, tokens: int) -> None:
         need = self.min_experts(tokens)
@@ -470,7 +472,8 @@ class OffloadedRunner(LayerwiseRunner):
             # the pool as the all-resident model holds them: a pinned layer in the pool was gathered out of it
             # for each use (41 ms of device copies per 32k-token prefill in the H100 trace of 2026-11-23).
             # With every expert fitting, lru / slru / lfu never evict: they hold layers like static (at 24 GiB
-            # on the H100, slru with all in the pool ran at 33 272 tokens/s, static holding 36 layers 35 652).
+            # on the H100, slru with all in the pool ran at 33 272 tokens/s, static holding 36 layers 35 652)
+            # and keep the other layers in the pool, which then holds them all (none released after use).
             hold = max(0, slots - working)
             hold -= hold % self.num_experts
             self.held_layers = frozenset(k[0] for k in static_pinned_keys(self.num_layers, self.num_experts, hold))
@@ -785,7 +788,9 @@ class OffloadedRunner(LayerwiseRunner):
             # Whole-layer mode sweeps the layers in a cycle: below the full-model budget a recency or frequency
             # policy evicts every expert before its next use (0% hits, measured), so its layers are released
             # after use like stream's and take the direct path; static releases its unpinned experts.
-            releases = stream or (whole and (self.cache_policy == "static" or cache.num_slots < num_layers * E))
+            # With every expert in the budget (layers held, the rest fitting the pool) nothing is released.
+            pooled_layers = num_layers - len(self.held_layers)
+            releases = stream or (whole and (self.cache_policy == "static" or cache.num_slots < pooled_layers * E))
             batches.sort(key=lambda b: b.keys[0][1])
             # A layer whose staged bytes are exactly its host parts, none of it kept after use: its experts
             # run straight from the staged parts (no scatter into the pool, no gather out of it).
