@@ -108,10 +108,11 @@ def _pow2(x: int) -> bool:
 
 
 # Rows per diagonal block that `_unit_lower_inverse` inverts by repeated squaring; larger blocks merge 4 at a
-# time. Squaring a whole 16-row block is exact in real numbers but not in TF32 (the GPU's f32 products): with
-# correlated keys (A entries near 1) its powers reach C(15, 7) ~ 6 400 and cancel, and the 10-bit mantissa
-# left errors of order 1 in T (emulated: relative error 1.1 at key cosine 0.9). 4-row squaring and 4-block
-# merges keep every factor of order 1 (error 1e-3 at cosine 0.99, the same 10 products for a 64-row chunk).
+# time. Squaring a whole 16-row block is exact in real numbers but not in floating point: with correlated keys
+# (A entries near 1) its powers reach C(15, 7) ~ 6 400 and cancel. The kernel's outputs were off by 0.76
+# (relative) at key cosine 0.9 even with IEEE f32 products; with TF32 products (the GPU's f32 default) T alone
+# was off by 1.1 (numpy emulation). 4-row squaring and 4-block merges keep every factor of order 1 (T within
+# 1e-3 in TF32 at cosine 0.99) with the same 10 products for a 64-row chunk.
 SQUARING_BLOCK = 4
 
 
@@ -250,10 +251,9 @@ def _prepare_dense_kernel(
     chunk_size,
     group,
     compute_dtype,
-    sub,
     scale,
     with_p,
-    inverse_bf16=False,
+    inverse_bf16,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -640,14 +640,16 @@ def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_s
     kernels = {"sub_blocks": _prepare_kernel, "dense": _prepare_dense_kernel}
     if block_sizes.prepare_kernel not in kernels:
         raise ValueError(f"prepare_kernel={block_sizes.prepare_kernel!r}; choose from {sorted(kernels)}")
-    options = {"inverse_bf16": True} if block_sizes.inverse_bf16 and block_sizes.prepare_kernel == "dense" else {}
+    options = {  # what only one of the two kernels takes
+        "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
+        "dense": {"inverse_bf16": block_sizes.inverse_bf16},
+    }[block_sizes.prepare_kernel]
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
             chunk_size=chunk_size,
             group=group,
             compute_dtype=compute_dtype,
-            sub=min(block_sizes.solve_block, chunk_size),
             scale=scale,
             with_p=with_p,
             **options,

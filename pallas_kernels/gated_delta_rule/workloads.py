@@ -110,3 +110,10 @@ def make_inputs(
     if seqlens is not None:
         inputs["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(seqlens)]), jnp.int32)
     return inputs
+
+
+def hard_gates(inputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`inputs` with beta 1 and log-decay -1e-3 everywhere: with correlated keys (`make_inputs(key_cosine=)`)
+    (I + A) is far from I in every chunk, the hard case for the chunk's triangular inverse."""
+    hard = {"beta": jnp.ones_like(inputs["beta"]), "log_decay": jnp.full_like(inputs["log_decay"], -1e-3)}
+    return {**inputs, **hard}

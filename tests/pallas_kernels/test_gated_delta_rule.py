@@ -357,10 +357,7 @@ def test_packed_max_seqlen_too_small():
 def correlated_inputs(dtype, key_cosine, seq=150):
     """Keys at about `key_cosine` to each other, beta 1, almost no decay: (I + A) far from I in every chunk."""
     shapes = dataclasses.replace(SMALL, key_dim=64, value_dim=16)
-    inputs = workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=4, key_cosine=key_cosine)
-    inputs["beta"] = jnp.ones_like(inputs["beta"])
-    inputs["log_decay"] = jnp.full_like(inputs["log_decay"], -1e-3)
-    return inputs
+    return workloads.hard_gates(workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=4, key_cosine=key_cosine))
 
 
 @pytest.mark.parametrize("prepare_kernel", ["dense", "sub_blocks", "chunked"])
