@@ -5,8 +5,8 @@ and whether the permute / combine dominate. Stages, each its own jitted function
 layer as the model runs it (one jit, so XLA may overlap or fuse stages: it can be less than the sum):
 
   route     router matmul, softmax over experts, top-k, renormalise         [tokens, hidden] -> ids, weights
-  dispatch  sort the token copies by expert, group sizes, gather the rows    -> [tokens*top_k, hidden]
-  gate_up   gmm_swiglu (fused SwiGLU)                                        -> [tokens*top_k, ffn]
+  dispatch  sort the token copies by expert, group sizes                    -> [tokens*top_k] token ids
+  gate_up   gmm_swiglu (fused SwiGLU), gathering its token rows itself       -> [tokens*top_k, ffn]
   down      gmm                                                              -> [tokens*top_k, hidden]
   combine   inverse permutation, gather, weighted sum over top-k             -> [tokens, hidden]
   shared    shared expert (dense SwiGLU) and its sigmoid gate
@@ -72,13 +72,13 @@ def stages(config, implementation):
         return moe_lib.route_top_k(x @ router, m.top_k, normalize=m.normalize_top_k)
 
     @jax.jit
-    def dispatch(x, ids):
+    def dispatch(ids):   # the sort; the rows' gather is fused into gate_up (lhs_index), as in the layer
         d = moe_lib.dispatch(ids, m.num_experts)
-        return x[d.order // m.top_k], d.order, d.group_sizes
+        return d.order // m.top_k, d.order, d.group_sizes
 
     @jax.jit
-    def gate_up_fn(rows, gate_up, group_sizes):
-        return gmm_swiglu(rows, gate_up, group_sizes, implementation=implementation)
+    def gate_up_fn(x, token_of_row, gate_up, group_sizes):
+        return gmm_swiglu(x, gate_up, group_sizes, lhs_index=token_of_row, implementation=implementation)
 
     @jax.jit
     def down_fn(h, down, group_sizes):
@@ -111,13 +111,13 @@ def run(config, tokens: int, expert_format: str, reps: int, implementation) -> d
     x, router, gate_up, down, shared = build(config, tokens, expert_format, dtype)
     route, dispatch, gate_up_fn, down_fn, combine, shared_fn, layer = stages(config, implementation)
     weights, ids = route(x, router)
-    rows, order, group_sizes = dispatch(x, ids)
-    h = gate_up_fn(rows, gate_up, group_sizes)
+    token_of_row, order, group_sizes = dispatch(ids)
+    h = gate_up_fn(x, token_of_row, gate_up, group_sizes)
     y = down_fn(h, down, group_sizes)
     ms = {
         "route": wall_ms(route, x, router, reps=reps),
-        "dispatch": wall_ms(dispatch, x, ids, reps=reps),
-        "gate_up": wall_ms(gate_up_fn, rows, gate_up, group_sizes, reps=reps),
+        "dispatch": wall_ms(dispatch, ids, reps=reps),
+        "gate_up": wall_ms(gate_up_fn, x, token_of_row, gate_up, group_sizes, reps=reps),
         "down": wall_ms(down_fn, h, down, group_sizes, reps=reps),
         "combine": wall_ms(combine, y, order, weights, reps=reps),
         "shared": wall_ms(shared_fn, x, *shared, reps=reps),

@@ -81,8 +81,9 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
     """
     tokens, top_k = expert_ids.shape
     d = dispatch(expert_ids, gate_up.shape[0], valid)
-    rows = x[d.order // top_k]                                                  # [tokens*top_k, hidden]
-    h = gmm_swiglu(rows, gate_up, d.group_sizes, implementation=implementation)   # [tokens*top_k, ffn]
+    token_of_row = d.order // top_k              # [tokens*top_k]: the GMM gathers these rows of x itself
+    h = gmm_swiglu(x, gate_up, d.group_sizes, lhs_index=token_of_row,
+                   implementation=implementation)                              # [tokens*top_k, ffn]
     y = gmm(h.astype(x.dtype), down, d.group_sizes, implementation=implementation)  # [tokens*top_k, hidden]
     # Un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows).
     inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))

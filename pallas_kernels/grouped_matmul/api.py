@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import pallas_triton, reference
 from pallas_kernels.quantized import QuantizedWeights
@@ -30,9 +31,11 @@ def _pick(table: dict[str, Callable[..., jax.Array]], implementation: str | None
     return table[implementation]
 
 
-def _check(lhs, rhs, group_sizes, name: str) -> None:
+def _check(lhs, rhs, group_sizes, name: str, lhs_index) -> None:
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
+    if lhs_index is not None and (lhs_index.ndim != 1 or not jnp.issubdtype(lhs_index.dtype, jnp.integer)):
+        raise ValueError(f"lhs_index must be [m] integers, got {lhs_index.dtype} {lhs_index.shape}")
     if isinstance(rhs, QuantizedWeights):
         rhs.check()
     elif rhs.ndim != 3:
@@ -45,8 +48,8 @@ def _check(lhs, rhs, group_sizes, name: str) -> None:
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array, *,
-        preferred_element_type=None, implementation: Implementation | None = None,
-        interpret: bool | None = None) -> jax.Array:
+        lhs_index: jax.Array | None = None, preferred_element_type=None,
+        implementation: Implementation | None = None, interpret: bool | None = None) -> jax.Array:
     """Grouped matmul: each row of lhs times the matrix of its group.
 
     out[i] = lhs[i] @ rhs[g] for starts[g] <= i < ends[g] (ends = cumsum(group_sizes)); rows at or past
@@ -58,13 +61,17 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
       rhs: `[groups, k, n]` float array (experts, hidden, ffn), or a `QuantizedWeights` of that shape
         (int8 Q8_0 or 4-bit; the kernel dequantizes tiles in registers).
       group_sizes: `[groups]` int32 on device, rows per group, sum <= m. Never read on the host.
+      lhs_index: optional `[m]` int32: row i of the product is lhs[lhs_index[i]] (lhs then has any number
+        of rows; out-of-range indices are clamped, as by jnp's gather). The MoE dispatch passes
+        sorted-copy -> token, so the kernel gathers token rows itself and the [m, k] sorted copy of the
+        activations never reaches memory.
       preferred_element_type: output dtype; None = lhs.dtype.
       implementation: "reference" (pure JAX, float32, Precision.HIGHEST; the oracle) or "pallas"
         (Pallas Triton kernel; interpreter when no GPU). None = "pallas" on GPU, "reference" elsewhere.
       interpret: Pallas only: run the kernel in the interpreter; None = only when no GPU is present.
 
     Returns:
-      `[m, n]` in preferred_element_type (or lhs.dtype).
+      `[m, n]` in preferred_element_type (or lhs.dtype); m = len(lhs_index) when given.
 
     Raises:
       ValueError: unknown implementation, shapes that disagree, or (Pallas) an operand of 2**31 elements or
@@ -73,13 +80,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
     Source: megablox `gmm` / tokamax `ragged_dot` semantics; docs/benchmarks_gmm.md for speed.
     """
     fn = _pick(_GMM, implementation)
-    _check(lhs, rhs, group_sizes, "rhs")
-    return fn(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, interpret=interpret)
+    _check(lhs, rhs, group_sizes, "rhs", lhs_index)
+    return fn(lhs, rhs, group_sizes, lhs_index=lhs_index, preferred_element_type=preferred_element_type,
+              interpret=interpret)
 
 
 def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_sizes: jax.Array, *,
-               preferred_element_type=None, implementation: Implementation | None = None,
-               interpret: bool | None = None) -> jax.Array:
+               lhs_index: jax.Array | None = None, preferred_element_type=None,
+               implementation: Implementation | None = None, interpret: bool | None = None) -> jax.Array:
     """Fused expert up-projection: silu(x @ W_gate) * (x @ W_up) per row's group.
 
     The Pallas kernel keeps both projections in registers and never writes the [m, 2 * ffn] intermediate.
@@ -89,6 +97,7 @@ def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_si
       w_gate_up: `[groups, k, 2 * ffn]`; `[..., :ffn]` is the gate projection, `[..., ffn:]` the up
         projection; float array or QuantizedWeights.
       group_sizes: `[groups]` int32 on device, sum <= m.
+      lhs_index: as in `gmm` (the gather of the MoE dispatch, fused).
       preferred_element_type: output dtype; None = lhs.dtype.
       implementation: as in `gmm`.
       interpret: as in `gmm`.
@@ -102,7 +111,8 @@ def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_si
     Source: SwiGLU, Shazeer 2020 (arXiv:2002.05202); Qwen3-MoE expert MLP.
     """
     fn = _pick(_GMM_SWIGLU, implementation)
-    _check(lhs, w_gate_up, group_sizes, "w_gate_up")
+    _check(lhs, w_gate_up, group_sizes, "w_gate_up", lhs_index)
     if w_gate_up.shape[2] % 2:
         raise ValueError(f"w_gate_up has {w_gate_up.shape[2]} columns; expected 2 * ffn")
-    return fn(lhs, w_gate_up, group_sizes, preferred_element_type=preferred_element_type, interpret=interpret)
+    return fn(lhs, w_gate_up, group_sizes, lhs_index=lhs_index, preferred_element_type=preferred_element_type,
+              interpret=interpret)

@@ -69,16 +69,28 @@ class BlockSizes:
                     swiglu: bool = False) -> BlockSizes:
         """A tile shape for this problem; the figures behind it are in docs/benchmarks_gmm.md."""
         rows_per_group = m / max(groups, 1)
+        if bits == 4 and not swiglu and rows_per_group <= 32:   # 4-bit down product, weight-read bound:
+            # 16-row chunks, 4 stages (2026-11-23, m=4096, k=512: 0.305 ms against 0.411 for 32x128x64 s3)
+            return cls(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4)
         if bits is not None and rows_per_group <= 64:   # weight-read bound: small chunks and n-tiles
             return cls(block_m=32 if rows_per_group <= 32 else 64, block_n=128, block_k=64,
                        num_warps=4, num_stages=3)
-        if bits == 8:              # compute bound, dequantizing in registers
-            return cls(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
+        # Compute bound, dequantizing in registers: 8 warps per 128x64 tile (2026-11-23 sweep,
+        # benchmarks/gmm_tiles.py: 1.2-1.3x faster than 4 warps for the int8 gate_up), 256-row chunks where
+        # groups are long (int8 down at 1024 rows per group 1.17x; 4-bit gate_up 1.3x at 256, 1.55x at 1024).
+        if bits == 8:
+            if rows_per_group >= 512 and not swiglu:
+                return cls(block_m=256, block_n=64, block_k=64, num_warps=8, num_stages=3)
+            return cls(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
         if bits == 4:
+            if rows_per_group >= 256 and swiglu:
+                return cls(block_m=256, block_n=64, block_k=64, num_warps=8, num_stages=3)
             return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3,
                        quant_mode="tile_swapped")
         if rows_per_group <= 64:   # weight-read bound (decode / small prefill chunks)
-            return cls(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+            # gmm_swiglu loads two weight tiles per step: block_k 128 asked 240 KiB of shared memory for 3
+            # stages (more than the H100's 227; failed to compile at m=4096, 2026-11-23).
+            return cls(block_m=64, block_n=128, block_k=64 if swiglu else 128, num_warps=4, num_stages=3)
         if swiglu:                 # two accumulators per program
             return cls(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
         return cls(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
@@ -116,7 +128,10 @@ def make_schedule(group_sizes: jax.Array, m: int, block_m: int):
 
 
 def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, n_tiles,
-            bs: BlockSizes, swiglu: bool, bits: int | None, quant_block: int, dot_dtype, precision):
+            bs: BlockSizes, swiglu: bool, bits: int | None, quant_block: int, dot_dtype, precision,
+            gather: bool):
+    if gather:                                 # rows of the product are lhs rows index_ref[r]
+        index_ref, *rest = rest
     if bits is None:
         (rhs_ref, out_ref), scale_ref, offset_ref = rest, None, None
     elif bits == 8:
@@ -133,12 +148,19 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
     row_in = rows < row_end                    # rows of this item's group (other rows are not even read)
     col_in = cols < n_out
     out_mask = row_in[:, None] & col_in[None, :]
+    if gather:   # clamped like jnp's gather, so that a bad index never reads outside lhs
+        src = jnp.clip(plgpu.load(index_ref.at[pl.ds(first_row, bm)], mask=row_in, other=0),
+                       0, lhs_ref.shape[0] - 1)
 
     def load_lhs(kk, width):
         mask = row_in[:, None]
         if k % width:
             mask = mask & ((kk + jnp.arange(width)) < k)[None, :]
-        return plgpu.load(lhs_ref.at[pl.ds(first_row, bm), pl.ds(kk, width)], mask=mask, other=0)
+        if gather:   # two broadcast index arrays (the interpreter does not mix an index array and a slice)
+            at = lhs_ref.at[src[:, None], (kk + jnp.arange(width, dtype=jnp.int32))[None, :]]
+        else:
+            at = lhs_ref.at[pl.ds(first_row, bm), pl.ds(kk, width)]
+        return plgpu.load(at, mask=mask, other=0)
 
     def load_rhs(col0, kk, width):
         # [width, bn] float weights of group g, columns col0 + [0, bn), k-rows kk + [0, width).
@@ -244,9 +266,54 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
                     jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
 
 
+# Shared memory per thread block (bytes) by CUDA compute capability: Hopper and datacenter Blackwell 227 KiB,
+# A100 163 KiB, other Ampere / Ada / consumer Blackwell 99 KiB (CUDA programming guide, "Features and
+# Technical Specifications"). Unknown devices get the smallest.
+_SHARED_MEMORY_BY_ARCH = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912}
+_SHARED_MEMORY_DEFAULT = 101376
+
+
+def shared_memory_limit() -> int | None:
+    """Shared memory per block of the default device in bytes, or None off GPU (the interpreter has none)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    arch = str(getattr(device, "compute_capability", ""))
+    return _SHARED_MEMORY_BY_ARCH.get(arch, _SHARED_MEMORY_DEFAULT)
+
+
+def shared_memory_bytes(bs: BlockSizes, *, swiglu: bool, lhs_bytes: int, bits: int | None,
+                        rhs_bytes: int = 2) -> int:
+    """Estimated shared memory of one program: `num_stages` copies of the step's lhs tile(s) and weight tile(s)
+    (Triton's software pipeline; exactly what Triton asked for in the one failure seen, bf16 gmm_swiglu
+    64x128x128 with 3 stages: 240 KiB)."""
+    tiles = 2 if swiglu else 1
+    lhs = bs.block_m * bs.block_k * lhs_bytes * (2 if bits == 4 else 1)   # 4 bits: both k-halves per step
+    weights = tiles * bs.block_k * bs.block_n * (1 if bits else rhs_bytes)
+    return bs.num_stages * (lhs + weights)
+
+
+def within_shared_memory(bs: BlockSizes, limit: int | None, **sizes) -> BlockSizes:
+    """`bs` with fewer pipeline stages (down to 2), then a smaller block_k (down to 32), while
+    `shared_memory_bytes(bs, **sizes)` exceeds `limit` (None: no limit): a tile shape the device cannot hold
+    is never launched (Triton refuses it at compile time: "Shared memory size limit exceeded")."""
+    if limit is None:
+        return bs
+    while shared_memory_bytes(bs, **sizes) > limit and bs.num_stages > 2:
+        bs = dataclasses.replace(bs, num_stages=bs.num_stages - 1)
+    while shared_memory_bytes(bs, **sizes) > limit and bs.block_k > 32:
+        bs = dataclasses.replace(bs, block_k=bs.block_k // 2)
+    return bs
+
+
 @functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "block_sizes", "interpret"))
-def _gmm_pallas(lhs, rhs, group_sizes, *, swiglu: bool, preferred_element_type, block_sizes, interpret):
+def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferred_element_type, block_sizes,
+                interpret):
     m, k = lhs.shape
+    if lhs_index is not None:
+        if lhs_index.ndim != 1:
+            raise ValueError(f"lhs_index must be [m], got shape {lhs_index.shape}")
+        m = lhs_index.shape[0]
     quantized = isinstance(rhs, QuantizedWeights)
     if quantized:
         rhs.check()
@@ -270,11 +337,15 @@ def _gmm_pallas(lhs, rhs, group_sizes, *, swiglu: bool, preferred_element_type, 
                          f"{rhs.block_size}")
     if quantized and (k // 2 if bits == 4 else k) % bs.block_k:
         bs = dataclasses.replace(bs, block_k=rhs.block_size)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if block_sizes is None:   # defaults only: a shape asked for explicitly is the caller's choice
+        bs = within_shared_memory(
+            bs, None if interpret else shared_memory_limit(), swiglu=swiglu, bits=bits,
+            lhs_bytes=jnp.dtype(lhs.dtype).itemsize, rhs_bytes=1 if quantized else jnp.dtype(rhs.dtype).itemsize)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     dot_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
 
     schedule = make_schedule(group_sizes, m, bs.block_m)       # (group, row_start, row_end)
     n_tiles = pl.cdiv(n_out, bs.block_n)
@@ -290,7 +361,8 @@ def _gmm_pallas(lhs, rhs, group_sizes, *, swiglu: bool, preferred_element_type, 
                              f"scheduler gathers the experts a chunk needs out of its pool)")
     kernel = functools.partial(
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
-        quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision)
+        quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
+        gather=lhs_index is not None)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
@@ -298,10 +370,10 @@ def _gmm_pallas(lhs, rhs, group_sizes, *, swiglu: bool, preferred_element_type, 
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="gmm_swiglu" if swiglu else "gmm",
-    )(*schedule, lhs, *weights)
+    )(*schedule, lhs, *(() if lhs_index is None else (lhs_index.astype(jnp.int32),)), *weights)
 
 
-def gmm_pallas(lhs, rhs, group_sizes, *, preferred_element_type=None, interpret=None,
+def gmm_pallas(lhs, rhs, group_sizes, *, lhs_index=None, preferred_element_type=None, interpret=None,
                block_sizes: BlockSizes | None = None) -> jax.Array:
     """Grouped matmul kernel; arguments and result as `reference.gmm_reference`.
 
@@ -312,16 +384,16 @@ def gmm_pallas(lhs, rhs, group_sizes, *, preferred_element_type=None, interpret=
     Raises:
       ValueError: shapes that disagree.
     """
-    return _gmm_pallas(lhs, rhs, group_sizes, swiglu=False, preferred_element_type=preferred_element_type,
-                       block_sizes=block_sizes, interpret=interpret)
+    return _gmm_pallas(lhs, rhs, group_sizes, lhs_index, swiglu=False,
+                       preferred_element_type=preferred_element_type, block_sizes=block_sizes, interpret=interpret)
 
 
-def gmm_swiglu_pallas(lhs, w_gate_up, group_sizes, *, preferred_element_type=None, interpret=None,
-                      block_sizes: BlockSizes | None = None) -> jax.Array:
+def gmm_swiglu_pallas(lhs, w_gate_up, group_sizes, *, lhs_index=None, preferred_element_type=None,
+                      interpret=None, block_sizes: BlockSizes | None = None) -> jax.Array:
     """Fused silu(x @ W_gate) * (x @ W_up); arguments and result as `reference.gmm_swiglu_reference`.
 
     Raises:
       ValueError: shapes that disagree.
     """
-    return _gmm_pallas(lhs, w_gate_up, group_sizes, swiglu=True, preferred_element_type=preferred_element_type,
-                       block_sizes=block_sizes, interpret=interpret)
+    return _gmm_pallas(lhs, w_gate_up, group_sizes, lhs_index, swiglu=True,
+                       preferred_element_type=preferred_element_type, block_sizes=block_sizes, interpret=interpret)

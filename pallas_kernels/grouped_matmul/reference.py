@@ -53,12 +53,18 @@ def _as_f32(rhs) -> jax.Array:
     return rhs.dequantize(jnp.float32) if isinstance(rhs, QuantizedWeights) else rhs.astype(jnp.float32)
 
 
+def _gathered(lhs, lhs_index):
+    return lhs if lhs_index is None else lhs[lhs_index]   # jnp's gather clamps out-of-range indices
+
+
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
-def gmm_reference(lhs, rhs, group_sizes, *, preferred_element_type=None, interpret=None) -> jax.Array:
+def gmm_reference(lhs, rhs, group_sizes, *, lhs_index=None, preferred_element_type=None,
+                  interpret=None) -> jax.Array:
     """Grouped matmul, float32 accumulation, only each row's own group.
 
     Args:
-      lhs: `[m, k]` rows sorted by group, any float dtype.
+      lhs: `[m, k]` rows sorted by group, any float dtype (or any rows, gathered by lhs_index).
+      lhs_index: optional `[m]` int32: row i of the product is lhs[lhs_index[i]] (clamped into range).
       rhs: `[groups, k, n]` float array, or QuantizedWeights (dequantized to float32 first).
       group_sizes: `[groups]` int32 on device, rows per group; sum may be < m.
       preferred_element_type: output dtype; None = lhs.dtype.
@@ -69,16 +75,17 @@ def gmm_reference(lhs, rhs, group_sizes, *, preferred_element_type=None, interpr
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    return _rowwise(lhs, _as_f32(rhs), group_sizes).astype(out_dtype)
+    return _rowwise(_gathered(lhs, lhs_index), _as_f32(rhs), group_sizes).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
-def gmm_swiglu_reference(lhs, w_gate_up, group_sizes, *, preferred_element_type=None,
+def gmm_swiglu_reference(lhs, w_gate_up, group_sizes, *, lhs_index=None, preferred_element_type=None,
                          interpret=None) -> jax.Array:
     """silu(x @ W_gate) * (x @ W_up) per row's group, float32 throughout.
 
     Args:
-      lhs: `[m, k]` rows sorted by group.
+      lhs: `[m, k]` rows sorted by group (or any rows, gathered by lhs_index).
+      lhs_index: optional `[m]` int32, as in `gmm_reference`.
       w_gate_up: `[groups, k, 2 * ffn]` (gate = [..., :ffn], up = [..., ffn:]) or QuantizedWeights.
       group_sizes: `[groups]` int32.
       preferred_element_type: output dtype; None = lhs.dtype.
@@ -89,6 +96,6 @@ def gmm_swiglu_reference(lhs, w_gate_up, group_sizes, *, preferred_element_type=
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    h = _rowwise(lhs, _as_f32(w_gate_up), group_sizes)                # [m, 2 * ffn]
+    h = _rowwise(_gathered(lhs, lhs_index), _as_f32(w_gate_up), group_sizes)   # [m, 2 * ffn]
     gate, up = jnp.split(h, 2, axis=-1)
     return (jax.nn.silu(gate) * up).astype(out_dtype)

@@ -176,6 +176,66 @@ def test_quantized_matches_dequantize_then_matmul(bits, implementation):
         assert_close(out, expected, jnp.bfloat16, f"bits={bits} swiglu={swiglu}")
 
 
+# The MoE dispatch's gather fused into the kernel: row i of the product reads lhs[lhs_index[i]] (lhs has other
+# rows than the product: tokens vs tokens x top_k); out-of-range indices are clamped like jnp's gather.
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_lhs_index_gathers_rows(weights, implementation):
+    w = workloads.WORKLOADS["tiny_partial"]
+    _, rhs, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=weights, swiglu=True, seed=3)
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.standard_normal((w.m // 3 + 1, w.k), np.float32), jnp.bfloat16)
+    index = rng.integers(0, tokens.shape[0], w.m).astype(np.int32)
+    index[-1] = tokens.shape[0] + 5                                     # past the end: clamped
+    dense = np.asarray(rhs.dequantize(jnp.float32)) if weights == "int8" else as_float(rhs)
+    gathered = as_float(tokens)[np.minimum(index, tokens.shape[0] - 1)]
+    out = gmm_swiglu(tokens, rhs, gs, lhs_index=jnp.asarray(index), implementation=implementation)
+    assert out.shape == (w.m, w.n)
+    assert_close(out, numpy_gmm(gathered, dense, gs, swiglu=True), jnp.bfloat16, "gmm_swiglu")
+    out = gmm(tokens, rhs, gs, lhs_index=jnp.asarray(index), implementation=implementation)
+    assert_close(out, numpy_gmm(gathered, dense, gs), jnp.bfloat16, "gmm")
+
+
+def test_lhs_index_must_be_integer_vector():
+    lhs, rhs, gs = workloads.make_inputs(workloads.WORKLOADS["tiny_router"])
+    with pytest.raises(ValueError, match="lhs_index"):
+        gmm(lhs, rhs, gs, lhs_index=jnp.zeros((lhs.shape[0],), jnp.float32))
+    with pytest.raises(ValueError, match="lhs_index"):
+        gmm(lhs, rhs, gs, lhs_index=jnp.zeros((lhs.shape[0], 1), jnp.int32))
+
+
+# Long groups (prefill chunks of 32k tokens: ~1 000 rows per expert) get 256-row chunks by default for the int8
+# down product and the 4-bit gate_up; m not a multiple of 256, one group ends mid-chunk.
+@pytest.mark.parametrize("bits,swiglu", [(8, False), (4, True)], ids=["int8-gmm", "int4-swiglu"])
+def test_quantized_default_tiles_for_long_groups(bits, swiglu):
+    w = workloads.Workload(name="long_groups", m=600, k=64, n=64, groups=1)
+    lhs, q, _ = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", swiglu=swiglu, seed=5)
+    gs = jnp.asarray([600], jnp.int32)
+    assert pallas_triton.BlockSizes.get_default(600, 64, 64, 1, bits=bits, swiglu=swiglu).block_m == 256
+    out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation="pallas")
+    expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
+    assert_close(out, expected, jnp.bfloat16, f"bits={bits} swiglu={swiglu}")
+
+
+def test_default_tiles_fit_shared_memory():
+    # Triton refused bf16 gmm_swiglu 64x128x128 with 3 stages on an H100 ("requested 245760, available: 232448"):
+    # the estimate reproduces that figure, every default fits the H100 unchanged, and on a 99 KiB device (Ada)
+    # the guard shrinks stages, then block_k, until the estimate fits.
+    bad = pallas_triton.BlockSizes(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    assert pallas_triton.shared_memory_bytes(bad, swiglu=True, lhs_bytes=2, bits=None) == 245760
+    h100, ada = 232448, 101376
+    for bits in (None, 8, 4):
+        for swiglu in (False, True):
+            for m in (8, 512, 4096, 65536, 262144):
+                k, n = (2048, 512) if swiglu else (512, 2048)
+                bs = pallas_triton.BlockSizes.get_default(m, k, n, 256, bits=bits, swiglu=swiglu)
+                sizes = {"swiglu": swiglu, "bits": bits, "lhs_bytes": 2}
+                assert pallas_triton.within_shared_memory(bs, h100, **sizes) == bs, (bits, swiglu, m, bs)
+                small = pallas_triton.within_shared_memory(bs, ada, **sizes)
+                assert pallas_triton.shared_memory_bytes(small, **sizes) <= ada or small.block_k == 32
+    assert pallas_triton.within_shared_memory(bad, None, swiglu=True, bits=None, lhs_bytes=2) == bad
+
+
 # The other dequantization orders, on the 4-bit layout (its branches contain the 8-bit ones' steps).
 @pytest.mark.parametrize("quant_mode", ["tile_swapped", "block", "scale_after_dot"])
 def test_quant_modes(quant_mode):
