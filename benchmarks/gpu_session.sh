@@ -2,9 +2,10 @@
 # The GPU measurements of docs/benchmarks.md, each part bounded (timeout) so that one slow part cannot eat the
 # others' time. Output: $OUT/{gdn,gmm,offload}.json, $OUT/prefill.jsonl (compare with docs/results/).
 #
-#   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gmm] [moe] [prefill]
-#     [prefill-trace] [h2d] [offload]   (prefill-trace: one traced 32k prefill and its kernel split, ~1 min)
-#   OFFLOAD_FORMAT (int4), OFFLOAD_CHUNK (8192), PREFILL_CHUNKS ("4096 8192 16384 32768") choose the configurations.
+#   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gmm] [gmm-tiles] [moe]
+#     [prefill] [prefill-trace] [h2d] [offload]   (prefill-trace: one traced 32k prefill and its kernel split,
+#     ~1 min; gmm-tiles: quantized tile shapes at prefill sizes and the fused dispatch gather, ~3 min)
+#   OFFLOAD_FORMAT (int4), OFFLOAD_CHUNK (32768), PREFILL_CHUNKS ("8192 16384 32768") choose the configurations.
 #   No argument: all five (~25 minutes); a command of the device tool may run 10 minutes, so give it one or
 #   two parts per call. Wheels the GPU machine lacks come from .whl/ (README, "GPU machine").
 set -uo pipefail
@@ -24,17 +25,19 @@ for part in "${parts[@]}"; do
   case $part in
     gdn) timeout 300 python3 benchmarks/gated_delta_rule.py --reference --budget-s 150 --json "$OUT/gdn.json" | tail -3 ;;
     gmm) timeout 300 python3 benchmarks/grouped_matmul.py --quick --out "$OUT/gmm.json" | tail -3 ;;
+    gmm-tiles) timeout 300 python3 benchmarks/gmm_tiles.py --gather --formats int8 int4 \
+               --out "$OUT/gmm_tiles.json" | tail -3 ;;
     moe) timeout 200 python3 benchmarks/moe_layer.py --out "$OUT/moe_layer.json" | tail -3 ;;
     prefill) timeout 420 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 8192 32768 \
-               --chunk-sizes ${PREFILL_CHUNKS:-4096 8192 16384 32768} --repeats 2 --profile > "$OUT/prefill.jsonl" ; tail -3 "$OUT/prefill.jsonl" ;;
+               --chunk-sizes ${PREFILL_CHUNKS:-8192 16384 32768} --repeats 2 --profile > "$OUT/prefill.jsonl" ; tail -3 "$OUT/prefill.jsonl" ;;
     prefill-trace) timeout 240 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 32768 \
-               --chunk-sizes 8192 --repeats 3 --trace /tmp/prefill_trace > "$OUT/prefill_traced.jsonl" ; \
+               --chunk-sizes 32768 --repeats 3 --trace /tmp/prefill_trace > "$OUT/prefill_traced.jsonl" ; \
                python3 benchmarks/trace_summary.py /tmp/prefill_trace --top 30 > "$OUT/prefill_trace_summary.jsonl" ; \
                tail -1 "$OUT/prefill_traced.jsonl" | cut -c1-400 ;;
     h2d) timeout 120 python3 benchmarks/h2d_copies.py --out "$OUT/h2d.json" | tail -12 ;;
     offload) timeout 420 python3 benchmarks/offload.py --expert-formats ${OFFLOAD_FORMAT:-int4} --budgets 12GiB 24GiB \
-               --chunk-size ${OFFLOAD_CHUNK:-8192} \
+               --chunk-size ${OFFLOAD_CHUNK:-32768} \
                --policies static stream slru --profile --max-seconds 330 --out "$OUT/offload.json" | tail -3 ;;
-    *) echo "unknown part $part (gdn gmm moe prefill prefill-trace h2d offload)"; exit 2 ;;
+    *) echo "unknown part $part (gdn gmm gmm-tiles moe prefill prefill-trace h2d offload)"; exit 2 ;;
   esac
 done

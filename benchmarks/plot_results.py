@@ -35,9 +35,20 @@ def budget_label(row: dict) -> str:
     return f"{row['budget_bytes'] / GIB:.0f} GiB"
 
 
-def plot(offload_files: list[pathlib.Path], prefill_file: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """Left: prefill tokens/s against expert budget (every offload file: one per expert format, one run
-    each); right: all-resident tokens/s against chunk size (the prefill file)."""
+def offload_chunk_series(files: list[pathlib.Path]) -> list[tuple[int, float]]:
+    """(chunk size, tokens/s) of the one offloaded configuration in each file (one run per chunk size)."""
+    pts = []
+    for f in files:
+        meta, rows = load_offload(f)
+        pts += [(meta["chunk_size"], r["tokens_per_s"]) for r in rows if r.get("mode") == "offload"]
+    return sorted(pts)
+
+
+def plot(offload_files: list[pathlib.Path], prefill_file: pathlib.Path, out: pathlib.Path,
+         offload_chunk_files: list[pathlib.Path] = (), offload_chunk_label: str = "") -> pathlib.Path:
+    """Left: prefill tokens/s against expert budget (the offload files: one run each); right: tokens/s against
+    chunk size, all resident (the prefill file) and, if given, one offloaded configuration (one file per
+    chunk size)."""
     loaded = [load_offload(f) for f in offload_files]
     meta, rows = loaded[0][0], [r for _, file_rows in loaded for r in file_rows]
     pmeta, prows = load_prefill(prefill_file)
@@ -78,11 +89,15 @@ def plot(offload_files: list[pathlib.Path], prefill_file: pathlib.Path, out: pat
         by_prompt.setdefault(r["prompt_tokens"], []).append((r["chunk_size"], r["tokens_per_s"]))
     for tokens, pts in sorted(by_prompt.items()):
         pts.sort()
-        ax_chunk.plot([c for c, _ in pts], [t for _, t in pts], "o-", label=f"{tokens} tokens")
+        ax_chunk.plot([c for c, _ in pts], [t for _, t in pts], "o-",
+                      label=f"all resident, {pmeta['expert_format']} experts, {tokens} tokens")
+    if offload_chunk_files:
+        pts = offload_chunk_series(list(offload_chunk_files))
+        ax_chunk.plot([c for c, _ in pts], [t for _, t in pts], "s--", label=offload_chunk_label)
     ax_chunk.set_xscale("log", base=2)
     ax_chunk.set_xlabel("prefill chunk size (tokens)")
     ax_chunk.set_ylabel("prefill tokens/s")
-    ax_chunk.set_title(f"All resident, {pmeta['expert_format']} experts")
+    ax_chunk.set_title("Against chunk size")
     ax_chunk.grid(alpha=0.3)
     ax_chunk.legend(fontsize=8)
 
@@ -100,9 +115,13 @@ def main() -> None:
     p.add_argument("--results", type=pathlib.Path, default=pathlib.Path("docs/results"))
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/img"))
     args = p.parse_args()
-    print(plot([args.results / "2026-11-23_h100_offload_int4_held_layers.json",
-                args.results / "2026-11-23_h100_offload_int8_held_layers.json"],
-               args.results / "2026-11-23_h100_prefill_qwen36_int8.jsonl", args.out))
+    r = args.results
+    print(plot([r / "2026-11-23_h100_offload_int4_int8_chunk32768_table.json"],
+               r / "2026-11-23_h100_prefill_qwen36_int8_chunks_tiles.jsonl", args.out,
+               [r / "2026-11-23_h100_offload_int4_static_rerun2.json",
+                r / "2026-11-23_h100_offload_int4_12g_static_chunk16384.json",
+                r / "2026-11-23_h100_offload_int4_12g_static_chunk32768.json"],
+               "offload, 4-bit experts, 12 GiB, static, 32768 tokens"))
 
 
 if __name__ == "__main__":
