@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import _common
 
 _PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
@@ -66,7 +67,8 @@ class BlockSizes:
     state_warps: int = 4
     output_warps: int = 4
     # Software-pipelining depth of the state pass's chunk loop. 3 since 2026-11-23 (H100, docs/benchmarks.md):
-    # 16-20% faster than 2 at T=4096 and 16384, 10% packed; 4 no better than 3.
+    # 16-20% faster than 2 at T=4096 and 16384, 10% packed; 4 no better than 3. The default is lowered where
+    # the device's shared memory cannot hold 3 stages (`fit_shared_memory`: A100 2, Ada 1; never measured).
     state_stages: int = 3
     # Compute the output inside the state pass (no chunk states in memory). The default since run 4 on an
     # H100 (docs/benchmarks.md): 10-12% faster than the separate output kernel at T=4096, 16384 and 8 x 8192.
@@ -101,6 +103,25 @@ class BlockSizes:
     @classmethod
     def get_default(cls) -> "BlockSizes":
         return cls()
+
+
+def state_pass_shared_memory(block_sizes: BlockSizes, *, chunk_size: int, key_dim: int, itemsize: int) -> int:
+    """Estimated shared memory (bytes) of one state-pass program: `state_stages` copies of the tiles each chunk
+    step feeds to the tensor cores (W and K [chunk, key_dim], with the fused output also Q [chunk, key_dim]
+    and P [chunk, chunk]), as Triton's software pipeline buffers them."""
+    fused = block_sizes.fuse_output
+    per_stage = chunk_size * key_dim * itemsize * (3 if fused else 2) + (chunk_size**2 * itemsize if fused else 0)
+    return block_sizes.state_stages * per_stage
+
+
+def fit_shared_memory(block_sizes: BlockSizes, limit: int | None, **sizes) -> BlockSizes:
+    """`block_sizes` with fewer state-pass stages (down to 1) while `state_pass_shared_memory` exceeds `limit`
+    (None: no limit). The default 3 stages of bf16 tiles (168 KiB) fit an H100 (227 KiB) but not an A100
+    (163 KiB) or an Ada card (99 KiB), where Triton would refuse to compile the kernel."""
+    while (limit is not None and block_sizes.state_stages > 1
+           and state_pass_shared_memory(block_sizes, **sizes) > limit):
+        block_sizes = dataclasses.replace(block_sizes, state_stages=block_sizes.state_stages - 1)
+    return block_sizes
 
 
 def _pow2(x: int) -> bool:
@@ -853,8 +874,12 @@ def gated_delta_rule_pallas(
     for name, x in (("chunk_size", chunk_size), ("key_dim", key_dim), ("value_dim", value_dim)):
         if not _pow2(x) or x < 16:
             raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas Triton kernels")
-    block_sizes = BlockSizes.get_default() if block_sizes is None else block_sizes
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    compute_dtype = jnp.float32 if jnp.float32 in (query.dtype, key.dtype, value.dtype) else jnp.bfloat16
+    if block_sizes is None:   # defaults only, fitted to the device; explicit BlockSizes are the caller's choice
+        block_sizes = fit_shared_memory(
+            BlockSizes.get_default(), None if interpret else gpu_limits.shared_memory_limit(),
+            chunk_size=chunk_size, key_dim=key_dim, itemsize=jnp.dtype(compute_dtype).itemsize)
     if cu_seqlens is not None and block_sizes.segments > 1 and not interpret:
         # Exact in the interpreter (tests), but compiled on an H100 it returned outputs 0.26 (relative) off the
         # unsegmented kernel for 8 packed sequences of 8192 tokens (4 and 8 segments); refused until fixed.
@@ -864,7 +889,6 @@ def gated_delta_rule_pallas(
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
     c = chunk_size
-    compute_dtype = jnp.float32 if jnp.float32 in (query.dtype, key.dtype, value.dtype) else jnp.bfloat16
     packed = cu_seqlens is not None
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed else None
     q, k, v, g, bt = _common.pad_to_chunks(

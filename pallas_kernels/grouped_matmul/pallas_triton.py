@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gpu_limits
 from pallas_kernels.quantized import QuantizedWeights
 
 # Triton computes element offsets in int32: an operand of 2**31 elements or more would be read at wrapped
@@ -266,22 +267,6 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
                     jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
 
 
-# Shared memory per thread block (bytes) by CUDA compute capability: Hopper and datacenter Blackwell 227 KiB,
-# A100 163 KiB, other Ampere / Ada / consumer Blackwell 99 KiB (CUDA programming guide, "Features and
-# Technical Specifications"). Unknown devices get the smallest.
-_SHARED_MEMORY_BY_ARCH = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912}
-_SHARED_MEMORY_DEFAULT = 101376
-
-
-def shared_memory_limit() -> int | None:
-    """Shared memory per block of the default device in bytes, or None off GPU (the interpreter has none)."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    arch = str(getattr(device, "compute_capability", ""))
-    return _SHARED_MEMORY_BY_ARCH.get(arch, _SHARED_MEMORY_DEFAULT)
-
-
 def shared_memory_bytes(bs: BlockSizes, *, swiglu: bool, lhs_bytes: int, bits: int | None,
                         rhs_bytes: int = 2) -> int:
     """Estimated shared memory of one program: `num_stages` copies of the step's lhs tile(s) and weight tile(s)
@@ -341,7 +326,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
         interpret = jax.default_backend() != "gpu"
     if block_sizes is None:   # defaults only: a shape asked for explicitly is the caller's choice
         bs = within_shared_memory(
-            bs, None if interpret else shared_memory_limit(), swiglu=swiglu, bits=bits,
+            bs, None if interpret else gpu_limits.shared_memory_limit(), swiglu=swiglu, bits=bits,
             lhs_bytes=jnp.dtype(lhs.dtype).itemsize, rhs_bytes=1 if quantized else jnp.dtype(rhs.dtype).itemsize)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     dot_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype

@@ -407,3 +407,17 @@ def test_pallas_tf32_inverse_products(monkeypatch):
         assert np.isfinite(e).all(), name
         err_e, err_p = (np.abs(x - w).max() / np.abs(w).max() for x in (e, p))
         assert err_e <= max(TOLERANCE[jnp.bfloat16], 1.25 * err_p), (name, err_e, err_p)
+
+
+def test_state_stages_fit_the_device_shared_memory():
+    # The default 3 pipeline stages of bf16 tiles (W, K, Q [64, 128] and P [64, 64] per stage: 168 KiB) fit an
+    # H100 (227 KiB); an A100 (163 KiB) gets 2 stages, a 99 KiB Ada card 1, f32 tiles on an H100 2. No limit
+    # (the interpreter) and explicit BlockSizes are left as they are.
+    default = pallas_triton.BlockSizes.get_default()
+    sizes = {"chunk_size": 64, "key_dim": 128, "itemsize": 2}
+    assert pallas_triton.state_pass_shared_memory(default, **sizes) == 3 * 56 * 1024
+    stages = {limit: pallas_triton.fit_shared_memory(default, limit, **sizes).state_stages
+              for limit in (232448, 166912, 101376, None)}
+    assert stages == {232448: default.state_stages, 166912: 2, 101376: 1, None: default.state_stages}
+    f32 = pallas_triton.fit_shared_memory(default, 232448, chunk_size=64, key_dim=128, itemsize=4)
+    assert f32.state_stages == 2
