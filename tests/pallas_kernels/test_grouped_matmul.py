@@ -179,7 +179,7 @@ def test_quantized_matches_dequantize_then_matmul(bits, implementation):
 # The MoE dispatch's gather fused into the kernel: row i of the product reads lhs[lhs_index[i]] (lhs has other
 # rows than the product: tokens vs tokens x top_k); out-of-range indices are clamped like jnp's gather.
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("weights", ["float", "int8"])
+@pytest.mark.parametrize("weights", ["float", "int8", "int4"])
 def test_lhs_index_gathers_rows(weights, implementation):
     w = workloads.WORKLOADS["tiny_partial"]
     _, rhs, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=weights, swiglu=True, seed=3)
@@ -187,13 +187,26 @@ def test_lhs_index_gathers_rows(weights, implementation):
     tokens = jnp.asarray(rng.standard_normal((w.m // 3 + 1, w.k), np.float32), jnp.bfloat16)
     index = rng.integers(0, tokens.shape[0], w.m).astype(np.int32)
     index[-1] = tokens.shape[0] + 5                                     # past the end: clamped
-    dense = np.asarray(rhs.dequantize(jnp.float32)) if weights == "int8" else as_float(rhs)
+    dense = as_float(rhs) if weights == "float" else np.asarray(rhs.dequantize(jnp.float32))
     gathered = as_float(tokens)[np.minimum(index, tokens.shape[0] - 1)]
     out = gmm_swiglu(tokens, rhs, gs, lhs_index=jnp.asarray(index), implementation=implementation)
     assert out.shape == (w.m, w.n)
     assert_close(out, numpy_gmm(gathered, dense, gs, swiglu=True), jnp.bfloat16, "gmm_swiglu")
     out = gmm(tokens, rhs, gs, lhs_index=jnp.asarray(index), implementation=implementation)
     assert_close(out, numpy_gmm(gathered, dense, gs), jnp.bfloat16, "gmm")
+
+
+def test_lhs_index_with_swapped_operands():
+    # The 4-bit prefill default multiplies out^T = W^T x^T ("tile_swapped"); gathered rows go through it too.
+    w = workloads.WORKLOADS["tiny_partial"]
+    _, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights="int4", seed=6)
+    rng = np.random.default_rng(7)
+    tokens = jnp.asarray(rng.standard_normal((20, w.k), np.float32), jnp.bfloat16)
+    index = jnp.asarray(rng.integers(0, 20, w.m), jnp.int32)
+    bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode="tile_swapped")
+    out = pallas_triton.gmm_pallas(tokens, q, gs, lhs_index=index, block_sizes=bs)
+    expected = numpy_gmm(as_float(tokens)[np.asarray(index)], np.asarray(q.dequantize(jnp.float32)), gs)
+    assert_close(out, expected, jnp.bfloat16, "tile_swapped + lhs_index")
 
 
 def test_lhs_index_must_be_integer_vector():
