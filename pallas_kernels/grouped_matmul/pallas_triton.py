@@ -19,6 +19,14 @@ tensor-core dot: bf16 weights never exist in HBM. For 4 bits one packed byte til
 lhs[:, kk:] with the low nibbles and lhs[:, k/2 + kk:] with the high nibbles (the split-half layout of
 `QuantizedWeights`). Other orders of dequantization are selectable by `BlockSizes.quant_mode`.
 
+With `lhs_index` the rows of the product are gathered inside the kernel: each program loads its chunk's
+indices once and reads lhs[index, kk:kk + block_k] through them (clamped into range), so the MoE dispatch's
+[tokens * top_k, hidden] sorted copy of the activations is never written (measured as fast as on
+pre-gathered rows on an H100, docs/benchmarks_gmm.md).
+
+Default tile shapes pass `within_shared_memory`: Triton buffers `num_stages` copies of each step's tiles in
+shared memory and refuses a kernel that needs more than the device has (`pallas_kernels.gpu_limits`).
+
 gmm_swiglu keeps two accumulators (gate columns j and up columns ffn + j of the same group) and writes
 silu(gate) * up, so the [m, 2 * ffn] intermediate never reaches memory.
 """
