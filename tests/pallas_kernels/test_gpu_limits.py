@@ -1,0 +1,21 @@
+"""Shared memory per block by compute capability (the tile-shape guards of both kernels use it)."""
+
+import types
+
+import jax
+
+from pallas_kernels import gpu_limits
+
+
+def _device(platform, cc=None):
+    return types.SimpleNamespace(platform=platform, **({} if cc is None else {"compute_capability": cc}))
+
+
+def test_shared_memory_limit_by_compute_capability():
+    assert gpu_limits.shared_memory_limit(_device("gpu", "9.0")) == 227 * 1024    # H100 / H200
+    assert gpu_limits.shared_memory_limit(_device("gpu", "8.0")) == 163 * 1024    # A100
+    assert gpu_limits.shared_memory_limit(_device("gpu", "8.9")) == 99 * 1024     # Ada (RTX 4090, L4)
+    assert gpu_limits.shared_memory_limit(_device("gpu")) == 99 * 1024            # unknown: the smallest
+    assert gpu_limits.shared_memory_limit(_device("cpu")) is None
+    if jax.default_backend() == "cpu":                                            # the CPU test machine
+        assert gpu_limits.shared_memory_limit() is None
