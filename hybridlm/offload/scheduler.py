@@ -294,7 +294,8 @@ def _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, h
 @functools.partial(jax.jit, static_argnums=0)
 def _held_experts(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts=()):
     """`_experts` with the layer's experts (gate_up, down) [experts, ...] held on the device outside the pool
-    (`OffloadedRunner.held_layers`, held as the all-resident model holds them: no gather out of the pool). Host buffers `host_parts` are copied to the device beside it (returned second)."""
+    (`OffloadedRunner.held_layers`, held as the all-resident model holds them: no gather out of the pool).
+    Host buffers `host_parts` are copied to the device beside it (returned second)."""
     return _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
