@@ -26,28 +26,31 @@ import dataclasses
 import datetime
 import functools
 import json
+import pathlib
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import trace_summary
 
-from pallas_kernels.gated_delta_rule import _common, api, pallas_triton, reference, workloads
+from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
 
 START = time.monotonic()
 # Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products,
-# state_block_v 32 and 3 pipeline stages, one sequential walk, output fused into the state pass), then the
+# state_block_v 32 and 3 pipeline stages, one sequential walk, output fused into the state pass, the decays
+# scaling the products), then the
 # options. Measured on an H100 (docs/benchmarks.md, docs/benchmarks_gdn.md): TF32 inverse products 15-17%
 # slower, 2 stages 10-20% slower (both the defaults until 2026-11-23); sub_blocks prepare 12-19% slower in
 # stage 1; the separate output kernel (unfused) 10-12% slower; prefetch no gain on one sequence, 20% loss
 # packed; segments slower; chunk=128 exceeds shared memory; chunk=32, prepare_warps=8, state_warps=8 slower.
 DEFAULT_VARIANTS = [
     "fused:32",
-    "fused:32:inverse_bf16=0",
-    "fused:32:state_stages=2",
-    "unfused:32",
-    "fused:32:prepare=sub_blocks",
+    "fused:32:scale_products=0",   # Q and K scaled before their products (the default before scale_products)
+    "fused:32:state_stages=4",
     "fused:16",
+    "fused:64:state_warps=8",
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
@@ -123,28 +126,18 @@ def check_against_reference(variants=None) -> list[dict]:
     return rows
 
 
-def prepare_time(inputs, reps, block_sizes, chunk_size=64) -> float:
-    """Time of stage 1 alone (the chunk-parallel WY preparation) on pre-padded inputs, in ms."""
-    q, k, v = inputs["query"], inputs["key"], inputs["value"]
-    layout = None
-    if "cu_seqlens" in inputs:
-        layout = _common.packed_layout(inputs["cu_seqlens"], k.shape[1], chunk_size)
-    q, k, v, g, bt = _common.pad_to_chunks(
-        q, k, v, inputs["log_decay"], inputs["beta"].astype(jnp.float32), chunk_size, layout
-    )
-    g, bt = jnp.swapaxes(g, 1, 2), jnp.swapaxes(bt, 1, 2)
-    prepare = jax.jit(
-        functools.partial(
-            pallas_triton._prepare,
-            scale=k.shape[-1] ** -0.5,
-            chunk_size=chunk_size,
-            group=v.shape[2] // k.shape[2],
-            compute_dtype=jnp.bfloat16,
-            block_sizes=block_sizes,
-            interpret=False,
-        )
-    )
-    return round(wall_ms(lambda: prepare(q, k, v, g, bt), jax_sync, reps), 4)
+def kernel_split_ms(call, calls: int = 10) -> dict[str, float]:
+    """Device time per call (ms) of each kernel `call` launches (gdn_prepare, gdn_state, XLA's padding and
+    layout fusions), from a profiler trace of `calls` calls: the kernels' own durations, launch gaps not
+    counted, unlike the wall-clock total."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = call()
+            jax.block_until_ready(out)
+        trace = next(pathlib.Path(d).rglob("perfetto_trace.json.gz"))
+        kernels = trace_summary.summarize(trace, top=8).get("top_kernels_ms", {})
+    return {name: round(ms / calls, 4) for name, ms in kernels.items()}
 
 
 def parse_variant(spec: str, default) -> tuple[object, int]:
@@ -209,7 +202,7 @@ def bench_workload(
         "key_cosine": key_cosine,
     }
     ours_out = None
-    seen, prepare_seen = {}, {}
+    seen = {}
     for label, (block_sizes, chunk_size) in block_variants.items():
         if (block_sizes, chunk_size) in seen:
             rows.append({**base, "impl": f"ours.pallas[{label}]", "same_as": seen[block_sizes, chunk_size]})
@@ -233,18 +226,7 @@ def bench_workload(
             ms = wall_ms(call, jax_sync, reps)
             out = call()
             row = {**base, "impl": f"ours.pallas[{label}]", "ms": round(ms, 4)}
-            prep_key = (
-                block_sizes.prepare_kernel,
-                block_sizes.fuse_output,
-                block_sizes.prepare_warps,
-                block_sizes.solve_block,
-                block_sizes.inverse_bf16,
-                chunk_size,
-            )
-            if prep_key not in prepare_seen:
-                prepare_seen[prep_key] = prepare_time(inputs, reps, block_sizes, chunk_size)
-            row["prepare_ms"] = prepare_seen[prep_key]
-            row["after_prepare_ms"] = round(ms - row["prepare_ms"], 4)
+            row["kernels_ms"] = kernel_split_ms(call)
         except Exception as e:  # noqa: BLE001  a variant that fails to compile must not end the run
             print(f"variant {label} failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             rows.append(

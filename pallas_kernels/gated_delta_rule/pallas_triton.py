@@ -99,6 +99,10 @@ class BlockSizes:
     # 0.039, FLA 0.032 / 0.033). Needs the 4-row blocks of `_unit_lower_inverse` (with 16-row squaring
     # blocks, bf16 factors blew up to 1e9).
     inverse_bf16: bool = True
+    # State pass: the chunk's decays scale the [chunk, block_v] products (Q h after the product, V' before
+    # K^T V') instead of the [chunk, key_dim] tiles Q and K before them, so Q and K go to the tensor cores as
+    # loaded: a quarter of the elementwise work at block_v 32, and no register round trip of those tiles.
+    scale_products: bool = True
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -337,6 +341,7 @@ def _state_kernel(
     compute_dtype,
     segments,
     prefetch,
+    scale_products,
     start_ref=None,
 ):
     # start_ref (packed with segments > 1 only) [segments, v_heads, key_dim, value_dim] f32: each segment's
@@ -388,13 +393,23 @@ def _state_kernel(
         v_new_in = v_new.astype(compute_dtype)  # [c, block_v]
         gamma, gamma_last = t["gamma"](), t["gamma_last"]()
         if fuse_output:
-            q = t["q"]().astype(jnp.float32) * (jnp.exp(gamma) * scale)[:, None]
-            out = _dot(q.astype(compute_dtype), state_in, exact=exact) + _dot(t["p"](), v_new_in, exact=exact)
+            if scale_products:  # diag(e^gamma) (Q h) = (diag(e^gamma) Q) h: scale the [c, block_v] product
+                inter = _dot(t["q"](), state_in, exact=exact) * (jnp.exp(gamma) * scale)[:, None]
+            else:
+                q = t["q"]().astype(jnp.float32) * (jnp.exp(gamma) * scale)[:, None]
+                inter = _dot(q.astype(compute_dtype), state_in, exact=exact)
+            out = inter + _dot(t["p"](), v_new_in, exact=exact)
             o_ref[b, rows, h, cols] = out.astype(o_ref.dtype)
         else:
             v_new_ref[b, rows, h, cols] = v_new_in.astype(v_new_ref.dtype)
-        k = t["k"]().astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
-        state = jnp.exp(gamma_last) * state + _dot(k.astype(compute_dtype), v_new_in, _TRANS_A, exact)
+        decay = jnp.exp(gamma_last - gamma)[:, None]
+        if scale_products:  # K^T diag(decay) V': the decay scales V' [c, block_v], K goes to the product as is
+            v_decayed = (v_new * decay).astype(compute_dtype)
+            update = _dot(t["k"](), v_decayed, _TRANS_A, exact)
+        else:
+            k = t["k"]().astype(jnp.float32) * decay
+            update = _dot(k.astype(compute_dtype), v_new_in, _TRANS_A, exact)
+        state = jnp.exp(gamma_last) * state + update
         if packed:
 
             @pl.when(chunk_last_ref[n] != 0)
@@ -740,6 +755,7 @@ def _state_pass(
             compute_dtype=compute_dtype,
             segments=1 if packed and starts is None else block_sizes.segments,
             prefetch=block_sizes.state_prefetch,
+            scale_products=block_sizes.scale_products,
         ),
         out_shape=out_shape,
         grid=(rows * v_heads, value_dim // block_v),

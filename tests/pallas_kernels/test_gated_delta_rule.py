@@ -272,6 +272,16 @@ VARIANTS = [
         1,
     ),
     (
+        "tiles-scaled-before-products-packed",
+        {"scale_products": False, "state_block_v": 16},
+        jnp.bfloat16,
+        CHUNK,
+        None,
+        (CHUNK + 3, 0, 2 * CHUNK),
+        1,
+    ),
+    ("tiles-scaled-before-products-f32", {"scale_products": False}, jnp.float32, 64, 150, None, 2),
+    (
         "segments-pallas-combine-fused-c64",
         {"segments": 2, "segment_combine": "pallas", "fuse_output": True, "state_block_v": 16},
         jnp.bfloat16,
