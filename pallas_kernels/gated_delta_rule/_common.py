@@ -81,6 +81,8 @@ class PackedLayout:
       scatter: [seq] padded slot of each source token.
       chunk_seq: [num_chunks] sequence index of each chunk.
       chunk_first / chunk_last: [num_chunks] bool, chunk opens / closes its (non-empty) sequence.
+      chunk_src: [num_chunks] int32, packed token of each chunk's first slot (0 for a chunk of no tokens).
+      chunk_len: [num_chunks] int32, tokens in each chunk (<= chunk_size; slots past it are padding).
     """
 
     gather: jax.Array
@@ -89,6 +91,8 @@ class PackedLayout:
     chunk_seq: jax.Array
     chunk_first: jax.Array
     chunk_last: jax.Array
+    chunk_src: jax.Array
+    chunk_len: jax.Array
 
 
 def num_packed_chunks(seq: int, num_seqs: int, chunk_size: int) -> int:
@@ -118,7 +122,11 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
     token = jnp.arange(seq, dtype=jnp.int32)
     token_seq = jnp.clip(jnp.searchsorted(cu[1:], token, side="right"), 0, num_seqs - 1)
     scatter = chunk_start[token_seq] * chunk_size + token - cu[token_seq]
-    return PackedLayout(gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last)
+    chunk_len = jnp.clip(lengths[chunk_seq] - offset_in_seq * chunk_size, 0, chunk_size).astype(jnp.int32)
+    chunk_src = jnp.where(chunk_len > 0, cu[chunk_seq] + offset_in_seq * chunk_size, 0).astype(jnp.int32)
+    return PackedLayout(
+        gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last, chunk_src, chunk_len
+    )
 
 
 def pad_to_chunks(query, key, value, log_decay, beta, chunk_size: int, layout: PackedLayout | None):
@@ -136,12 +144,15 @@ def pad_to_chunks(query, key, value, log_decay, beta, chunk_size: int, layout: P
             arrays = tuple(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays)
         return arrays
 
-    def gather(x):
-        y = jnp.take(x, layout.gather, axis=1)
-        mask = layout.valid.reshape((1, -1) + (1,) * (x.ndim - 2))
-        return jnp.where(mask, y, jnp.zeros((), x.dtype))
+    return tuple(regather(x, layout) for x in arrays)
 
-    return tuple(map(gather, arrays))
+
+def regather(x, layout: PackedLayout):
+    """x [1, seq, ...] in packed order -> [1, num_chunks * chunk_size, ...], every sequence starting a chunk
+    (zeros in the padding slots)."""
+    y = jnp.take(x, layout.gather, axis=1)
+    mask = layout.valid.reshape((1, -1) + (1,) * (x.ndim - 2))
+    return jnp.where(mask, y, jnp.zeros((), x.dtype))
 
 
 def unpad_output(output, seq: int, layout: PackedLayout | None):

@@ -54,6 +54,31 @@ def _dot(a, b, dims=_PLAIN, exact=False):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _token_rows(n, chunk_size, src_ref, len_ref, in_place):
+    """Rows of chunk n in the token-ordered arrays (q, k, v, the fused output): (pl.ds, row mask or None).
+    In place (packed sequences read where they lie): from the chunk's first packed token, the rows past the
+    chunk's length (the next sequence, or past the array's end) masked off."""
+    if not in_place:
+        return pl.ds(n * chunk_size, chunk_size), None
+    mask = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) < len_ref[n]
+    return pl.ds(src_ref[n], chunk_size), mask
+
+
+def _load_rows(ref, idx, mask, shape):
+    """The [rows, cols] tile ref[idx]; rows off `mask` read as zeros and are never accessed."""
+    if mask is None:
+        return ref[idx]
+    return plgpu.load(ref.at[idx], mask=jnp.broadcast_to(mask[:, None], shape), other=0)
+
+
+def _store_rows(ref, idx, value, mask):
+    """ref[idx] = value ([rows, cols]), rows off `mask` left untouched."""
+    if mask is None:
+        ref[idx] = value
+    else:
+        plgpu.store(ref.at[idx], value, mask=jnp.broadcast_to(mask[:, None], value.shape))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """Tile sizes and Triton launch parameters of the three kernels."""
@@ -103,6 +128,11 @@ class BlockSizes:
     # K^T V') instead of the [chunk, key_dim] tiles Q and K before them, so Q and K go to the tensor cores as
     # loaded: a quarter of the elementwise work at block_v 32, and no register round trip of those tiles.
     scale_products: bool = True
+    # State pass (fused output only): carry h^T [block_v, key_dim] instead of h, so that the carried state
+    # and V' are the products' first operand (registers) and the loaded tiles W, Q, P, K the second (shared
+    # memory): V'^T = U^T - h^T W^T, O^T = h^T Q^T e^gamma + V'^T P^T, h^T <- e^gamma_C h^T + (V'^T decay) K.
+    # With h as the second operand, each chunk step stores the state and V' to shared memory first.
+    state_transposed: bool = False
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -186,6 +216,8 @@ def _prepare_kernel(
     v_ref,
     g_ref,
     beta_ref,
+    src_ref,
+    len_ref,
     w_ref,
     u_ref,
     gamma_ref,
@@ -197,11 +229,14 @@ def _prepare_kernel(
     sub,
     scale,
     with_p,
+    in_place,
 ):
     # q_ref/k_ref [b, t, k_heads, key_dim]; v_ref/u_ref [b, t, v_heads, value_dim]; w_ref [b, t, v_heads,
     # key_dim]; g_ref/beta_ref/gamma_ref [b, v_heads, t] f32; p_ref [b, t, v_heads, chunk_size] (with_p).
     # Program (chunk n, batch*v_heads bh). The chunk is cut into chunk_size // sub row blocks and
     #   T_dd = (I + A_dd)^-1,   T_de = -T_dd sum_{e <= m < d} A_dm T_me   (d > e).
+    # src_ref/len_ref: unused (q, k, v come chunk-aligned: in_place is the dense kernel's only).
+    assert not in_place, "the sub_blocks prepare reads chunk-aligned q, k, v only"
     exact = compute_dtype == jnp.float32
     n, bh = pl.program_id(0), pl.program_id(1)
     v_heads = v_ref.shape[2]
@@ -268,6 +303,8 @@ def _prepare_dense_kernel(
     v_ref,
     g_ref,
     beta_ref,
+    src_ref,
+    len_ref,
     w_ref,
     u_ref,
     gamma_ref,
@@ -279,13 +316,15 @@ def _prepare_dense_kernel(
     scale,
     with_p,
     inverse_bf16,
+    in_place,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
     #   T = (I + A)^-1 by `_unit_lower_inverse` (4-row blocks, merged 4 at a time: 10 [c, c] products at c=64)
     #   W = T diag(beta e^gamma) K,  U = T diag(beta) V        (two products)
     # The inverse products are [c, c] f32 (IEEE for f32 inputs, TF32 otherwise, like `_prepare_kernel`), or
-    # with `inverse_bf16` (bf16 inputs) bf16 operands accumulated in f32.
+    # with `inverse_bf16` (bf16 inputs) bf16 operands accumulated in f32. in_place: q, k, v are the packed
+    # arrays, read from token src_ref[n] (len_ref[n] rows; the rest zeros); everything else chunk-aligned.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -293,25 +332,25 @@ def _prepare_dense_kernel(
     v_heads = v_ref.shape[2]
     b, h = bh // v_heads, bh % v_heads
     rows = pl.ds(n * c, c)
-    k = k_ref[b, rows, h // group, :]  # [c, key_dim]
+    tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
+    key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
+    k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
     gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
     beta = beta_ref[b, h, rows]
     gamma_ref[b, h, rows] = gamma
     i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    diff = gamma[:, None] - gamma[None, :]
-    strict = i > j
-    a = jnp.where(
-        strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0
-    )
+    incl, strict = i >= j, i > j
+    decay = jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))  # <= 1 on and below the diagonal
+    a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * decay, 0.0)
     if with_p:
-        q = q_ref[b, rows, h // group, :]
-        incl = i >= j
-        p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * jnp.exp(jnp.where(incl, diff, 0.0)), 0.0) * scale
+        q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
+        p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
         p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
     t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
     rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
-    rhs_u = (v_ref[b, rows, h, :].astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
+    v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+    rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
     w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
     u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
@@ -327,6 +366,8 @@ def _state_kernel(
     chunk_seq_ref,
     chunk_first_ref,
     chunk_last_ref,
+    src_ref,
+    len_ref,
     states_ref,
     v_new_ref,
     o_ref,
@@ -342,13 +383,16 @@ def _state_kernel(
     segments,
     prefetch,
     scale_products,
+    in_place,
+    transposed,
     start_ref=None,
 ):
     # start_ref (packed with segments > 1 only) [segments, v_heads, key_dim, value_dim] f32: each segment's
     # start state from `_segment_starts`; the walk still restarts at every sequence's first chunk.
     # states_ref [b, num_chunks, v_heads, key_dim, value_dim] (unfused); v_new_ref like u_ref (unfused);
     # o_ref [b, t, v_heads, value_dim] (fused); init/final [num_states, v_heads, key_dim, value_dim] f32;
-    # chunk_* [num_chunks] int32 (packed: sequence of each chunk, opens it, closes it).
+    # chunk_* [num_chunks] int32 (packed: sequence of each chunk, opens it, closes it). in_place: q, k and
+    # o_ref are the packed arrays [1, seq, ...], chunk n's rows from token src_ref[n] (len_ref[n] of them).
     # Program ((batch*segments + segment)*v_heads + h, value block vb); it walks its segment's chunks in
     # order, from init_ref[batch*segments + segment] (unpacked) or from each sequence's initial state.
     c = chunk_size
@@ -359,18 +403,21 @@ def _state_kernel(
     b, segment = (row, 0) if segments == 1 else (row // segments, row % segments)
     cols = pl.ds(vb * block_v, block_v)
     per_segment = u_ref.shape[1] // c // segments
+    key_dim = k_ref.shape[3]
 
     def loaders(n, rows=None):  # the chunk's tiles, independent of the state, as thunks (loaded at first use)
         rows = pl.ds(n * c, c) if rows is None else rows
+        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
+        qk_rows = (b, tokens, h // group, slice(None))
         tiles = {
             "u": lambda: u_ref[b, rows, h, cols],
             "w": lambda: w_ref[b, rows, h, :],
             "gamma": lambda: gamma_ref[b, h, rows],
             "gamma_last": lambda: gamma_ref[b, h, n * c + c - 1],
-            "k": lambda: k_ref[b, rows, h // group, :],
+            "k": lambda: _load_rows(k_ref, qk_rows, mask, (c, key_dim)),
         }
         if fuse_output:
-            tiles["q"] = lambda: q_ref[b, rows, h // group, :]
+            tiles["q"] = lambda: _load_rows(q_ref, qk_rows, mask, (c, key_dim))
             tiles["p"] = lambda: p_ref[b, rows, h, :]
         return tiles
 
@@ -379,6 +426,31 @@ def _state_kernel(
 
     def ready(tiles):  # loaded tiles as thunks
         return {name: (lambda x=x: x) for name, x in tiles.items()}
+
+    def step_transposed(n, state_t, t):  # state_t = h^T [block_v, key_dim] f32, the products' A operand
+        rows = pl.ds(n * c, c)
+        t = t(rows)
+        if packed:
+            sid = chunk_seq_ref[n]
+            state_t = jax.lax.cond(
+                chunk_first_ref[n] != 0, lambda: init_ref[sid, h, :, cols].T, lambda: state_t
+            )
+        s_in = state_t.astype(compute_dtype)
+        v_new = t["u"]().astype(jnp.float32).T - _dot(s_in, t["w"](), _TRANS_B, exact)  # V'^T [block_v, c]
+        gamma, gamma_last = t["gamma"](), t["gamma_last"]()
+        inter = _dot(s_in, t["q"](), _TRANS_B, exact) * (jnp.exp(gamma) * scale)[None, :]
+        out = inter + _dot(v_new.astype(compute_dtype), t["p"](), _TRANS_B, exact)  # O^T [block_v, c]
+        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
+        _store_rows(o_ref, (b, tokens, h, cols), out.T.astype(o_ref.dtype), mask)
+        v_decayed = (v_new * jnp.exp(gamma_last - gamma)[None, :]).astype(compute_dtype)
+        state_t = jnp.exp(gamma_last) * state_t + _dot(v_decayed, t["k"](), exact=exact)
+        if packed:
+
+            @pl.when(chunk_last_ref[n] != 0)
+            def _():
+                final_ref[sid, h, :, cols] = state_t.T
+
+        return state_t
 
     def step(n, state, t):  # state [key_dim, block_v] f32; t(rows) -> the chunk's tile thunks
         rows = pl.ds(n * c, c)
@@ -399,7 +471,8 @@ def _state_kernel(
                 q = t["q"]().astype(jnp.float32) * (jnp.exp(gamma) * scale)[:, None]
                 inter = _dot(q.astype(compute_dtype), state_in, exact=exact)
             out = inter + _dot(t["p"](), v_new_in, exact=exact)
-            o_ref[b, rows, h, cols] = out.astype(o_ref.dtype)
+            tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
+            _store_rows(o_ref, (b, tokens, h, cols), out.astype(o_ref.dtype), mask)
         else:
             v_new_ref[b, rows, h, cols] = v_new_in.astype(v_new_ref.dtype)
         decay = jnp.exp(gamma_last - gamma)[:, None]
@@ -422,24 +495,27 @@ def _state_kernel(
     state = init_ref[row, h, :, cols] if not packed else jnp.zeros((init_ref.shape[2], block_v), jnp.float32)
     if start_ref is not None:
         state = start_ref[row, h, :, cols]
+    walk = step_transposed if transposed else step
+    if transposed:  # the walk carries h^T
+        state = state.T
     if prefetch:  # carry the next chunk's tiles so their loads overlap this chunk's products
 
         def body(i, carry):
             state, tiles = carry
             n = first + i
             upcoming = load(first + jnp.minimum(i + 1, per_segment - 1))
-            return step(n, state, lambda _: ready(tiles)), upcoming
+            return walk(n, state, lambda _: ready(tiles)), upcoming
 
         state, _ = jax.lax.fori_loop(0, per_segment, body, (state, load(first)))
     else:
 
         def body(i, state):
             n = i if segments == 1 else first + i
-            return step(n, state, lambda rows: loaders(n, rows))
+            return walk(n, state, lambda rows: loaders(n, rows))
 
         state = jax.lax.fori_loop(0, per_segment, body, state)
     if not packed:
-        final_ref[row, h, :, cols] = state
+        final_ref[row, h, :, cols] = state.T if transposed else state
 
 
 def _segment_summary_kernel(
@@ -665,11 +741,15 @@ def _output_kernel(
     o_ref[b, rows, h, cols] = (out * scale).astype(o_ref.dtype)
 
 
-def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret):
+def _prepare(
+    q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None
+):
     """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
     [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
-    else a dummy)."""
-    batch, padded, _, key_dim = k.shape
+    else a dummy); t = g's chunk-aligned length. token_rows: None (q, k, v chunk-aligned too) or (chunk_src,
+    chunk_len) [num_chunks] int32, where each chunk's rows lie in the packed q, k, v (dense kernel only)."""
+    batch, _, _, key_dim = k.shape
+    padded = g.shape[2]
     v_heads, value_dim = v.shape[2:]
     with_p = block_sizes.fuse_output
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
@@ -688,6 +768,7 @@ def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_s
             compute_dtype=compute_dtype,
             scale=scale,
             with_p=with_p,
+            in_place=token_rows is not None,
             **options,
         ),
         out_shape=(
@@ -700,7 +781,7 @@ def _prepare(q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_s
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
         interpret=interpret,
         name="gdn_prepare",
-    )(q, k, v, g, bt)
+    )(q, k, v, g, bt, *(token_rows or (jnp.zeros((1,), jnp.int32),) * 2))
 
 
 def _state_pass(
@@ -722,10 +803,11 @@ def _state_pass(
     block_sizes,
     interpret,
     starts=None,
+    token_rows=None,
 ):
     """Stage 2. Returns (chunk-start states [b, num_chunks, v_heads, key_dim, value_dim], V' [b, t, v_heads,
-    value_dim], final state f32) or, with `block_sizes.fuse_output`, (output [b, t, v_heads, value_dim], final
-    state)."""
+    value_dim], final state f32) or, with `block_sizes.fuse_output`, (output [b, seq, v_heads, value_dim], final
+    state), seq = q's length. token_rows (fused only): as `_prepare`'s; q, k and the output are then packed."""
     batch, padded, v_heads, value_dim = u.shape
     key_dim = w.shape[3]
     num_chunks = padded // chunk_size
@@ -737,7 +819,7 @@ def _state_pass(
         if fuse
         else jax.ShapeDtypeStruct((batch, num_chunks, v_heads, key_dim, value_dim), compute_dtype),
         dummy if fuse else jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
-        jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), out_dtype) if fuse else dummy,
+        jax.ShapeDtypeStruct((batch, q.shape[1], v_heads, value_dim), out_dtype) if fuse else dummy,
         jax.ShapeDtypeStruct(initial_state.shape, jnp.float32),
     )
     kernel, extra_inputs, rows = _state_kernel, (), initial_state.shape[0] if not packed else batch
@@ -756,6 +838,8 @@ def _state_pass(
             segments=1 if packed and starts is None else block_sizes.segments,
             prefetch=block_sizes.state_prefetch,
             scale_products=block_sizes.scale_products,
+            in_place=token_rows is not None,
+            transposed=block_sizes.state_transposed,
         ),
         out_shape=out_shape,
         grid=(rows * v_heads, value_dim // block_v),
@@ -766,13 +850,13 @@ def _state_pass(
         name="gdn_state",
         # Packed: sequences that own no chunk keep their initial state, so final starts as a copy of it.
         input_output_aliases={6: 3} if packed else {},
-    )(q, k, w, u, gamma, p, initial_state, *chunk_flags, *extra_inputs)
+    )(q, k, w, u, gamma, p, initial_state, *chunk_flags, *(token_rows or (chunk_flags[0],) * 2), *extra_inputs)
     return (out, final_state) if fuse else (states, v_new, final_state)
 
 
 def _state_kernel_from_starts(*refs, **kwargs):
-    """`_state_kernel` with one more input after the chunk flags: the segments' start states."""
-    _state_kernel(*refs[:10], *refs[11:], start_ref=refs[10], **kwargs)
+    """`_state_kernel` with one more input after the chunk flags and token rows: the segments' start states."""
+    _state_kernel(*refs[:12], *refs[13:], start_ref=refs[12], **kwargs)
 
 
 def _output(
@@ -798,13 +882,19 @@ def _output(
     )(q, k, gamma, states, v_new)
 
 
-def _run_stages(q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, **common):
+def _run_stages(
+    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, **common
+):
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
-    compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state)."""
+    compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state).
+    token_rows (packed, fused, dense prepare, one segment): q, k, v and the output stay packed [1, seq, ...]
+    (see `_prepare`)."""
     block_sizes = common["block_sizes"]
-    w, u, gamma, p = _prepare(q, k, v, g, bt, scale=scale, **common)
+    w, u, gamma, p = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
     final_state = None
     kwargs = {"packed": packed, "scale": scale, "out_dtype": out_dtype, **common}
+    if token_rows is not None:
+        kwargs["token_rows"] = token_rows
     if block_sizes.segments > 1 and not packed:
         initial_state, final_state = _segment_starts(k, w, u, gamma, initial_state, **common)
     elif block_sizes.segments > 1:  # packed: segments cut across sequences; each restarts at its first chunk
@@ -896,6 +986,8 @@ def gated_delta_rule_pallas(
         block_sizes = fit_shared_memory(
             BlockSizes.get_default(), None if interpret else gpu_limits.shared_memory_limit(),
             chunk_size=chunk_size, key_dim=key_dim, itemsize=jnp.dtype(compute_dtype).itemsize)
+    if block_sizes.state_transposed and not block_sizes.fuse_output:
+        raise ValueError("BlockSizes.state_transposed needs fuse_output=True (the transposed walk writes O only)")
     if cu_seqlens is not None and block_sizes.segments > 1 and not interpret:
         # Exact in the interpreter (tests), but compiled on an H100 it returned outputs 0.26 (relative) off the
         # unsegmented kernel for 8 packed sequences of 8192 tokens (4 and 8 segments); refused until fixed.
@@ -907,16 +999,18 @@ def gated_delta_rule_pallas(
     c = chunk_size
     packed = cu_seqlens is not None
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed else None
-    q, k, v, g, bt = _common.pad_to_chunks(
-        query.astype(compute_dtype),
-        key.astype(compute_dtype),
-        value.astype(compute_dtype),
-        log_decay.astype(jnp.float32),
-        beta.astype(jnp.float32),
-        c,
-        layout,
-    )
-    extra = (-k.shape[1]) % (c * block_sizes.segments)
+    # Packed q, k, v read in place (each chunk from its first token, rows past its sequence masked) and the
+    # output written in place, where the kernels support it; else regathered chunk-aligned and back (XLA
+    # gathers: 1.3 of 4.3 ms at 8 x 8192 tokens on an H100, 2026-11-23).
+    in_place = (packed and block_sizes.prepare_kernel == "dense" and block_sizes.fuse_output
+                and block_sizes.segments == 1)
+    q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
+    g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)
+    if in_place:
+        g, bt = (_common.regather(x, layout) for x in (g, bt))
+    else:
+        q, k, v, g, bt = _common.pad_to_chunks(q, k, v, g, bt, c, layout)
+    extra = (-g.shape[1]) % (c * block_sizes.segments)
     if extra:  # whole zero chunks (identity transitions) so that every segment has as many chunks
         q, k, v, g, bt = (
             jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, bt)
@@ -954,6 +1048,7 @@ def gated_delta_rule_pallas(
         packed=packed,
         scale=scale,
         out_dtype=value.dtype,
+        token_rows=(layout.chunk_src, layout.chunk_len) if in_place else None,
         **common,
     )
-    return _common.unpad_output(out, seq, layout), final_state
+    return (out if in_place else _common.unpad_output(out, seq, layout)), final_state
