@@ -47,10 +47,8 @@ START = time.monotonic()
 # packed; segments slower; chunk=128 exceeds shared memory; chunk=32, prepare_warps=8, state_warps=8 slower.
 DEFAULT_VARIANTS = [
     "fused:32",
-    "fused:32:state_transposed=1",
-    "fused:64:state_transposed=1",
-    "fused:64:state_transposed=1:state_warps=8",
-    "fused:16:state_transposed=1",
+    "fused:32:prepare_warps=8",
+    "fused:64",
     "fused:32:scale_products=0",   # Q and K scaled before their products (the default before scale_products)
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the

@@ -128,11 +128,6 @@ class BlockSizes:
     # K^T V') instead of the [chunk, key_dim] tiles Q and K before them, so Q and K go to the tensor cores as
     # loaded: a quarter of the elementwise work at block_v 32, and no register round trip of those tiles.
     scale_products: bool = True
-    # State pass (fused output only): carry h^T [block_v, key_dim] instead of h, so that the carried state
-    # and V' are the products' first operand (registers) and the loaded tiles W, Q, P, K the second (shared
-    # memory): V'^T = U^T - h^T W^T, O^T = h^T Q^T e^gamma + V'^T P^T, h^T <- e^gamma_C h^T + (V'^T decay) K.
-    # With h as the second operand, each chunk step stores the state and V' to shared memory first.
-    state_transposed: bool = False
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -222,6 +217,8 @@ def _prepare_kernel(
     u_ref,
     gamma_ref,
     p_ref,
+    q_out_ref,
+    k_out_ref,
     *,
     chunk_size,
     group,
@@ -235,7 +232,8 @@ def _prepare_kernel(
     # key_dim]; g_ref/beta_ref/gamma_ref [b, v_heads, t] f32; p_ref [b, t, v_heads, chunk_size] (with_p).
     # Program (chunk n, batch*v_heads bh). The chunk is cut into chunk_size // sub row blocks and
     #   T_dd = (I + A_dd)^-1,   T_de = -T_dd sum_{e <= m < d} A_dm T_me   (d > e).
-    # src_ref/len_ref: unused (q, k, v come chunk-aligned: in_place is the dense kernel's only).
+    # src_ref/len_ref, q_out_ref/k_out_ref: unused (q, k, v come chunk-aligned: in_place is the dense
+    # kernel's only).
     assert not in_place, "the sub_blocks prepare reads chunk-aligned q, k, v only"
     exact = compute_dtype == jnp.float32
     n, bh = pl.program_id(0), pl.program_id(1)
@@ -309,6 +307,8 @@ def _prepare_dense_kernel(
     u_ref,
     gamma_ref,
     p_ref,
+    q_out_ref,
+    k_out_ref,
     *,
     chunk_size,
     group,
@@ -324,7 +324,9 @@ def _prepare_dense_kernel(
     #   W = T diag(beta e^gamma) K,  U = T diag(beta) V        (two products)
     # The inverse products are [c, c] f32 (IEEE for f32 inputs, TF32 otherwise, like `_prepare_kernel`), or
     # with `inverse_bf16` (bf16 inputs) bf16 operands accumulated in f32. in_place: q, k, v are the packed
-    # arrays, read from token src_ref[n] (len_ref[n] rows; the rest zeros); everything else chunk-aligned.
+    # arrays, read from token src_ref[n] (len_ref[n] rows; the rest zeros), and the chunk-aligned q, k tiles
+    # are copied to q_out_ref/k_out_ref [b, t, k_heads, key_dim] for the state pass (by the first v-head of
+    # each group); everything else chunk-aligned.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -347,6 +349,12 @@ def _prepare_dense_kernel(
         q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
         p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
         p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
+        if in_place:
+
+            @pl.when(h % group == 0)
+            def _():
+                q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
+                k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
     t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
     rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
     v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
@@ -384,15 +392,16 @@ def _state_kernel(
     prefetch,
     scale_products,
     in_place,
-    transposed,
     start_ref=None,
 ):
     # start_ref (packed with segments > 1 only) [segments, v_heads, key_dim, value_dim] f32: each segment's
     # start state from `_segment_starts`; the walk still restarts at every sequence's first chunk.
     # states_ref [b, num_chunks, v_heads, key_dim, value_dim] (unfused); v_new_ref like u_ref (unfused);
     # o_ref [b, t, v_heads, value_dim] (fused); init/final [num_states, v_heads, key_dim, value_dim] f32;
-    # chunk_* [num_chunks] int32 (packed: sequence of each chunk, opens it, closes it). in_place: q, k and
-    # o_ref are the packed arrays [1, seq, ...], chunk n's rows from token src_ref[n] (len_ref[n] of them).
+    # chunk_* [num_chunks] int32 (packed: sequence of each chunk, opens it, closes it). in_place: o_ref is
+    # the packed output [1, seq, ...], chunk n's rows written from token src_ref[n] (len_ref[n] of them); q and
+    # k stay chunk-aligned (the prepare's copies: masked loads at data-dependent rows kept Triton from
+    # pipelining them, 1.52 -> 2.18 ms at 8 x 8192 tokens on an H100, 2026-11-23).
     # Program ((batch*segments + segment)*v_heads + h, value block vb); it walks its segment's chunks in
     # order, from init_ref[batch*segments + segment] (unpacked) or from each sequence's initial state.
     c = chunk_size
@@ -403,21 +412,18 @@ def _state_kernel(
     b, segment = (row, 0) if segments == 1 else (row // segments, row % segments)
     cols = pl.ds(vb * block_v, block_v)
     per_segment = u_ref.shape[1] // c // segments
-    key_dim = k_ref.shape[3]
 
     def loaders(n, rows=None):  # the chunk's tiles, independent of the state, as thunks (loaded at first use)
         rows = pl.ds(n * c, c) if rows is None else rows
-        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
-        qk_rows = (b, tokens, h // group, slice(None))
         tiles = {
             "u": lambda: u_ref[b, rows, h, cols],
             "w": lambda: w_ref[b, rows, h, :],
             "gamma": lambda: gamma_ref[b, h, rows],
             "gamma_last": lambda: gamma_ref[b, h, n * c + c - 1],
-            "k": lambda: _load_rows(k_ref, qk_rows, mask, (c, key_dim)),
+            "k": lambda: k_ref[b, rows, h // group, :],
         }
         if fuse_output:
-            tiles["q"] = lambda: _load_rows(q_ref, qk_rows, mask, (c, key_dim))
+            tiles["q"] = lambda: q_ref[b, rows, h // group, :]
             tiles["p"] = lambda: p_ref[b, rows, h, :]
         return tiles
 
@@ -426,31 +432,6 @@ def _state_kernel(
 
     def ready(tiles):  # loaded tiles as thunks
         return {name: (lambda x=x: x) for name, x in tiles.items()}
-
-    def step_transposed(n, state_t, t):  # state_t = h^T [block_v, key_dim] f32, the products' A operand
-        rows = pl.ds(n * c, c)
-        t = t(rows)
-        if packed:
-            sid = chunk_seq_ref[n]
-            state_t = jax.lax.cond(
-                chunk_first_ref[n] != 0, lambda: init_ref[sid, h, :, cols].T, lambda: state_t
-            )
-        s_in = state_t.astype(compute_dtype)
-        v_new = t["u"]().astype(jnp.float32).T - _dot(s_in, t["w"](), _TRANS_B, exact)  # V'^T [block_v, c]
-        gamma, gamma_last = t["gamma"](), t["gamma_last"]()
-        inter = _dot(s_in, t["q"](), _TRANS_B, exact) * (jnp.exp(gamma) * scale)[None, :]
-        out = inter + _dot(v_new.astype(compute_dtype), t["p"](), _TRANS_B, exact)  # O^T [block_v, c]
-        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
-        _store_rows(o_ref, (b, tokens, h, cols), out.T.astype(o_ref.dtype), mask)
-        v_decayed = (v_new * jnp.exp(gamma_last - gamma)[None, :]).astype(compute_dtype)
-        state_t = jnp.exp(gamma_last) * state_t + _dot(v_decayed, t["k"](), exact=exact)
-        if packed:
-
-            @pl.when(chunk_last_ref[n] != 0)
-            def _():
-                final_ref[sid, h, :, cols] = state_t.T
-
-        return state_t
 
     def step(n, state, t):  # state [key_dim, block_v] f32; t(rows) -> the chunk's tile thunks
         rows = pl.ds(n * c, c)
@@ -495,27 +476,24 @@ def _state_kernel(
     state = init_ref[row, h, :, cols] if not packed else jnp.zeros((init_ref.shape[2], block_v), jnp.float32)
     if start_ref is not None:
         state = start_ref[row, h, :, cols]
-    walk = step_transposed if transposed else step
-    if transposed:  # the walk carries h^T
-        state = state.T
     if prefetch:  # carry the next chunk's tiles so their loads overlap this chunk's products
 
         def body(i, carry):
             state, tiles = carry
             n = first + i
             upcoming = load(first + jnp.minimum(i + 1, per_segment - 1))
-            return walk(n, state, lambda _: ready(tiles)), upcoming
+            return step(n, state, lambda _: ready(tiles)), upcoming
 
         state, _ = jax.lax.fori_loop(0, per_segment, body, (state, load(first)))
     else:
 
         def body(i, state):
             n = i if segments == 1 else first + i
-            return walk(n, state, lambda rows: loaders(n, rows))
+            return step(n, state, lambda rows: loaders(n, rows))
 
         state = jax.lax.fori_loop(0, per_segment, body, state)
     if not packed:
-        final_ref[row, h, :, cols] = state.T if transposed else state
+        final_ref[row, h, :, cols] = state
 
 
 def _segment_summary_kernel(
@@ -747,9 +725,11 @@ def _prepare(
     """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
     [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
     else a dummy); t = g's chunk-aligned length. token_rows: None (q, k, v chunk-aligned too) or (chunk_src,
-    chunk_len) [num_chunks] int32, where each chunk's rows lie in the packed q, k, v (dense kernel only)."""
-    batch, _, _, key_dim = k.shape
+    chunk_len) [num_chunks] int32, where each chunk's rows lie in the packed q, k, v (dense kernel with P
+    only); then also chunk-aligned copies of q and k [b, t, k_heads, key_dim] (else dummies)."""
+    batch, _, k_heads, key_dim = k.shape
     padded = g.shape[2]
+    qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
     with_p = block_sizes.fuse_output
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
@@ -776,6 +756,8 @@ def _prepare(
             jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
             jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
             jax.ShapeDtypeStruct(p_shape, compute_dtype),
+            jax.ShapeDtypeStruct(qk_shape, compute_dtype),
+            jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
         grid=(padded // chunk_size, batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
@@ -804,10 +786,11 @@ def _state_pass(
     interpret,
     starts=None,
     token_rows=None,
+    out_seq=None,
 ):
     """Stage 2. Returns (chunk-start states [b, num_chunks, v_heads, key_dim, value_dim], V' [b, t, v_heads,
     value_dim], final state f32) or, with `block_sizes.fuse_output`, (output [b, seq, v_heads, value_dim], final
-    state), seq = q's length. token_rows (fused only): as `_prepare`'s; q, k and the output are then packed."""
+    state). token_rows (fused only): as `_prepare`'s; the output is then packed [1, seq, ...], seq = out_seq."""
     batch, padded, v_heads, value_dim = u.shape
     key_dim = w.shape[3]
     num_chunks = padded // chunk_size
@@ -819,7 +802,7 @@ def _state_pass(
         if fuse
         else jax.ShapeDtypeStruct((batch, num_chunks, v_heads, key_dim, value_dim), compute_dtype),
         dummy if fuse else jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
-        jax.ShapeDtypeStruct((batch, q.shape[1], v_heads, value_dim), out_dtype) if fuse else dummy,
+        jax.ShapeDtypeStruct((batch, out_seq or padded, v_heads, value_dim), out_dtype) if fuse else dummy,
         jax.ShapeDtypeStruct(initial_state.shape, jnp.float32),
     )
     kernel, extra_inputs, rows = _state_kernel, (), initial_state.shape[0] if not packed else batch
@@ -839,7 +822,6 @@ def _state_pass(
             prefetch=block_sizes.state_prefetch,
             scale_products=block_sizes.scale_products,
             in_place=token_rows is not None,
-            transposed=block_sizes.state_transposed,
         ),
         out_shape=out_shape,
         grid=(rows * v_heads, value_dim // block_v),
@@ -890,11 +872,12 @@ def _run_stages(
     token_rows (packed, fused, dense prepare, one segment): q, k, v and the output stay packed [1, seq, ...]
     (see `_prepare`)."""
     block_sizes = common["block_sizes"]
-    w, u, gamma, p = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
+    w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
     final_state = None
     kwargs = {"packed": packed, "scale": scale, "out_dtype": out_dtype, **common}
-    if token_rows is not None:
-        kwargs["token_rows"] = token_rows
+    if token_rows is not None:  # the state pass reads the chunk-aligned copies, writes the packed output
+        kwargs["token_rows"], kwargs["out_seq"] = token_rows, q.shape[1]
+        q, k = q_aligned, k_aligned
     if block_sizes.segments > 1 and not packed:
         initial_state, final_state = _segment_starts(k, w, u, gamma, initial_state, **common)
     elif block_sizes.segments > 1:  # packed: segments cut across sequences; each restarts at its first chunk
@@ -986,8 +969,6 @@ def gated_delta_rule_pallas(
         block_sizes = fit_shared_memory(
             BlockSizes.get_default(), None if interpret else gpu_limits.shared_memory_limit(),
             chunk_size=chunk_size, key_dim=key_dim, itemsize=jnp.dtype(compute_dtype).itemsize)
-    if block_sizes.state_transposed and not block_sizes.fuse_output:
-        raise ValueError("BlockSizes.state_transposed needs fuse_output=True (the transposed walk writes O only)")
     if cu_seqlens is not None and block_sizes.segments > 1 and not interpret:
         # Exact in the interpreter (tests), but compiled on an H100 it returned outputs 0.26 (relative) off the
         # unsegmented kernel for 8 packed sequences of 8192 tokens (4 and 8 segments); refused until fixed.
