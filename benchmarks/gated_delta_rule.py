@@ -40,16 +40,17 @@ from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workl
 START = time.monotonic()
 # Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products,
 # state_block_v 32 and 3 pipeline stages, one sequential walk, output fused into the state pass, the decays
-# scaling the products), then the
-# options. Measured on an H100 (docs/benchmarks.md, docs/benchmarks_gdn.md): TF32 inverse products 15-17%
-# slower, 2 stages 10-20% slower (both the defaults until 2026-11-23); sub_blocks prepare 12-19% slower in
-# stage 1; the separate output kernel (unfused) 10-12% slower; prefetch no gain on one sequence, 20% loss
-# packed; segments slower; chunk=128 exceeds shared memory; chunk=32, prepare_warps=8, state_warps=8 slower.
+# scaling the products, the WY factors formed in the state pass from T except for packed sequences read in
+# place), then the options. Measured on an H100 (docs/benchmarks.md, docs/benchmarks_gdn.md): W and U written
+# by the prepare (wy_in_state=0, the default until 2026-11-24) 12% slower at T=16384; TF32 inverse products
+# 15-17% slower, 2 stages 10-20% slower (both the defaults until 2026-11-23; 2 stages 30% slower with T too);
+# sub_blocks prepare 12-19% slower in stage 1; the separate output kernel (unfused) 10-12% slower; prefetch no
+# gain on one sequence, 20% loss packed; segments slower; chunk=128 exceeds shared memory, and so do 4 stages
+# and state_block_v 64 with T; chunk=32, prepare_warps=8 (also with T), state_warps=8 slower.
 DEFAULT_VARIANTS = [
     "fused:32",
-    "fused:32:prepare_warps=8",
-    "fused:64",
-    "fused:32:scale_products=0",   # Q and K scaled before their products (the default before scale_products)
+    "fused:32:wy_in_state=0",   # W and U from the prepare (the default before 2026-11-24)
+    "fused:32:wy_in_state=1",   # T on packed sequences too (V copied chunk-aligned by the prepare)
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
@@ -164,8 +165,11 @@ def parse_variant(spec: str, default) -> tuple[object, int]:
         name = aliases.get(name, name)
         if name not in fields:
             raise ValueError(f"variant {spec!r}: unknown field {name!r}; choose from {sorted(fields)}")
-        kind_of = type(getattr(default, name))
-        changes[name] = value.lower() in ("1", "true", "yes") if kind_of is bool else kind_of(value)
+        current = getattr(default, name)
+        if isinstance(current, bool) or current is None:  # bool or bool | None (auto)
+            changes[name] = None if value.lower() == "auto" else value.lower() in ("1", "true", "yes")
+        else:
+            changes[name] = type(current)(value)
     return dataclasses.replace(default, **changes), chunk_size
 
 

@@ -128,6 +128,18 @@ class BlockSizes:
     # K^T V') instead of the [chunk, key_dim] tiles Q and K before them, so Q and K go to the tensor cores as
     # loaded: a quarter of the elementwise work at block_v 32, and no register round trip of those tiles.
     scale_products: bool = True
+    # WY factors formed in the state pass (dense prepare only, one segment): the prepare writes the UT-transform
+    # matrix T diag(beta) [chunk, chunk] instead of W [chunk, key_dim] and U [chunk, value_dim], and the state
+    # pass forms V' = T diag(beta) (V - diag(e^gamma) K h) = U - W h from the K and V it reads anyway. Per
+    # token and v-head, bf16, it moves 2 * chunk bytes of T (write + read) instead of 4 * (key_dim + value_dim)
+    # of W and U: at T = 16384 about 0.8 instead of 1.2 GB over both kernels, and the prepare skips the W, U
+    # products and the read of V; the walk gets one more [chunk, chunk] x [chunk, block_v] product per step.
+    # None (the default) = on, except for packed sequences read in place, where V would need a chunk-aligned
+    # copy. H100, 2026-11-24 (docs/benchmarks.md): T=4096 0.181 -> 0.161 ms, 16384 0.672 -> 0.588 (prepare
+    # 0.326 -> 0.190, state pass 0.333 -> 0.382), error against the f32 recurrence 0.0076 -> 0.0051; packed
+    # 8 x 8192 in place 3.236 -> 3.312 with V copied (3.527 with V read in place, rows masked: the masked
+    # loads at data-dependent rows are not pipelined).
+    wy_in_state: bool | None = None
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -140,6 +152,8 @@ def state_pass_shared_memory(block_sizes: BlockSizes, *, chunk_size: int, key_di
     and P [chunk, chunk]), as Triton's software pipeline buffers them."""
     fused = block_sizes.fuse_output
     per_stage = chunk_size * key_dim * itemsize * (3 if fused else 2) + (chunk_size**2 * itemsize if fused else 0)
+    if block_sizes.wy_in_state:  # T [chunk, chunk] in place of W [chunk, key_dim] (None counts as W: larger)
+        per_stage += chunk_size * (chunk_size - key_dim) * itemsize
     return block_sizes.state_stages * per_stage
 
 
@@ -317,6 +331,7 @@ def _prepare_dense_kernel(
     with_p,
     inverse_bf16,
     in_place,
+    wy_in_state=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -326,7 +341,8 @@ def _prepare_dense_kernel(
     # with `inverse_bf16` (bf16 inputs) bf16 operands accumulated in f32. in_place: q, k, v are the packed
     # arrays, read from token src_ref[n] (len_ref[n] rows; the rest zeros), and the chunk-aligned q, k tiles
     # are copied to q_out_ref/k_out_ref [b, t, k_heads, key_dim] for the state pass (by the first v-head of
-    # each group); everything else chunk-aligned.
+    # each group); everything else chunk-aligned. wy_in_state: w_ref [b, t, v_heads, c] takes T diag(beta)
+    # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -355,6 +371,12 @@ def _prepare_dense_kernel(
             def _():
                 q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
                 k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
+    if wy_in_state:
+        w_ref[b, rows, h, :] = (_unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]).astype(w_ref.dtype)
+        if in_place:
+            v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+            u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
+        return
     t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
     rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
     v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
@@ -392,6 +414,7 @@ def _state_kernel(
     prefetch,
     scale_products,
     in_place,
+    wy_in_state=False,
     start_ref=None,
 ):
     # start_ref (packed with segments > 1 only) [segments, v_heads, key_dim, value_dim] f32: each segment's
@@ -404,6 +427,7 @@ def _state_kernel(
     # pipelining them, 1.52 -> 2.18 ms at 8 x 8192 tokens on an H100, 2026-11-23).
     # Program ((batch*segments + segment)*v_heads + h, value block vb); it walks its segment's chunks in
     # order, from init_ref[batch*segments + segment] (unpacked) or from each sequence's initial state.
+    # wy_in_state: w_ref is T diag(beta) [b, t, v_heads, c] and u_ref the chunk-aligned V.
     c = chunk_size
     exact = compute_dtype == jnp.float32
     bh, vb = pl.program_id(0), pl.program_id(1)
@@ -411,7 +435,7 @@ def _state_kernel(
     row, h = bh // v_heads, bh % v_heads
     b, segment = (row, 0) if segments == 1 else (row // segments, row % segments)
     cols = pl.ds(vb * block_v, block_v)
-    per_segment = u_ref.shape[1] // c // segments
+    per_segment = gamma_ref.shape[2] // c // segments
 
     def loaders(n, rows=None):  # the chunk's tiles, independent of the state, as thunks (loaded at first use)
         rows = pl.ds(n * c, c) if rows is None else rows
@@ -442,9 +466,13 @@ def _state_kernel(
         state_in = state.astype(compute_dtype)
         if not fuse_output:
             states_ref[b, n, h, :, cols] = state_in.astype(states_ref.dtype)
-        v_new = t["u"]().astype(jnp.float32) - _dot(t["w"](), state_in, exact=exact)
-        v_new_in = v_new.astype(compute_dtype)  # [c, block_v]
         gamma, gamma_last = t["gamma"](), t["gamma_last"]()
+        if wy_in_state:  # V' = T diag(beta) (V - diag(e^gamma) K h), i.e. U - W h without W and U
+            x = t["u"]().astype(jnp.float32) - jnp.exp(gamma)[:, None] * _dot(t["k"](), state_in, exact=exact)
+            v_new = _dot(t["w"](), x.astype(compute_dtype), exact=exact)
+        else:
+            v_new = t["u"]().astype(jnp.float32) - _dot(t["w"](), state_in, exact=exact)
+        v_new_in = v_new.astype(compute_dtype)  # [c, block_v]
         if fuse_output:
             if scale_products:  # diag(e^gamma) (Q h) = (diag(e^gamma) Q) h: scale the [c, block_v] product
                 inter = _dot(t["q"](), state_in, exact=exact) * (jnp.exp(gamma) * scale)[:, None]
@@ -726,11 +754,16 @@ def _prepare(
     [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
     else a dummy); t = g's chunk-aligned length. token_rows: None (q, k, v chunk-aligned too) or (chunk_src,
     chunk_len) [num_chunks] int32, where each chunk's rows lie in the packed q, k, v (dense kernel with P
-    only); then also chunk-aligned copies of q and k [b, t, k_heads, key_dim] (else dummies)."""
+    only); then also chunk-aligned copies of q and k [b, t, k_heads, key_dim] (else dummies).
+    With `block_sizes.wy_in_state` the first output is T diag(beta) [b, t, v_heads, chunk_size] in place of W,
+    and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U."""
     batch, _, k_heads, key_dim = k.shape
     padded = g.shape[2]
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
+    wy_in_state = block_sizes.wy_in_state
+    w_shape = (batch, padded, v_heads, chunk_size if wy_in_state else key_dim)
+    u_shape = (1,) if wy_in_state and token_rows is None else (batch, padded, v_heads, value_dim)
     with_p = block_sizes.fuse_output
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
     kernels = {"sub_blocks": _prepare_kernel, "dense": _prepare_dense_kernel}
@@ -738,8 +771,10 @@ def _prepare(
         raise ValueError(f"prepare_kernel={block_sizes.prepare_kernel!r}; choose from {sorted(kernels)}")
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
-        "dense": {"inverse_bf16": block_sizes.inverse_bf16},
+        "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state},
     }[block_sizes.prepare_kernel]
+    if wy_in_state and block_sizes.prepare_kernel != "dense":
+        raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
@@ -752,8 +787,8 @@ def _prepare(
             **options,
         ),
         out_shape=(
-            jax.ShapeDtypeStruct((batch, padded, v_heads, key_dim), compute_dtype),
-            jax.ShapeDtypeStruct((batch, padded, v_heads, value_dim), compute_dtype),
+            jax.ShapeDtypeStruct(w_shape, compute_dtype),
+            jax.ShapeDtypeStruct(u_shape, compute_dtype),
             jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
             jax.ShapeDtypeStruct(p_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
@@ -791,8 +826,9 @@ def _state_pass(
     """Stage 2. Returns (chunk-start states [b, num_chunks, v_heads, key_dim, value_dim], V' [b, t, v_heads,
     value_dim], final state f32) or, with `block_sizes.fuse_output`, (output [b, seq, v_heads, value_dim], final
     state). token_rows (fused only): as `_prepare`'s; the output is then packed [1, seq, ...], seq = out_seq."""
-    batch, padded, v_heads, value_dim = u.shape
-    key_dim = w.shape[3]
+    batch, _, v_heads, value_dim = u.shape
+    padded = gamma.shape[2]
+    key_dim = k.shape[3]
     num_chunks = padded // chunk_size
     block_v = min(block_sizes.state_block_v, value_dim)
     fuse = block_sizes.fuse_output
@@ -822,6 +858,7 @@ def _state_pass(
             prefetch=block_sizes.state_prefetch,
             scale_products=block_sizes.scale_products,
             in_place=token_rows is not None,
+            wy_in_state=block_sizes.wy_in_state,
         ),
         out_shape=out_shape,
         grid=(rows * v_heads, value_dim // block_v),
@@ -873,6 +910,8 @@ def _run_stages(
     (see `_prepare`)."""
     block_sizes = common["block_sizes"]
     w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
+    if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
+        u = v
     final_state = None
     kwargs = {"packed": packed, "scale": scale, "out_dtype": out_dtype, **common}
     if token_rows is not None:  # the state pass reads the chunk-aligned copies, writes the packed output
@@ -969,6 +1008,8 @@ def gated_delta_rule_pallas(
         block_sizes = fit_shared_memory(
             BlockSizes.get_default(), None if interpret else gpu_limits.shared_memory_limit(),
             chunk_size=chunk_size, key_dim=key_dim, itemsize=jnp.dtype(compute_dtype).itemsize)
+    if block_sizes.wy_in_state and block_sizes.segments > 1:
+        raise ValueError("BlockSizes.wy_in_state needs segments=1 (the segment summaries read W and U)")
     if cu_seqlens is not None and block_sizes.segments > 1 and not interpret:
         # Exact in the interpreter (tests), but compiled on an H100 it returned outputs 0.26 (relative) off the
         # unsegmented kernel for 8 packed sequences of 8192 tokens (4 and 8 segments); refused until fixed.
@@ -985,6 +1026,9 @@ def gated_delta_rule_pallas(
     # gathers: 1.3 of 4.3 ms at 8 x 8192 tokens on an H100, 2026-11-23).
     in_place = (packed and block_sizes.prepare_kernel == "dense" and block_sizes.fuse_output
                 and block_sizes.segments == 1)
+    if block_sizes.wy_in_state is None:  # auto: T instead of W and U where V needs no chunk-aligned copy
+        wy = block_sizes.prepare_kernel == "dense" and block_sizes.segments == 1 and not in_place
+        block_sizes = dataclasses.replace(block_sizes, wy_in_state=wy)
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)
     if in_place:

@@ -281,6 +281,15 @@ VARIANTS = [
         1,
     ),
     ("tiles-scaled-before-products-f32", {"scale_products": False}, jnp.float32, 64, 150, None, 2),
+    # W and U written by the prepare (the default before 2026-11-24; the default walk now forms them from T)
+    ("w-u-from-prepare-f32", {"wy_in_state": False}, jnp.float32, 64, 150, None, 2),
+    ("w-u-from-prepare-bf16-grouped", {"wy_in_state": False}, jnp.bfloat16, CHUNK, 2 * CHUNK + 5, None, 1),
+    ("wy-in-state-bf16-grouped", {"wy_in_state": True, "state_block_v": 8}, jnp.bfloat16, CHUNK, 2 * CHUNK + 5,
+     None, 1),
+    # packed: q, k and v copied chunk-aligned by the prepare (in place), the output written in place
+    ("wy-in-state-packed", {"wy_in_state": True}, jnp.float32, CHUNK, None, (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
+    ("wy-in-state-unfused", {"wy_in_state": True, "fuse_output": False}, jnp.float32, CHUNK, 2 * CHUNK + 5,
+     None, 1),
     (
         "segments-pallas-combine-fused-c64",
         {"segments": 2, "segment_combine": "pallas", "fuse_output": True, "state_block_v": 16},
@@ -431,3 +440,19 @@ def test_state_stages_fit_the_device_shared_memory():
     assert stages == {232448: default.state_stages, 166912: 2, 101376: 1, None: default.state_stages}
     f32 = pallas_triton.fit_shared_memory(default, 232448, chunk_size=64, key_dim=128, itemsize=4)
     assert f32.state_stages == 2
+
+
+def test_wy_in_state_auto_default():
+    """The default (wy_in_state=None) forms W h and U in the state pass from T on chunk-aligned inputs, and
+    takes W and U from the prepare for packed sequences read in place (bit for bit the explicit choices)."""
+    default = pallas_triton.BlockSizes.get_default()
+    assert default.wy_in_state is None
+    for seqlens, auto_is in ((None, True), ((CHUNK + 3, 0, 2 * CHUNK), False)):
+        inputs = workloads.make_inputs(SMALL, seq=2 * CHUNK + 5, dtype=jnp.bfloat16, seed=3, seqlens=seqlens)
+        run = functools.partial(pallas_triton.gated_delta_rule_pallas, **inputs, chunk_size=CHUNK)
+        auto, explicit = run(), run(block_sizes=dataclasses.replace(default, wy_in_state=auto_is))
+        other = run(block_sizes=dataclasses.replace(default, wy_in_state=not auto_is))
+        for a, e, o in zip(auto, explicit, other, strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+            assert np.isfinite(np.asarray(o, np.float32)).all()
+        assert not np.array_equal(np.asarray(auto[0], np.float32), np.asarray(other[0], np.float32))
