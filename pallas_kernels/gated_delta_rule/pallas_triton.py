@@ -140,9 +140,6 @@ class BlockSizes:
     # 8 x 8192 in place 3.236 -> 3.312 with V copied (3.527 with V read in place, rows masked: the masked
     # loads at data-dependent rows are not pipelined).
     wy_in_state: bool | None = None
-    # Dense prepare: one program per (chunk, k-head) for all v-heads of its group (v_heads // k_heads of them),
-    # which share the loads of K and Q and the K K^T and Q K^T products; else one program per (chunk, v-head).
-    prepare_per_k_head: bool = False
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -335,7 +332,6 @@ def _prepare_dense_kernel(
     inverse_bf16,
     in_place,
     wy_in_state=False,
-    per_k_head=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -347,58 +343,46 @@ def _prepare_dense_kernel(
     # are copied to q_out_ref/k_out_ref [b, t, k_heads, key_dim] for the state pass (by the first v-head of
     # each group); everything else chunk-aligned. wy_in_state: w_ref [b, t, v_heads, c] takes T diag(beta)
     # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
-    # per_k_head: one program per (chunk, k-head) runs all `group` v-heads of that k-head.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
     n, bh = pl.program_id(0), pl.program_id(1)
-    v_heads, k_heads = v_ref.shape[2], k_ref.shape[2]
-    if per_k_head:  # program (chunk, batch*k_heads): every v-head of the group shares K, Q, K K^T and Q K^T
-        b, kh = bh // k_heads, bh % k_heads
-        heads = [kh * group + i for i in range(group)]
-    else:
-        b, h = bh // v_heads, bh % v_heads
-        kh, heads = h // group, [h]
+    v_heads = v_ref.shape[2]
+    b, h = bh // v_heads, bh % v_heads
     rows = pl.ds(n * c, c)
     tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
     key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
-    k = _load_rows(k_ref, (b, tokens, kh, slice(None)), mask, (c, key_dim))  # [c, key_dim]
-    kk = _dot(k, k, _TRANS_B, exact)
+    k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
+    gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
+    beta = beta_ref[b, h, rows]
+    gamma_ref[b, h, rows] = gamma
     i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     incl, strict = i >= j, i > j
+    decay = jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))  # <= 1 on and below the diagonal
+    a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * decay, 0.0)
     if with_p:
-        q = _load_rows(q_ref, (b, tokens, kh, slice(None)), mask, (c, key_dim))
-        qk = _dot(q, k, _TRANS_B, exact)
-        if in_place:  # once per k-head
+        q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
+        p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
+        p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
+        if in_place:
 
-            def copy_q_k():
-                q_out_ref[b, rows, kh, :] = q.astype(q_out_ref.dtype)
-                k_out_ref[b, rows, kh, :] = k.astype(k_out_ref.dtype)
-
-            copy_q_k() if per_k_head else pl.when(heads[0] % group == 0)(copy_q_k)
-    for h in heads:
-        gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
-        beta = beta_ref[b, h, rows]
-        gamma_ref[b, h, rows] = gamma
-        decay = jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))  # <= 1 on and below the diagonal
-        a = jnp.where(strict, (beta[:, None] * kk) * decay, 0.0)
-        if with_p:
-            p = jnp.where(incl, qk * decay, 0.0) * scale
-            p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
-        if wy_in_state:
-            t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
-            w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
-            if in_place:
-                v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
-                u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
-            continue
-        t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
-        rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
-        v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
-        rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
-        w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
-        u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
+            @pl.when(h % group == 0)
+            def _():
+                q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
+                k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
+    if wy_in_state:
+        w_ref[b, rows, h, :] = (_unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]).astype(w_ref.dtype)
+        if in_place:
+            v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+            u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
+        return
+    t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
+    rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
+    v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+    rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
+    w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
+    u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
 
 def _state_kernel(
@@ -787,11 +771,10 @@ def _prepare(
         raise ValueError(f"prepare_kernel={block_sizes.prepare_kernel!r}; choose from {sorted(kernels)}")
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
-        "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
-                  "per_k_head": block_sizes.prepare_per_k_head},
+        "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state},
     }[block_sizes.prepare_kernel]
-    if (wy_in_state or block_sizes.prepare_per_k_head) and block_sizes.prepare_kernel != "dense":
-        raise ValueError("BlockSizes.wy_in_state and prepare_per_k_head need prepare_kernel='dense'")
+    if wy_in_state and block_sizes.prepare_kernel != "dense":
+        raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
@@ -811,7 +794,7 @@ def _prepare(
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
-        grid=(padded // chunk_size, batch * (k_heads if block_sizes.prepare_per_k_head else v_heads)),
+        grid=(padded // chunk_size, batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
         interpret=interpret,
         name="gdn_prepare",

@@ -288,11 +288,6 @@ VARIANTS = [
      None, 1),
     # packed: q, k and v copied chunk-aligned by the prepare (in place), the output written in place
     ("wy-in-state-packed", {"wy_in_state": True}, jnp.float32, CHUNK, None, (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
-    ("prepare-per-k-head-grouped", {"prepare_per_k_head": True}, jnp.float32, CHUNK, 2 * CHUNK + 5, None, 2),
-    ("prepare-per-k-head-w-u-bf16", {"prepare_per_k_head": True, "wy_in_state": False}, jnp.bfloat16, CHUNK,
-     2 * CHUNK + 5, None, 1),
-    ("prepare-per-k-head-packed", {"prepare_per_k_head": True}, jnp.float32, CHUNK, None,
-     (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
     ("wy-in-state-unfused", {"wy_in_state": True, "fuse_output": False}, jnp.float32, CHUNK, 2 * CHUNK + 5,
      None, 1),
     (
