@@ -4,13 +4,14 @@ Launches, like flash-linear-attention's `chunk_gated_delta_rule_fwd` (spec §9):
   1. `_prepare_kernel`, one program per (chunk, v-head): gamma = chunk-local cumsum of g; A = strict_lower(
      diag(beta) K K^T * Gamma); T = (I + A)^-1 block by block (16-row diagonal blocks inverted exactly, then
      merged); W = T diag(beta e^gamma) K, U = T diag(beta) V. With `fuse_output` it also writes the masked,
-     scaled intra-chunk attention P = scale lower_incl(Q K^T * Gamma).
+     scaled intra-chunk attention P = scale lower_incl(Q K^T * Gamma). With `wy_in_state` (the default on
+     chunk-aligned inputs) it writes T diag(beta) [chunk, chunk] instead of W and U.
   2. `_state_kernel`, one program per (batch row, v-head, value block): the only sequential part. Walks the
-     chunks: V' = U - W h, h <- e^{gamma_C} h + (K e^{gamma_C - gamma})^T V', and stores each chunk-start
-     state h and V' for
+     chunks: V' = U - W h (with `wy_in_state`: T diag(beta) (V - diag(e^gamma) K h)), h <- e^{gamma_C} h +
+     (K e^{gamma_C - gamma})^T V', and stores each chunk-start state h and V' for
   3. `_output_kernel`, one program per (chunk, v-head, value block): O = scale (Q e^gamma) h + P V'
-     (P recomputed there). With `fuse_output` the state pass computes O itself and no chunk state goes to
-     memory (measured no faster on an H100 so far; off by default).
+     (P recomputed there). With `fuse_output` (the default) the state pass computes O itself and no chunk
+     state goes to memory.
 With `segments` > 1 the walk is split: `_segment_summary_kernel` computes, per segment and in parallel, its
 end state from zero and its transition M (end = M start + end_from_zero); a short scan (`segment_combine`:
 XLA, or the `_segment_combine_kernel`) combines them into each segment's start state; then every segment
