@@ -141,6 +141,9 @@ class BlockSizes:
     # 8 x 8192 in place 3.236 -> 3.312 with V copied (3.527 with V read in place, rows masked: the masked
     # loads at data-dependent rows are not pipelined).
     wy_in_state: bool | None = None
+    # Dense prepare: chunks per program, walked in a loop so that Triton's software pipeline loads the next
+    # chunk's q, k (and v) tiles during this chunk's products; 1 = one program per chunk, straight-line code.
+    prepare_chunks: int = 1
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -333,6 +336,7 @@ def _prepare_dense_kernel(
     inverse_bf16,
     in_place,
     wy_in_state=False,
+    chunks_per_program=1,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -344,46 +348,62 @@ def _prepare_dense_kernel(
     # are copied to q_out_ref/k_out_ref [b, t, k_heads, key_dim] for the state pass (by the first v-head of
     # each group); everything else chunk-aligned. wy_in_state: w_ref [b, t, v_heads, c] takes T diag(beta)
     # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
+    # chunks_per_program > 1: program (chunk block, batch*v_heads) walks its chunks in a loop (the last block
+    # clamped to the last chunk, which it then redoes: identical writes).
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
-    n, bh = pl.program_id(0), pl.program_id(1)
+    bh = pl.program_id(1)
     v_heads = v_ref.shape[2]
     b, h = bh // v_heads, bh % v_heads
-    rows = pl.ds(n * c, c)
-    tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
-    key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
-    k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
-    gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
-    beta = beta_ref[b, h, rows]
-    gamma_ref[b, h, rows] = gamma
-    i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    incl, strict = i >= j, i > j
-    decay = jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))  # <= 1 on and below the diagonal
-    a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * decay, 0.0)
-    if with_p:
-        q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
-        p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
-        p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
-        if in_place:
 
-            @pl.when(h % group == 0)
-            def _():
-                q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
-                k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
-    if wy_in_state:
-        w_ref[b, rows, h, :] = (_unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]).astype(w_ref.dtype)
-        if in_place:
-            v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
-            u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
-        return
-    t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
-    rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
-    v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
-    rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
-    w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
-    u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
+    def one_chunk(n):
+        rows = pl.ds(n * c, c)
+        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
+        key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
+        k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
+        gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
+        beta = beta_ref[b, h, rows]
+        gamma_ref[b, h, rows] = gamma
+        i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+        j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+        incl, strict = i >= j, i > j
+        decay = jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))  # <= 1 on/below the diagonal
+        a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * decay, 0.0)
+        if with_p:
+            q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
+            p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
+            p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
+            if in_place:
+
+                @pl.when(h % group == 0)
+                def _():
+                    q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
+                    k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
+        if wy_in_state:
+            t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
+            w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
+            if in_place:
+                v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+                u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
+            return
+        t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
+        rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
+        v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+        rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
+        w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
+        u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
+
+    num_chunks, first = g_ref.shape[2] // c, pl.program_id(0) * chunks_per_program
+    if chunks_per_program == 1:
+        one_chunk(first)
+    else:  # a loop, so that Triton's software pipeline loads the next chunk's tiles during this one's products
+
+        def body(i, carry):
+            one_chunk(jnp.minimum(first + i, num_chunks - 1))
+            return carry
+
+        jax.lax.fori_loop(0, chunks_per_program, body, 0)
 
 
 def _state_kernel(
@@ -772,10 +792,13 @@ def _prepare(
         raise ValueError(f"prepare_kernel={block_sizes.prepare_kernel!r}; choose from {sorted(kernels)}")
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
-        "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state},
+        "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
+                  "chunks_per_program": block_sizes.prepare_chunks},
     }[block_sizes.prepare_kernel]
-    if wy_in_state and block_sizes.prepare_kernel != "dense":
-        raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
+    if (wy_in_state or block_sizes.prepare_chunks != 1) and block_sizes.prepare_kernel != "dense":
+        raise ValueError("BlockSizes.wy_in_state and prepare_chunks need prepare_kernel='dense'")
+    if block_sizes.prepare_chunks < 1:
+        raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
@@ -795,7 +818,7 @@ def _prepare(
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
-        grid=(padded // chunk_size, batch * v_heads),
+        grid=(pl.cdiv(padded // chunk_size, block_sizes.prepare_chunks), batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
         interpret=interpret,
         name="gdn_prepare",
