@@ -46,11 +46,13 @@ START = time.monotonic()
 # 15-17% slower, 2 stages 10-20% slower (both the defaults until 2026-11-23; 2 stages 30% slower with T too);
 # sub_blocks prepare 12-19% slower in stage 1; the separate output kernel (unfused) 10-12% slower; prefetch no
 # gain on one sequence, 20% loss packed; segments slower; chunk=128 exceeds shared memory, and so do 4 stages
-# and state_block_v 64 with T; chunk=32, prepare_warps=8 (also with T), state_warps=8 slower.
+# and state_block_v 64 with T; chunk=32, prepare_warps=8 (also with T), state_warps=8 slower; one prepare
+# program per chunk 4-11% slower in the prepare than 8 chunks per program.
 DEFAULT_VARIANTS = [
     "fused:32",
     "fused:32:wy_in_state=0",   # W and U from the prepare (the default before 2026-11-24)
     "fused:32:wy_in_state=1",   # T on packed sequences too (V copied chunk-aligned by the prepare)
+    "fused:32:prepare_chunks=1",   # one prepare program per chunk (the default before 2026-11-24 23:40 UTC)
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).

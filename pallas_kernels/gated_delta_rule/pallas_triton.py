@@ -141,9 +141,11 @@ class BlockSizes:
     # 8 x 8192 in place 3.236 -> 3.312 with V copied (3.527 with V read in place, rows masked: the masked
     # loads at data-dependent rows are not pipelined).
     wy_in_state: bool | None = None
-    # Dense prepare: chunks per program, walked in a loop so that Triton's software pipeline loads the next
-    # chunk's q, k (and v) tiles during this chunk's products; 1 = one program per chunk, straight-line code.
-    prepare_chunks: int = 1
+    # Dense prepare: chunks per program (at most num_chunks // 16, so that short inputs keep >= 16 programs per
+    # v-head), walked in a loop so that Triton's software pipeline loads the next chunk's q, k (and v) tiles
+    # during this chunk's products; 1 = one program per chunk, straight-line code. 8 since 2026-11-24 (H100,
+    # docs/benchmarks.md): prepare 4-7% faster at T=4096 and 16384, 11% packed (8 x 8192: 3.23 -> 3.05 ms).
+    prepare_chunks: int = 8
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -783,6 +785,12 @@ def _prepare(
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
     wy_in_state = block_sizes.wy_in_state
+    if block_sizes.prepare_chunks < 1:
+        raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
+    num_chunks = padded // chunk_size
+    chunks_per_program = max(1, min(block_sizes.prepare_chunks, num_chunks // 16))
+    if block_sizes.prepare_kernel != "dense":  # the sub_blocks prepare runs one chunk per program
+        chunks_per_program = 1
     w_shape = (batch, padded, v_heads, chunk_size if wy_in_state else key_dim)
     u_shape = (1,) if wy_in_state and token_rows is None else (batch, padded, v_heads, value_dim)
     with_p = block_sizes.fuse_output
@@ -793,12 +801,10 @@ def _prepare(
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
-                  "chunks_per_program": block_sizes.prepare_chunks},
+                  "chunks_per_program": chunks_per_program},
     }[block_sizes.prepare_kernel]
-    if (wy_in_state or block_sizes.prepare_chunks != 1) and block_sizes.prepare_kernel != "dense":
-        raise ValueError("BlockSizes.wy_in_state and prepare_chunks need prepare_kernel='dense'")
-    if block_sizes.prepare_chunks < 1:
-        raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
+    if wy_in_state and block_sizes.prepare_kernel != "dense":
+        raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
@@ -818,7 +824,7 @@ def _prepare(
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
-        grid=(pl.cdiv(padded // chunk_size, block_sizes.prepare_chunks), batch * v_heads),
+        grid=(pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
         interpret=interpret,
         name="gdn_prepare",

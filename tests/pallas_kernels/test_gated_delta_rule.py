@@ -288,11 +288,14 @@ VARIANTS = [
      None, 1),
     # packed: q, k and v copied chunk-aligned by the prepare (in place), the output written in place
     ("wy-in-state-packed", {"wy_in_state": True}, jnp.float32, CHUNK, None, (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
-    # 3 chunks per prepare program over 10 (f32) and 7 (packed) chunks: the last program clamps to the last one
-    ("prepare-chunks-3", {"prepare_chunks": 3}, jnp.float32, CHUNK, 10 * CHUNK - 3, None, 1),
+    # chunks per prepare program (capped at num_chunks // 16): 50 chunks -> 3 per program, 17 programs, the
+    # last clamped to the last chunk; packed, 37 chunks -> 2 per program
+    ("prepare-chunks-3", {"prepare_chunks": 8}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
     ("prepare-chunks-3-w-u-bf16", {"prepare_chunks": 3, "wy_in_state": False}, jnp.bfloat16, CHUNK,
-     4 * CHUNK + 5, None, 2),
-    ("prepare-chunks-2-packed", {"prepare_chunks": 2}, jnp.float32, CHUNK, None, (CHUNK + 3, 0, 3 * CHUNK, 7), 1),
+     50 * CHUNK - 3, None, 1),
+    ("prepare-chunks-2-packed", {"prepare_chunks": 8}, jnp.float32, CHUNK, None,
+     (20 * CHUNK + 3, 0, 15 * CHUNK, 7), 1),
+    ("prepare-one-chunk-per-program", {"prepare_chunks": 1}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
     ("wy-in-state-unfused", {"wy_in_state": True, "fuse_output": False}, jnp.float32, CHUNK, 2 * CHUNK + 5,
      None, 1),
     (
