@@ -146,6 +146,10 @@ class BlockSizes:
     # during this chunk's products; 1 = one program per chunk, straight-line code. 8 since 2026-11-24 (H100,
     # docs/benchmarks.md): prepare 4-7% faster at T=4096 and 16384, 11% packed (8 x 8192: 3.23 -> 3.05 ms).
     prepare_chunks: int = 8
+    # With wy_in_state and the fused output: the prepare writes P T diag(beta) in place of P, so the walk's
+    # output takes (P T diag(beta)) X with X = V - diag(e^gamma) K h, the operand the T product already has in
+    # shared memory, instead of P V': one operand round trip fewer per step, and the output off V''s chain.
+    fold_t_into_p: bool = False
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -339,6 +343,7 @@ def _prepare_dense_kernel(
     in_place,
     wy_in_state=False,
     chunks_per_program=1,
+    fold_t_into_p=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -375,7 +380,8 @@ def _prepare_dense_kernel(
         if with_p:
             q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
             p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
-            p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
+            if not fold_t_into_p:
+                p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
             if in_place:
 
                 @pl.when(h % group == 0)
@@ -385,6 +391,8 @@ def _prepare_dense_kernel(
         if wy_in_state:
             t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
             w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
+            if fold_t_into_p:  # P T diag(beta), f32 operands (TF32 on the GPU for bf16 inputs)
+                p_ref[b, rows, h, :] = _dot(p, t_beta, exact=exact).astype(p_ref.dtype)
             if in_place:
                 v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
                 u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
@@ -438,6 +446,7 @@ def _state_kernel(
     scale_products,
     in_place,
     wy_in_state=False,
+    fold_t_into_p=False,
     start_ref=None,
 ):
     # start_ref (packed with segments > 1 only) [segments, v_heads, key_dim, value_dim] f32: each segment's
@@ -492,7 +501,8 @@ def _state_kernel(
         gamma, gamma_last = t["gamma"](), t["gamma_last"]()
         if wy_in_state:  # V' = T diag(beta) (V - diag(e^gamma) K h), i.e. U - W h without W and U
             x = t["u"]().astype(jnp.float32) - jnp.exp(gamma)[:, None] * _dot(t["k"](), state_in, exact=exact)
-            v_new = _dot(t["w"](), x.astype(compute_dtype), exact=exact)
+            x_in = x.astype(compute_dtype)
+            v_new = _dot(t["w"](), x_in, exact=exact)
         else:
             v_new = t["u"]().astype(jnp.float32) - _dot(t["w"](), state_in, exact=exact)
         v_new_in = v_new.astype(compute_dtype)  # [c, block_v]
@@ -502,7 +512,7 @@ def _state_kernel(
             else:
                 q = t["q"]().astype(jnp.float32) * (jnp.exp(gamma) * scale)[:, None]
                 inter = _dot(q.astype(compute_dtype), state_in, exact=exact)
-            out = inter + _dot(t["p"](), v_new_in, exact=exact)
+            out = inter + _dot(t["p"](), x_in if fold_t_into_p else v_new_in, exact=exact)  # P V' = (P T') X
             tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
             _store_rows(o_ref, (b, tokens, h, cols), out.astype(o_ref.dtype), mask)
         else:
@@ -785,6 +795,7 @@ def _prepare(
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
     wy_in_state = block_sizes.wy_in_state
+    fold_t_into_p = bool(wy_in_state and block_sizes.fold_t_into_p and block_sizes.fuse_output)
     if block_sizes.prepare_chunks < 1:
         raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
     num_chunks = padded // chunk_size
@@ -801,7 +812,7 @@ def _prepare(
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
-                  "chunks_per_program": chunks_per_program},
+                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
@@ -889,6 +900,7 @@ def _state_pass(
             scale_products=block_sizes.scale_products,
             in_place=token_rows is not None,
             wy_in_state=block_sizes.wy_in_state,
+            fold_t_into_p=bool(block_sizes.wy_in_state and block_sizes.fold_t_into_p and fuse),
         ),
         out_shape=out_shape,
         grid=(rows * v_heads, value_dim // block_v),

@@ -296,6 +296,9 @@ VARIANTS = [
     ("prepare-chunks-2-packed", {"prepare_chunks": 8}, jnp.float32, CHUNK, None,
      (20 * CHUNK + 3, 0, 15 * CHUNK, 7), 1),
     ("prepare-one-chunk-per-program", {"prepare_chunks": 1}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
+    ("fold-t-into-p-f32", {"fold_t_into_p": True}, jnp.float32, 64, 150, None, 2),
+    ("fold-t-into-p-bf16-packed-t", {"fold_t_into_p": True, "wy_in_state": True}, jnp.bfloat16, CHUNK, None,
+     (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
     ("wy-in-state-unfused", {"wy_in_state": True, "fuse_output": False}, jnp.float32, CHUNK, 2 * CHUNK + 5,
      None, 1),
     (
