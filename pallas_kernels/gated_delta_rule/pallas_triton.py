@@ -375,13 +375,19 @@ def _prepare_dense_kernel(
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
-        decay = jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))  # <= 1 on/below the diagonal
-        a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * decay, 0.0)
+        def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
+            return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
+
+        gamma_diff = decay()
+        a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * gamma_diff, 0.0)
         if with_p:
             q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
-            p = jnp.where(incl, _dot(q, k, _TRANS_B, exact) * decay, 0.0) * scale
+
+            def intra(gamma_diff):  # P = scale lower_incl(Q K^T * Gamma) [c, c] f32
+                return jnp.where(incl, _dot(q, k, _TRANS_B, exact) * gamma_diff, 0.0) * scale
+
             if not fold_t_into_p:
-                p_ref[b, rows, h, :] = p.astype(p_ref.dtype)
+                p_ref[b, rows, h, :] = intra(gamma_diff).astype(p_ref.dtype)
             if in_place:
 
                 @pl.when(h % group == 0)
@@ -391,8 +397,9 @@ def _prepare_dense_kernel(
         if wy_in_state:
             t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
             w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
-            if fold_t_into_p:  # P T diag(beta), f32 operands (TF32 on the GPU for bf16 inputs)
-                p_ref[b, rows, h, :] = _dot(p, t_beta, exact=exact).astype(p_ref.dtype)
+            if fold_t_into_p:  # P T diag(beta), P formed only now (not live through the inverse)
+                pt = _dot(intra(decay()).astype(compute_dtype), t_beta.astype(compute_dtype), exact=exact)
+                p_ref[b, rows, h, :] = pt.astype(p_ref.dtype)
             if in_place:
                 v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
                 u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
