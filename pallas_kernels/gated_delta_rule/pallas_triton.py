@@ -149,6 +149,8 @@ class BlockSizes:
     # With wy_in_state and the fused output: the prepare writes P T diag(beta) in place of P, so the walk's
     # output takes (P T diag(beta)) X with X = V - diag(e^gamma) K h, the operand the T product already has in
     # shared memory, instead of P V': one operand round trip fewer per step, and the output off V''s chain.
+    # Off: on an H100 (2026-11-24 23:48 UTC) the walk gained 6% at T=16384 (0.381 -> 0.359 ms) but the prepare
+    # lost 52% (0.181 -> 0.275; with f32 operands and P live through the inverse, 0.179 -> 0.334).
     fold_t_into_p: bool = False
 
     @classmethod
