@@ -161,11 +161,13 @@ class BlockSizes:
 def state_pass_shared_memory(block_sizes: BlockSizes, *, chunk_size: int, key_dim: int, itemsize: int) -> int:
     """Estimated shared memory (bytes) of one state-pass program: `state_stages` copies of the tiles each chunk
     step feeds to the tensor cores (W and K [chunk, key_dim], with the fused output also Q [chunk, key_dim]
-    and P [chunk, chunk]), as Triton's software pipeline buffers them."""
+    and P [chunk, chunk]), as Triton's software pipeline buffers them. With `wy_in_state` (None counts as off):
+    T [chunk, chunk] in place of W, and one more K tile: on an H100 (ncu, 2026-11-24) 3 stages took 217.6 KB
+    with T and 193 KB with W, where W's accounting gives 168 KB for both (K feeds two products there)."""
     fused = block_sizes.fuse_output
     per_stage = chunk_size * key_dim * itemsize * (3 if fused else 2) + (chunk_size**2 * itemsize if fused else 0)
-    if block_sizes.wy_in_state:  # T [chunk, chunk] in place of W [chunk, key_dim] (None counts as W: larger)
-        per_stage += chunk_size * (chunk_size - key_dim) * itemsize
+    if block_sizes.wy_in_state:  # T [chunk, chunk] in place of W, and K [chunk, key_dim] in a second layout
+        per_stage += chunk_size * (chunk_size - key_dim) * itemsize + chunk_size * key_dim * itemsize
     return block_sizes.state_stages * per_stage
 
 
@@ -1055,9 +1057,20 @@ def gated_delta_rule_pallas(
             raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas Triton kernels")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     compute_dtype = jnp.float32 if jnp.float32 in (query.dtype, key.dtype, value.dtype) else jnp.bfloat16
-    if block_sizes is None:   # defaults only, fitted to the device; explicit BlockSizes are the caller's choice
+    fit = block_sizes is None   # defaults only, fitted to the device; explicit BlockSizes are the caller's choice
+    block_sizes = BlockSizes.get_default() if fit else block_sizes
+    packed = cu_seqlens is not None
+    # Packed q, k, v read in place (each chunk from its first token, rows past its sequence masked) and the
+    # output written in place, where the kernels support it; else regathered chunk-aligned and back (XLA
+    # gathers: 1.3 of 4.3 ms at 8 x 8192 tokens on an H100, 2026-11-23).
+    in_place = (packed and block_sizes.prepare_kernel == "dense" and block_sizes.fuse_output
+                and block_sizes.segments == 1)
+    if block_sizes.wy_in_state is None:  # auto: T instead of W and U where V needs no chunk-aligned copy
+        wy = block_sizes.prepare_kernel == "dense" and block_sizes.segments == 1 and not in_place
+        block_sizes = dataclasses.replace(block_sizes, wy_in_state=wy)
+    if fit:
         block_sizes = fit_shared_memory(
-            BlockSizes.get_default(), None if interpret else gpu_limits.shared_memory_limit(),
+            block_sizes, None if interpret else gpu_limits.shared_memory_limit(),
             chunk_size=chunk_size, key_dim=key_dim, itemsize=jnp.dtype(compute_dtype).itemsize)
     if block_sizes.wy_in_state and block_sizes.segments > 1:
         raise ValueError("BlockSizes.wy_in_state needs segments=1 (the segment summaries read W and U)")
@@ -1070,16 +1083,7 @@ def gated_delta_rule_pallas(
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
     c = chunk_size
-    packed = cu_seqlens is not None
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed else None
-    # Packed q, k, v read in place (each chunk from its first token, rows past its sequence masked) and the
-    # output written in place, where the kernels support it; else regathered chunk-aligned and back (XLA
-    # gathers: 1.3 of 4.3 ms at 8 x 8192 tokens on an H100, 2026-11-23).
-    in_place = (packed and block_sizes.prepare_kernel == "dense" and block_sizes.fuse_output
-                and block_sizes.segments == 1)
-    if block_sizes.wy_in_state is None:  # auto: T instead of W and U where V needs no chunk-aligned copy
-        wy = block_sizes.prepare_kernel == "dense" and block_sizes.segments == 1 and not in_place
-        block_sizes = dataclasses.replace(block_sizes, wy_in_state=wy)
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)
     if in_place:

@@ -451,6 +451,12 @@ def test_state_stages_fit_the_device_shared_memory():
     assert stages == {232448: default.state_stages, 166912: 2, 101376: 1, None: default.state_stages}
     f32 = pallas_triton.fit_shared_memory(default, 232448, chunk_size=64, key_dim=128, itemsize=4)
     assert f32.state_stages == 2
+    # T in place of W, K counted twice (64 KiB a stage): 3 stages on an H100, 2 on an A100, 1 on Ada
+    wy = dataclasses.replace(default, wy_in_state=True)
+    assert pallas_triton.state_pass_shared_memory(wy, **sizes) == 3 * 64 * 1024
+    wy_stages = {limit: pallas_triton.fit_shared_memory(wy, limit, **sizes).state_stages
+                 for limit in (232448, 166912, 101376)}
+    assert wy_stages == {232448: 3, 166912: 2, 101376: 1}
 
 
 def test_wy_in_state_auto_default():
