@@ -806,7 +806,7 @@ def _prepare(
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
     wy_in_state = block_sizes.wy_in_state
-    fold_t_into_p = bool(wy_in_state and block_sizes.fold_t_into_p and block_sizes.fuse_output)
+    fold_t_into_p = block_sizes.fold_t_into_p
     if block_sizes.prepare_chunks < 1:
         raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
     num_chunks = padded // chunk_size
@@ -911,7 +911,7 @@ def _state_pass(
             scale_products=block_sizes.scale_products,
             in_place=token_rows is not None,
             wy_in_state=block_sizes.wy_in_state,
-            fold_t_into_p=bool(block_sizes.wy_in_state and block_sizes.fold_t_into_p and fuse),
+            fold_t_into_p=block_sizes.fold_t_into_p,
         ),
         out_shape=out_shape,
         grid=(rows * v_heads, value_dim // block_v),
@@ -1068,6 +1068,8 @@ def gated_delta_rule_pallas(
     if block_sizes.wy_in_state is None:  # auto: T instead of W and U where V needs no chunk-aligned copy
         wy = block_sizes.prepare_kernel == "dense" and block_sizes.segments == 1 and not in_place
         block_sizes = dataclasses.replace(block_sizes, wy_in_state=wy)
+    if block_sizes.fold_t_into_p and not (block_sizes.wy_in_state and block_sizes.fuse_output):
+        block_sizes = dataclasses.replace(block_sizes, fold_t_into_p=False)  # P T needs T and the fused output
     if fit:
         block_sizes = fit_shared_memory(
             block_sizes, None if interpret else gpu_limits.shared_memory_limit(),
