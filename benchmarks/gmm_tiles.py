@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
-from grouped_matmul import config_name, rel_err, timeit
+from grouped_matmul import config_name, parse_config, rel_err, timeit
 
 from pallas_kernels.grouped_matmul import pallas_triton, workloads
 from pallas_kernels.grouped_matmul.pallas_triton import BlockSizes
@@ -72,6 +72,33 @@ def candidates(swiglu: bool, quantized: bool, rows_per_group: float = 1024.0) ->
     return out
 
 
+def schedule_rows(ms: list[int]) -> list[dict]:
+    """make_schedule (the work-item list every call builds from group_sizes) per searchsorted method: alone, and
+    the whole int8 gmm_swiglu call (weight-bound at small m) that builds it."""
+    out = []
+    for m in ms:
+        w = workloads.Workload(name=f"gate_up_{m}", m=m, k=HIDDEN, n=FFN, groups=GROUPS)
+        lhs, rhs, gs = workloads.make_inputs(w, weights="int8", swiglu=True, on_device_rng=True)
+        block_m = BlockSizes.get_default(m, HIDDEN, FFN, GROUPS, bits=8, swiglu=True).block_m
+        want, default = None, pallas_triton.SCHEDULE_SEARCH
+        for method in ("scan", "scan_unrolled", "compare_all", "sort"):
+            pallas_triton.SCHEDULE_SEARCH = method      # read when gmm_swiglu_pallas is traced
+            jax.clear_caches()
+            f = jax.jit(lambda g, method=method, m=m, block_m=block_m: pallas_triton.make_schedule(g, m, block_m,
+                                                                                          search=method))
+            call = jax.jit(pallas_triton.gmm_swiglu_pallas)
+            got = f(gs)
+            want = got if want is None else want
+            row = {"schedule": method, "m": m, "block_m": block_m, "ms": round(timeit(f, gs) * 1e3, 4),
+                   "gmm_swiglu_int8_ms": round(timeit(call, lhs, rhs, gs) * 1e3, 4),
+                   "same_as_scan": all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want))}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        pallas_triton.SCHEDULE_SEARCH = default
+        jax.clear_caches()
+    return out
+
+
 def gather_rows(m: int, kind: str) -> list[dict]:
     """gmm_swiglu on rows x[index] (index: sorted copy -> token, as the MoE dispatch makes it): separate
     gather vs fused (`lhs_index`)."""
@@ -101,9 +128,16 @@ def main():
     p.add_argument("--products", nargs="*", default=["gate_up", "down"], choices=("gate_up", "down"),
                    help="products to sweep (none: only --gather)")
     p.add_argument("--gather", action="store_true", help="also time the fused dispatch gather (gate_up)")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="quantized weights: these tile shapes (grouped_matmul.parse_config names, e.g. default "
+                        "32x128x64w4s4swp) instead of the candidate lists")
+    p.add_argument("--schedule", action="store_true",
+                   help="also time make_schedule alone, per searchsorted method")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
+    if args.schedule:
+        rows += schedule_rows(args.m)
     if args.gather:
         for m in args.m:
             for kind in args.formats:
@@ -118,7 +152,13 @@ def main():
             for kind in ["float"] + [f for f in args.formats if f != "float"]:
                 lhs, rhs, gs = workloads.make_inputs(w, weights=kind, swiglu=swiglu, on_device_rng=True)
                 want = None
-                for bs in candidates(swiglu, kind != "float", m / GROUPS) if kind in args.formats else [None]:
+                if kind not in args.formats:
+                    configs = [None]
+                elif args.configs:
+                    configs = [parse_config(c) for c in args.configs]
+                else:
+                    configs = candidates(swiglu, kind != "float", m / GROUPS)
+                for bs in configs:
                     try:
                         f = jax.jit(lambda a, b, g, bs=bs, fn=fn: fn(a, b, g, block_sizes=bs))
                         out = f(lhs, rhs, gs)

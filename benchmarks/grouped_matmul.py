@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
 import time
 
@@ -117,11 +118,25 @@ CONFIGS_SWIGLU = [
 ]
 
 
+def parse_config(name: str) -> BlockSizes | None:
+    """Inverse of `config_name`: "default" -> None, "32x128x64w4s4swpmg" -> BlockSizes(...)."""
+    if name == "default":
+        return None
+    mo = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(swp|blk|sad)?(mg)?", name)
+    if not mo:
+        raise ValueError(f"config {name!r}: expected MxNxKwWsS[swp|blk|sad][mg], e.g. 32x128x64w4s4swpmg")
+    m, n, k, w, st = (int(v) for v in mo.groups()[:5])
+    mode = {None: "tile", "swp": "tile_swapped", "blk": "block", "sad": "scale_after_dot"}[mo.group(6)]
+    return BlockSizes(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, quant_mode=mode,
+                      int_to_float="magic" if mo.group(7) else "convert")
+
+
 def config_name(bs):
     return "default" if bs is None else (f"{bs.block_m}x{bs.block_n}x{bs.block_k}"
                                          f"w{bs.num_warps}s{bs.num_stages}"
                                          + {"tile": "", "tile_swapped": "swp", "block": "blk",
-                                            "scale_after_dot": "sad"}[bs.quant_mode])
+                                            "scale_after_dot": "sad"}[bs.quant_mode]
+                                         + ("mg" if bs.int_to_float == "magic" else ""))
 
 
 def run_workload(w: workloads.Workload, peer_fns, quick: bool, rows: list, hbm: float, only_quant=False):

@@ -50,6 +50,12 @@ from pallas_kernels.quantized import QuantizedWeights
 MAX_OPERAND_ELEMENTS = 2**31
 
 
+# jnp.searchsorted's method in make_schedule. Its default, "scan", is a loop of log2(groups) steps that XLA runs as
+# a while loop on the GPU: 0.26 ms for the schedule of m = 4096 rows on an H100 (2026-11-25), against ~0.06 for
+# the alternatives, and most of that shows in every gmm call (docs/benchmarks_gmm.md).
+SCHEDULE_SEARCH = "compare_all"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """Tile shape and Triton launch parameters.
@@ -63,7 +69,10 @@ class BlockSizes:
     the tensor cores per block and applies the scale (and the offset, as rowsum(x) * offset) to the float32
     partial product; "tile_swapped" is "tile" with the operands swapped, out^T = W^T x^T, so the weights
     dequantized in registers are the dot's first operand (Hopper wgmma reads that one from registers,
-    skipping a shared-memory round trip) and the few rows of x are its second.
+    skipping a shared-memory round trip) and the few rows of x are its second. int_to_float ("tile" modes):
+    "convert" turns codes into float32 with the int-to-float instruction (quarter rate on Hopper); "magic" ORs
+    the code's byte into the mantissa of 2**23 and subtracts 2**23 (+ 128 for int8, whose byte is first offset
+    by 128 with an XOR): integer and float instructions only, exact for 8-bit codes.
     """
 
     block_m: int = 128
@@ -72,15 +81,26 @@ class BlockSizes:
     num_warps: int = 8
     num_stages: int = 3
     quant_mode: Literal["tile", "tile_swapped", "block", "scale_after_dot"] = "tile"
+    int_to_float: Literal["convert", "magic"] = "convert"
 
     @classmethod
     def get_default(cls, m: int, k: int, n: int, groups: int, *, bits: int | None = None,
                     swiglu: bool = False) -> BlockSizes:
         """A tile shape for this problem; the figures behind it are in docs/benchmarks_gmm.md."""
         rows_per_group = m / max(groups, 1)
+        if bits == 4:   # 2**23 conversion: 4-bit weight-read bound 5-14% faster, prefill sizes within 1% (11-25)
+            return dataclasses.replace(cls._get_default(m, k, n, groups, rows_per_group, bits, swiglu),
+                                       int_to_float="magic")
+        return cls._get_default(m, k, n, groups, rows_per_group, bits, swiglu)
+
+    @classmethod
+    def _get_default(cls, m, k, n, groups, rows_per_group, bits, swiglu) -> BlockSizes:
         if bits == 4 and not swiglu and rows_per_group <= 32:   # 4-bit down product, weight-read bound:
             # 16-row chunks, 4 stages (2026-11-23, m=4096, k=512: 0.305 ms against 0.411 for 32x128x64 s3)
             return cls(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4)
+        if bits == 4 and rows_per_group <= 32:   # 4-bit gate_up, weight-read bound: weights as the register
+            # operand (2026-11-25, m=4096: 0.328 ms against 0.372 for the same tile unswapped)
+            return cls(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3, quant_mode="tile_swapped")
         if bits is not None and rows_per_group <= 64:   # weight-read bound: small chunks and n-tiles
             return cls(block_m=32 if rows_per_group <= 32 else 64, block_n=128, block_k=64,
                        num_warps=4, num_stages=3)
@@ -105,7 +125,7 @@ class BlockSizes:
         return cls(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
-def make_schedule(group_sizes: jax.Array, m: int, block_m: int):
+def make_schedule(group_sizes: jax.Array, m: int, block_m: int, search: str | None = None):
     """Work items (group, chunk of <= block_m rows) for `m` rows sorted by group, on device.
 
     Args:
@@ -113,6 +133,7 @@ def make_schedule(group_sizes: jax.Array, m: int, block_m: int):
         clipped to m.
       m: rows of lhs.
       block_m: rows per chunk.
+      search: `jnp.searchsorted`'s method for item -> group; None = `SCHEDULE_SEARCH`.
 
     Returns:
       (group, row_start, row_end), each `[m // block_m + groups + 1]` int32: the item's group (in
@@ -128,7 +149,7 @@ def make_schedule(group_sizes: jax.Array, m: int, block_m: int):
     cum = jnp.cumsum(chunks)
     num_items = m // block_m + groups + 1                      # static bound on sum(chunks)
     item = jnp.arange(num_items, dtype=jnp.int32)
-    group = jnp.searchsorted(cum, item, side="right").astype(jnp.int32)   # groups + 1 = unused
+    group = jnp.searchsorted(cum, item, side="right", method=search or SCHEDULE_SEARCH).astype(jnp.int32)   # groups + 1 = unused
     g = jnp.minimum(group, groups)
     row_start = starts[g] + (item - (cum[g] - chunks[g])) * block_m
     row_end = jnp.minimum(ends[g], row_start + block_m)
@@ -213,14 +234,23 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
 
         codes = plgpu.load(rhs_ref.at[g, pl.ds(kk, bk), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
         if bits == 8:
-            w = codes.astype(jnp.float32) * expand(scale_ref, kk // quant_block)
+            w = to_float(codes, signed=True) * expand(scale_ref, kk // quant_block)
             return acc + mul(load_lhs(kk, bk), w.astype(dot_dtype))
         half = k // 2
         for x_row0, q in ((kk, codes & 0xF), (half + kk, codes >> 4)):
             kb = x_row0 // quant_block
-            w = q.astype(jnp.float32) * expand(scale_ref, kb) + expand(offset_ref, kb)
+            w = to_float(q, signed=False) * expand(scale_ref, kb) + expand(offset_ref, kb)
             acc = acc + mul(load_lhs(x_row0, bk), w.astype(dot_dtype))
         return acc
+
+    def to_float(q, signed: bool):   # integer codes (int8, or uint8 in [0, 15]) -> exact float32
+        if bs.int_to_float == "convert":
+            return q.astype(jnp.float32)
+        u = q.astype(jnp.int32) & 0xFF                       # the code's byte
+        if signed:
+            u = u ^ 0x80                                     # q + 128, in [0, 255]
+        f = jax.lax.bitcast_convert_type(u | 0x4B000000, jnp.float32)   # 2**23 + byte, exactly
+        return f - jnp.float32(2.0**23 + (128 if signed else 0))
 
     swapped = bits is not None and bs.quant_mode == "tile_swapped"
 

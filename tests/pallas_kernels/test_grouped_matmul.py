@@ -3,6 +3,8 @@
 The Pallas kernel runs in the Pallas interpreter on CPU (interpret=None picks it when no GPU is present).
 """
 
+import dataclasses
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -91,11 +93,13 @@ def test_pallas_block_shapes_and_out_dtype(block_m):
     assert_close(out, numpy_gmm(as_float(lhs), as_float(rhs), gs), jnp.float32, "f32 out of bf16 in")
 
 
-def test_schedule_covers_every_row_once():
+@pytest.mark.parametrize("search", [None, "scan", "scan_unrolled", "compare_all"])
+def test_schedule_covers_every_row_once(search):
     block_m = 8
     for sizes in ([0, 5, 0, 17, 3, 0], [30, 0, 0, 0, 0, 0], [0] * 6, [1] * 6, [9, 8, 7, 9, 0, 0]):
         m = 33
-        group, lo, hi = map(np.asarray, pallas_triton.make_schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
+        group, lo, hi = map(np.asarray, pallas_triton.make_schedule(jnp.asarray(sizes, jnp.int32), m, block_m,
+                                                                    search=search))
         owner = np.full(m, -1)
         for g, a, b in zip(group, lo, hi):
             if g > len(sizes):
@@ -247,6 +251,32 @@ def test_default_tiles_fit_shared_memory():
                 small = pallas_triton.within_shared_memory(bs, ada, **sizes)
                 assert pallas_triton.shared_memory_bytes(small, **sizes) <= ada or small.block_k == 32
     assert pallas_triton.within_shared_memory(bad, None, swiglu=True, bits=None, lhs_bytes=2) == bad
+
+
+# The 2**23 int-to-float conversion gives the same float32 weights as the conversion instruction, bit for bit,
+# over every code (int8 from -128, which GGUF Q8_0 can hold though our quantizer never writes it, to 127).
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+@pytest.mark.parametrize("quant_mode", ["tile", "tile_swapped"])
+def test_magic_int_to_float_is_exact(bits, quant_mode):
+    w = workloads.WORKLOADS["tiny_partial"]
+    lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", seed=5)
+    rng = np.random.default_rng(5)
+    if bits == 8:
+        codes = rng.integers(-128, 128, q.values.shape).astype(np.int8)
+        codes.reshape(-1)[:256] = np.arange(-128, 128)
+    else:
+        codes = rng.integers(0, 256, q.values.shape).astype(np.uint8)
+        codes.reshape(-1)[:256] = np.arange(256)
+    q = dataclasses.replace(q, values=jnp.asarray(codes))
+    outs = []
+    for int_to_float in ("convert", "magic"):
+        bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=quant_mode,
+                                      int_to_float=int_to_float)
+        outs.append(np.asarray(pallas_triton.gmm_pallas(lhs, q, gs, block_sizes=bs, preferred_element_type=jnp.float32)))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert np.isfinite(outs[1]).all()
+    expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs)
+    assert_close(outs[1], expected, jnp.bfloat16, "magic")
 
 
 # The other dequantization orders, on the 4-bit layout (its branches contain the 8-bit ones' steps).

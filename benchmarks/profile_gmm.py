@@ -1,0 +1,84 @@
+"""Runs one grouped-matmul configuration a few times, for a profiler (ncu / nsys) to look at.
+
+usage (GPU machine): ncu --kernel-name regex:gmm --launch-skip 2 --launch-count 1 \
+    python benchmarks/profile_gmm.py --product gate_up --m 4096 --weights int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.grouped_matmul import pallas_triton, workloads
+from pallas_kernels.grouped_matmul.pallas_triton import BlockSizes
+from pallas_kernels.quantized import QuantizedWeights
+
+HIDDEN, FFN, GROUPS = 2048, 512, 256   # Qwen3.5/3.6-35B-A3B experts
+
+
+def save(path, lhs, rhs, gs):
+    arrays = {"lhs": lhs.astype(jnp.float32), "gs": gs}
+    if isinstance(rhs, QuantizedWeights):
+        arrays.update(values=rhs.values, scales=rhs.scales, bits=rhs.bits)
+        if rhs.offsets is not None:
+            arrays["offsets"] = rhs.offsets
+    else:
+        arrays["rhs"] = rhs.astype(jnp.float32)
+    np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+
+
+def load(path):
+    z = np.load(path)
+    lhs, gs = jnp.asarray(z["lhs"], jnp.bfloat16), jnp.asarray(z["gs"])
+    if "rhs" in z:
+        return lhs, jnp.asarray(z["rhs"], jnp.bfloat16), gs
+    rhs = QuantizedWeights(values=jnp.asarray(z["values"]), scales=jnp.asarray(z["scales"]),
+                           offsets=jnp.asarray(z["offsets"]) if "offsets" in z else None, bits=int(z["bits"]))
+    return lhs, rhs, gs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--product", default="gate_up", choices=("gate_up", "down"))
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--weights", default="int8", choices=("float", "int8", "int4"))
+    p.add_argument("--block", default=None, help="m,n,k,warps,stages[,quant_mode]; default tile if omitted")
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--cache", default=None,
+                   help="directory: save the inputs there on the first run, load them on later runs (so that a "
+                        "profiled run only copies arrays to the device; ncu crashed in quantize_int8's program)")
+    a = p.parse_args()
+    swiglu = a.product == "gate_up"
+    w = workloads.Workload(name=a.product, m=a.m, k=HIDDEN if swiglu else FFN, n=FFN if swiglu else HIDDEN,
+                           groups=GROUPS)
+    path = a.cache and os.path.join(a.cache, f"{a.product}_{a.m}_{a.weights}.npz")
+    if path and os.path.exists(path):
+        lhs, rhs, gs = load(path)
+    else:
+        lhs, rhs, gs = workloads.make_inputs(w, weights=a.weights, swiglu=swiglu, on_device_rng=True)
+        if path:
+            save(path, lhs, rhs, gs)
+            print("saved", path)
+            return
+    bs = None
+    if a.block:
+        f = a.block.split(",")
+        bs = BlockSizes(block_m=int(f[0]), block_n=int(f[1]), block_k=int(f[2]), num_warps=int(f[3]),
+                        num_stages=int(f[4]), **({"quant_mode": f[5]} if len(f) > 5 else {}))
+    fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
+    f = jax.jit(lambda x, r, g: fn(x, r, g, block_sizes=bs))
+    for _ in range(a.calls):
+        jax.block_until_ready(f(lhs, rhs, gs))
+    print("ran", a, flush=True)
+
+
+if __name__ == "__main__":
+    main()
