@@ -7,6 +7,7 @@ import pytest
 from support import assert_finite
 
 from hybridlm.layers import gated_attention
+from hybridlm.layers import moe as moe_lib
 from hybridlm.layers.gated_attention import cached_attention
 from hybridlm.layers.gated_deltanet import causal_depthwise_conv, conv_history_after
 from hybridlm.layers.moe import dispatch, route_top_k, routed_experts
@@ -106,6 +107,28 @@ def test_routed_experts_match_per_token_loop(with_padding):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     d = dispatch(ids, experts, jnp.asarray(valid))
     assert int(d.group_sizes.sum()) == valid.sum() * top_k
+
+
+def test_top_k_by_argmax_is_lax_top_k():
+    rng = np.random.default_rng(3)
+    x = rng.random((64, 256)).astype(np.float32)
+    x[0, [3, 9, 200]] = 0.5                      # ties: the lower index first, as lax.top_k
+    x[1, :] = 0.25                               # a row of equal values
+    x[2, -8:] = 1.0
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), 8)
+    got_v, got_i = moe_lib.top_k_by_argmax(jnp.asarray(x), 8)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    assert got_i.dtype == jnp.int32
+
+
+def test_route_top_k_same_either_way(monkeypatch):
+    logits = jax.random.normal(jax.random.key(0), (40, 256))
+    want = route_top_k(logits, 8)
+    monkeypatch.setattr(moe_lib, "ARGMAX_TOP_K_MIN_TOKENS", 1)
+    got = route_top_k(logits, 8)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("seq", [8, 1])
