@@ -51,8 +51,9 @@ MAX_OPERAND_ELEMENTS = 2**31
 
 
 # jnp.searchsorted's method in make_schedule. Its default, "scan", is a loop of log2(groups) steps that XLA runs as
-# a while loop on the GPU: 0.26 ms for the schedule of m = 4096 rows on an H100 (2026-11-25), against ~0.06 for
-# the alternatives, and most of that shows in every gmm call (docs/benchmarks_gmm.md).
+# a while loop on the GPU: the schedule alone took 0.26-0.30 ms on an H100 (2026-11-25) against 0.05-0.09 for the
+# loop-free methods, and a whole int8 gmm_swiglu call at m = 4096 0.417 against 0.304 ms (docs/benchmarks_gmm.md).
+# "compare_all": items x groups comparisons in one fusion.
 SCHEDULE_SEARCH = "compare_all"
 
 
