@@ -12,13 +12,14 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from grouped_matmul import parse_config
 
 from pallas_kernels.grouped_matmul import pallas_triton, workloads
-from pallas_kernels.grouped_matmul.pallas_triton import BlockSizes
 from pallas_kernels.quantized import QuantizedWeights
 
 HIDDEN, FFN, GROUPS = 2048, 512, 256   # Qwen3.5/3.6-35B-A3B experts
@@ -50,7 +51,8 @@ def main():
     p.add_argument("--product", default="gate_up", choices=("gate_up", "down"))
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--weights", default="int8", choices=("float", "int8", "int4"))
-    p.add_argument("--block", default=None, help="m,n,k,warps,stages[,quant_mode]; default tile if omitted")
+    p.add_argument("--config", default="default",
+                   help="tile shape as grouped_matmul.config_name writes it (e.g. 32x128x64w4s3swpmg); default tile")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--cache", default=None,
                    help="directory: save the inputs there on the first run, load them on later runs (so that a "
@@ -68,11 +70,7 @@ def main():
             save(path, lhs, rhs, gs)
             print("saved", path)
             return
-    bs = None
-    if a.block:
-        f = a.block.split(",")
-        bs = BlockSizes(block_m=int(f[0]), block_n=int(f[1]), block_k=int(f[2]), num_warps=int(f[3]),
-                        num_stages=int(f[4]), **({"quant_mode": f[5]} if len(f) > 5 else {}))
+    bs = parse_config(a.config)
     fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
     f = jax.jit(lambda x, r, g: fn(x, r, g, block_sizes=bs))
     for _ in range(a.calls):
