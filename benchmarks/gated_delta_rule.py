@@ -95,10 +95,14 @@ def check_against_reference(variants=None) -> list[dict]:
         # keys at cosine ~0.9, beta 1, almost no decay: the hard case for the triangular inverse (TF32 products)
         ("f32-correlated-keys", jnp.float32, None, 0.9),
         ("bf16-correlated-keys", jnp.bfloat16, None, 0.9),
+        # the model's head dims (the Mosaic GPU walk takes multiples of 64 only), two batch rows
+        ("bf16-seq200-dim128", jnp.bfloat16, None, 0.0),
     ]
+    dim128 = dataclasses.replace(workloads.TINY, name="tiny128", seq=200, batch=2, key_dim=128, value_dim=128)
     for name, dtype, seqlens, key_cosine in cases:
         inputs = workloads.make_inputs(
-            workloads.TINY, dtype=dtype, seed=1, seqlens=seqlens, key_cosine=key_cosine
+            dim128 if "dim128" in name else workloads.TINY, dtype=dtype, seed=1, seqlens=seqlens,
+            key_cosine=key_cosine,
         )
         if key_cosine:
             inputs = workloads.hard_gates(inputs)

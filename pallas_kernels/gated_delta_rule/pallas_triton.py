@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import _common
+from pallas_kernels.gated_delta_rule import _common, pallas_mosaic
 
 _PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
 _TRANS_A = (((0,), (0,)), ((), ()))  # dot_general dims for a^T b
@@ -152,6 +152,13 @@ class BlockSizes:
     # Off: on an H100 (2026-11-24 23:48 UTC) the walk gained 6% at T=16384 (0.381 -> 0.359 ms) but the prepare
     # lost 52% (0.181 -> 0.275; with f32 operands and P live through the inverse, 0.179 -> 0.334).
     fold_t_into_p: bool = False
+    # The state pass's kernel: "triton" (`_state_kernel`, any GPU) or "mosaic" (`pallas_mosaic.state_pass`,
+    # Hopper only: the state transposed in registers as every product's A operand, a TMA warpgroup streaming
+    # the tiles; bf16, chunk_size 64, key_dim and value_dim multiples of 64, one sequence per batch row,
+    # with wy_in_state and fuse_output). Its pipeline depth is `mosaic_stages`.
+    state_kernel: str = "triton"
+    mosaic_stages: int = 2
+    mosaic_split: bool = True  # the output formed by a second warpgroup (else in the walk's, after each step)
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -976,12 +983,36 @@ def _run_stages(
         zeros = jnp.zeros((1,) + initial_state.shape[1:], jnp.float32)
         packed_inputs = (initial_state, *chunk_flags[:2])
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
-    if block_sizes.fuse_output:
+    if block_sizes.state_kernel == "mosaic":
+        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, packed=packed, scale=scale,
+                                       token_rows=token_rows, **common)
+    elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
         states, v_new, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
         out = _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common)
     return out, last if final_state is None else final_state
+
+
+def _state_pass_mosaic(
+    q, k, v, t_beta, gamma, p, initial_state, *, packed, scale, token_rows, chunk_size, compute_dtype, block_sizes,
+    interpret, group
+):
+    """The state pass by `pallas_mosaic.state_pass` (Hopper); ValueError where it does not apply."""
+    del group
+    key_dim, value_dim = k.shape[3], v.shape[3]
+    reason = pallas_mosaic.supported(
+        chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
+    if reason is None and (packed or token_rows is not None):
+        reason = "packed sequences (cu_seqlens)"
+    if reason is None and not (block_sizes.wy_in_state and block_sizes.fuse_output and block_sizes.segments == 1):
+        reason = "BlockSizes other than wy_in_state, fuse_output, segments=1"
+    if reason is None and interpret:
+        reason = "the Pallas interpreter (its wgmma takes no register operands)"
+    if reason is not None:
+        raise ValueError(f"BlockSizes.state_kernel='mosaic' does not take {reason}; use state_kernel='triton'")
+    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, scale=scale,
+                                    max_concurrent_steps=block_sizes.mosaic_stages, split=block_sizes.mosaic_split)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "max_seqlen"))
