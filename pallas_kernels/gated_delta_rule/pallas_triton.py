@@ -158,7 +158,6 @@ class BlockSizes:
     # with wy_in_state and fuse_output). Its pipeline depth is `mosaic_stages`.
     state_kernel: str = "triton"
     mosaic_stages: int = 2
-    mosaic_split: bool = True  # the output formed by a second warpgroup (else in the walk's, after each step)
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -1012,7 +1011,7 @@ def _state_pass_mosaic(
     if reason is not None:
         raise ValueError(f"BlockSizes.state_kernel='mosaic' does not take {reason}; use state_kernel='triton'")
     return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, scale=scale,
-                                    max_concurrent_steps=block_sizes.mosaic_stages, split=block_sizes.mosaic_split)
+                                    max_concurrent_steps=block_sizes.mosaic_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "max_seqlen"))
