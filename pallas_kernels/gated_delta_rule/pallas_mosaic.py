@@ -52,9 +52,9 @@ def _bf16_tile():
 
 
 def _walk_kernel(
-    q_ref, k_ref, v_ref, tb_ref, p_ref, gamma_ref, init_ref,  # inputs (GMEM)
+    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref,  # inputs (GMEM)
     o_ref, final_ref,  # outputs (GMEM)
-    q_smem, k_smem, v_smem, tb_smem, p_smem, g0_smem, g1_smem,  # [stages, ...] input tiles
+    q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
     *, group, scale, stages,
@@ -80,13 +80,14 @@ def _walk_kernel(
         @pl.loop(0, num_chunks)
         def _(n):
             rows, s = pl.ds(n * CHUNK, CHUNK), lax.rem(n, stages)
-            walk_tiles = (  # warpgroup 0's: K, V, T diag(beta), gamma
+            walk_tiles = (  # warpgroup 0's: K, V, T diag(beta), e^gamma, e^(gamma_last - gamma)
                 (k_ref.at[b, rows, kh, :], k_smem), (v_ref.at[b, rows, h, cols], v_smem),
-                (tb_ref.at[b, rows, h, :], tb_smem), (gamma_ref.at[b, h, rows], g0_smem),
+                (tb_ref.at[b, rows, h, :], tb_smem), (eg_ref.at[b, h, rows], eg0_smem),
+                (ed_ref.at[b, h, rows], ed_smem),
             )
-            output_tiles = (  # warpgroup 1's: Q, P, gamma
+            output_tiles = (  # warpgroup 1's: Q, P, e^gamma
                 (q_ref.at[b, rows, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
-                (gamma_ref.at[b, h, rows], g1_smem),
+                (eg_ref.at[b, h, rows], eg1_smem),
             )
             for tiles, free, loaded in ((walk_tiles, free0, loaded0), (output_tiles, free1, loaded1)):
 
@@ -110,31 +111,29 @@ def _walk_kernel(
             plgpu.barrier_wait(loaded0.at[s])
             state = lc(state)
             state_in = lc(state.astype(bf16))
-            gamma = plgpu.load(g0_smem.at[s], layout=layout.reduce(0))  # over the columns (tokens)
-            gamma_last = g0_smem[s, CHUNK - 1]
+            # e^gamma and e^(gamma_last - gamma) over the columns (tokens), e^gamma_last as a scalar
+            exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
+            exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
+            exp_last = eg0_smem[s, CHUNK - 1]
 
-            def first(kh_ref, u_ref):  # h^T K^T and U^T = V^T (T diag(beta))^T; the rest while they run
-                plgpu.wgmma(kh_ref, state_in, k_smem.at[s].transpose((1, 0)))
-                plgpu.wgmma(u_ref, v_smem.at[s].transpose((1, 0)), tb_smem.at[s].transpose((1, 0)))
+            def products(kh_ref, u_ref):  # the first two products, with the elementwise work while they run
+                plgpu.wgmma(kh_ref, state_in, k_smem.at[s].transpose((1, 0)))  # h^T K^T
+                plgpu.wgmma(u_ref, v_smem.at[s].transpose((1, 0)), tb_smem.at[s].transpose((1, 0)))  # U^T
 
                 @pl.when(n >= 2)
                 def _():
                     plgpu.barrier_wait(h_free.at[hb])
 
                 h_smem[hb] = state_in  # h^T for the output warpgroup
-                e_gamma = lc(lax.broadcast_in_dim(jnp.exp(gamma), shape, [1]))
-                decay = lc(lax.broadcast_in_dim(jnp.exp(gamma_last - gamma), shape, [1]))
-                state_scaled = lc(state * jnp.exp(gamma_last))
-                return lc(kh_ref[...]), lc(u_ref[...]), e_gamma, decay, state_scaled
+                e_gamma = lc(lax.broadcast_in_dim(exp_gamma, shape, [1]))
+                y = lc((lc(kh_ref[...]) * -e_gamma).astype(bf16))  # -(h^T K^T) diag(e^gamma)
+                # V'^T = U^T + Y (T diag(beta))^T = (T diag(beta) (V - diag(e^gamma) K h))^T
+                plgpu.wgmma(u_ref, y, tb_smem.at[s].transpose((1, 0)))
+                decay = lc(lax.broadcast_in_dim(exp_to_last, shape, [1]))
+                state_scaled = lc(state * exp_last)
+                return lc(u_ref[...]), decay, state_scaled
 
-            kh_t, u_t, e_gamma, decay, state_scaled = pl.run_scoped(
-                first, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
-            y = lc((kh_t * -e_gamma).astype(bf16))  # -(h^T K^T) diag(e^gamma)
-
-            def second(acc_ref):  # V'^T = U^T + Y (T diag(beta))^T = (T diag(beta) (V - diag(e^gamma) K h))^T
-                plgpu.wgmma(acc_ref, y, tb_smem.at[s].transpose((1, 0)))
-
-            vnew_t = lc(pl.run_state(second)(plgpu.ACC.init(u_t)))
+            vnew_t, decay, state_scaled = pl.run_scoped(products, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
             decayed = lc((vnew_t * decay).astype(bf16))
             vnew_in = lc(vnew_t.astype(bf16))
 
@@ -164,11 +163,11 @@ def _walk_kernel(
             s, hb = lax.rem(n, stages), lax.rem(n, 2)
             plgpu.barrier_wait(loaded1.at[s])
             plgpu.barrier_wait(h_ready.at[hb])
-            gamma = plgpu.load(g1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
+            exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
 
             def inter(acc_ref):  # Q h, scaled by rows
                 plgpu.wgmma(acc_ref, q_smem.at[s], h_smem.at[hb].transpose((1, 0)))
-                row_scale = lc(lax.broadcast_in_dim(jnp.exp(gamma) * scale, shape, [0]))
+                row_scale = lc(lax.broadcast_in_dim(exp_gamma * scale, shape, [0]))
                 return lc(lc(acc_ref[...]) * row_scale)
 
             out0 = pl.run_scoped(inter, plgpu.ACC(shape, f32))
@@ -213,6 +212,9 @@ def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurren
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
     if reason or seq % CHUNK:
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
+    # the decays as factors, once per token here (XLA) instead of once per token and value block in the walk
+    gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
+    exp_gamma, exp_to_last = jnp.exp(gamma), jnp.exp(gamma_last - gamma)
     init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [batch, v_heads, value_dim, key_dim]
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps)
@@ -230,14 +232,15 @@ def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurren
             plgpu.SMEM((st, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tile),  # v
             plgpu.SMEM((st, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # T diag(beta)
             plgpu.SMEM((st, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # P
-            plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for the walk
-            plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for the output
+            plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the walk
+            plgpu.SMEM((st, CHUNK), jnp.float32),  # e^(gamma_last - gamma)
+            plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the output
             plgpu.SMEM((2, BLOCK_V, key_dim), jnp.bfloat16, transforms=tile),  # h^T for the output
             plgpu.SMEM((2, BLOCK_V, CHUNK), jnp.bfloat16, transforms=tile),  # V'^T for the output
             plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tile),  # O staging
             plgpu.SMEM((BLOCK_V, key_dim), jnp.float32),  # h^T in and out
-            plgpu.Barrier(num_barriers=st, num_arrivals=4),  # loaded0: K, V, T diag(beta), gamma
-            plgpu.Barrier(num_barriers=st, num_arrivals=3),  # loaded1: Q, P, gamma
+            plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
+            plgpu.Barrier(num_barriers=st, num_arrivals=3),  # loaded1: Q, P, e^gamma
             plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free0: the walk is done with a stage
             plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free1: the output is done with a stage
             plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_ready
@@ -250,5 +253,5 @@ def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurren
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, t_beta, p, gamma, init_t)
+    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t)
     return out, jnp.swapaxes(final_t, 2, 3)
