@@ -20,3 +20,10 @@ def shared_memory_limit(device: jax.Device | None = None) -> int | None:
     if device.platform != "gpu":
         return None
     return SHARED_MEMORY_BY_ARCH.get(str(getattr(device, "compute_capability", "")), SHARED_MEMORY_DEFAULT)
+
+
+def is_hopper(device: jax.Device | None = None) -> bool:
+    """Whether `device` (default: the first device) is an sm_90 GPU (H100, H200, H20): the `wgmma` kernels
+    (Pallas Mosaic GPU) run there only (Blackwell has no `wgmma`)."""
+    device = jax.devices()[0] if device is None else device
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"

@@ -91,9 +91,7 @@ def _walk_kernel(
             )
             for tiles, free, loaded in ((walk_tiles, free0, loaded0), (output_tiles, free1, loaded1)):
 
-                @pl.when(n >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[s])
+                pl.when(n >= stages)(functools.partial(plgpu.barrier_wait, free.at[s]))
 
                 for src, dst in tiles:
                     plgpu.copy_gmem_to_smem(src, dst.at[s], loaded.at[s])

@@ -9,6 +9,8 @@ Launches, like flash-linear-attention's `chunk_gated_delta_rule_fwd` (spec §9):
   2. `_state_kernel`, one program per (batch row, v-head, value block): the only sequential part. Walks the
      chunks: V' = U - W h (with `wy_in_state`: T diag(beta) (V - diag(e^gamma) K h)), h <- e^{gamma_C} h +
      (K e^{gamma_C - gamma})^T V', and stores each chunk-start state h and V' for
+     On an sm_90 GPU (`BlockSizes.state_kernel`, "auto") the state pass is `pallas_mosaic.state_pass`
+     instead: the same walk in Pallas Mosaic GPU, h kept transposed in registers (wgmma A operand).
   3. `_output_kernel`, one program per (chunk, v-head, value block): O = scale (Q e^gamma) h + P V'
      (P recomputed there). With `fuse_output` (the default) the state pass computes O itself and no chunk
      state goes to memory.
@@ -152,11 +154,14 @@ class BlockSizes:
     # Off: on an H100 (2026-11-24 23:48 UTC) the walk gained 6% at T=16384 (0.381 -> 0.359 ms) but the prepare
     # lost 52% (0.181 -> 0.275; with f32 operands and P live through the inverse, 0.179 -> 0.334).
     fold_t_into_p: bool = False
-    # The state pass's kernel: "triton" (`_state_kernel`, any GPU) or "mosaic" (`pallas_mosaic.state_pass`,
-    # Hopper only: the state transposed in registers as every product's A operand, a TMA warpgroup streaming
-    # the tiles; bf16, chunk_size 64, key_dim and value_dim multiples of 64, one sequence per batch row,
-    # with wy_in_state and fuse_output). Its pipeline depth is `mosaic_stages`.
-    state_kernel: str = "triton"
+    # The state pass's kernel: "triton" (`_state_kernel`, any GPU), "mosaic" (`pallas_mosaic.state_pass`,
+    # Hopper only: the state transposed in registers as the A operand of the walk's products, the output
+    # formed by a second warpgroup, a TMA warpgroup streaming the tiles; bf16, chunk_size 64, key_dim and
+    # value_dim multiples of 64, one sequence per batch row, with wy_in_state, fuse_output and one segment),
+    # or "auto" (the default): "mosaic" where it applies and the device is an sm_90 GPU, else "triton". H100,
+    # 2026-11-25 (docs/benchmarks.md): state pass 0.381 -> 0.277 ms at T=16384, 0.104 -> 0.075 at 4096.
+    # `mosaic_stages`: its TMA pipeline depth (3 do not fit in shared memory).
+    state_kernel: str = "auto"
     mosaic_stages: int = 2
 
     @classmethod
@@ -983,8 +988,7 @@ def _run_stages(
         packed_inputs = (initial_state, *chunk_flags[:2])
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
     if block_sizes.state_kernel == "mosaic":
-        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, packed=packed, scale=scale,
-                                       token_rows=token_rows, **common)
+        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, scale=scale, block_sizes=block_sizes)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
@@ -993,23 +997,24 @@ def _run_stages(
     return out, last if final_state is None else final_state
 
 
-def _state_pass_mosaic(
-    q, k, v, t_beta, gamma, p, initial_state, *, packed, scale, token_rows, chunk_size, compute_dtype, block_sizes,
-    interpret, group
-):
-    """The state pass by `pallas_mosaic.state_pass` (Hopper); ValueError where it does not apply."""
-    del group
-    key_dim, value_dim = k.shape[3], v.shape[3]
+def mosaic_refusal(block_sizes, *, packed, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:
+    """Why `pallas_mosaic.state_pass` cannot run this call (None: it can)."""
     reason = pallas_mosaic.supported(
         chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
-    if reason is None and (packed or token_rows is not None):
-        reason = "packed sequences (cu_seqlens)"
-    if reason is None and not (block_sizes.wy_in_state and block_sizes.fuse_output and block_sizes.segments == 1):
-        reason = "BlockSizes other than wy_in_state, fuse_output, segments=1"
+    if reason is None and packed:
+        reason = "packed sequences (cu_seqlens without max_seqlen)"
+    if reason is None and not (block_sizes.wy_in_state and block_sizes.fuse_output and block_sizes.segments == 1
+                               and not block_sizes.fold_t_into_p):
+        reason = "BlockSizes other than wy_in_state, fuse_output, segments=1, no fold_t_into_p"
     if reason is None and interpret:
         reason = "the Pallas interpreter (its wgmma takes no register operands)"
-    if reason is not None:
-        raise ValueError(f"BlockSizes.state_kernel='mosaic' does not take {reason}; use state_kernel='triton'")
+    if reason is None and not gpu_limits.is_hopper():
+        reason = "a device other than an sm_90 GPU (wgmma)"
+    return reason
+
+
+def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, *, scale, block_sizes):
+    """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes."""
     return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, scale=scale,
                                     max_concurrent_steps=block_sizes.mosaic_stages)
 
@@ -1058,7 +1063,8 @@ def gated_delta_rule_pallas(
       final_state: [batch or num_seqs, v_heads, key_dim, value_dim] float32.
 
     Raises:
-      ValueError: shapes that disagree, or chunk_size / key_dim / value_dim that are not powers of two.
+      ValueError: shapes that disagree, or chunk_size / key_dim / value_dim that are not powers of two; an
+        unknown `block_sizes.state_kernel`, or "mosaic" where `mosaic_refusal` gives a reason.
       NotImplementedError: `block_sizes.segments` > 1 with `cu_seqlens`, compiled for the GPU.
     """
     dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
@@ -1098,6 +1104,14 @@ def gated_delta_rule_pallas(
     if block_sizes.wy_in_state is None:  # auto: T instead of W and U where V needs no chunk-aligned copy
         wy = block_sizes.prepare_kernel == "dense" and block_sizes.segments == 1 and not in_place
         block_sizes = dataclasses.replace(block_sizes, wy_in_state=wy)
+    if block_sizes.state_kernel not in ("auto", "triton", "mosaic"):
+        raise ValueError(f"BlockSizes.state_kernel={block_sizes.state_kernel!r}; choose auto, triton or mosaic")
+    if block_sizes.state_kernel != "triton":
+        refusal = mosaic_refusal(block_sizes, packed=packed, interpret=interpret, chunk_size=chunk_size,
+                                 key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
+        if refusal is not None and block_sizes.state_kernel == "mosaic":
+            raise ValueError(f"BlockSizes.state_kernel='mosaic' does not take {refusal}; use 'triton' or 'auto'")
+        block_sizes = dataclasses.replace(block_sizes, state_kernel="triton" if refusal else "mosaic")
     if block_sizes.fold_t_into_p and not (block_sizes.wy_in_state and block_sizes.fuse_output):
         block_sizes = dataclasses.replace(block_sizes, fold_t_into_p=False)  # P T needs T and the fused output
     if fit:

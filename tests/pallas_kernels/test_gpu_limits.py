@@ -19,3 +19,10 @@ def test_shared_memory_limit_by_compute_capability():
     assert gpu_limits.shared_memory_limit(_device("cpu")) is None
     if jax.default_backend() == "cpu":                                            # the CPU test machine
         assert gpu_limits.shared_memory_limit() is None
+
+
+def test_is_hopper_only_for_sm90():
+    assert gpu_limits.is_hopper(_device("gpu", "9.0"))
+    for cc in ("8.0", "8.9", "10.0", "12.0"):   # no wgmma on Ampere, Ada or Blackwell
+        assert not gpu_limits.is_hopper(_device("gpu", cc))
+    assert not gpu_limits.is_hopper(_device("cpu"))

@@ -1,0 +1,97 @@
+"""The Hopper state pass (`pallas_mosaic`, Pallas Mosaic GPU): where it is chosen, what it refuses, and that
+it lowers; its outputs against the f32 reference where an sm_90 GPU is present.
+
+Pallas' GPU interpreter cannot run it (its wgmma takes no register operands), so on the CPU machine the
+kernel is lowered for CUDA (Mosaic GPU's layout inference and shape checks run) but not executed; the
+numerical checks run on an H100 / H200 (and in `benchmarks/gated_delta_rule.py --check`)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu_limits
+from pallas_kernels.gated_delta_rule import pallas_mosaic, pallas_triton, reference, workloads
+
+DIM128 = dataclasses.replace(workloads.TINY, name="dim128", seq=200, batch=2, key_dim=128, value_dim=128)
+DEFAULT = pallas_triton.BlockSizes.get_default()
+MOSAIC = dataclasses.replace(DEFAULT, state_kernel="mosaic")
+REFUSAL_ARGS = {"packed": False, "interpret": False, "chunk_size": 64, "key_dim": 128, "value_dim": 128,
+                    "compute_dtype": jnp.bfloat16}
+
+
+def test_supported_shapes():
+    assert pallas_mosaic.supported(chunk_size=64, key_dim=128, value_dim=128, compute_dtype=jnp.bfloat16) is None
+    assert "chunk_size=32" in pallas_mosaic.supported(chunk_size=32, key_dim=128, value_dim=128,
+                                                      compute_dtype=jnp.bfloat16)
+    assert "value_dim=96" in pallas_mosaic.supported(chunk_size=64, key_dim=128, value_dim=96,
+                                                     compute_dtype=jnp.bfloat16)
+    assert "float32" in pallas_mosaic.supported(chunk_size=64, key_dim=128, value_dim=128,
+                                                compute_dtype=jnp.float32)
+
+
+def test_refusals_name_the_reason(monkeypatch):
+    monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: True)
+    wy = dataclasses.replace(MOSAIC, wy_in_state=True)
+    assert pallas_triton.mosaic_refusal(wy, **REFUSAL_ARGS) is None
+    cases = {
+        "packed sequences": {"packed": True},
+        "interpreter": {"interpret": True},
+        "float32": {"compute_dtype": jnp.float32},
+    }
+    for words, change in cases.items():
+        assert words in pallas_triton.mosaic_refusal(wy, **{**REFUSAL_ARGS, **change})
+    for change in ({"wy_in_state": False}, {"fuse_output": False}, {"segments": 2},
+                   {"fold_t_into_p": True}):
+        assert "BlockSizes" in pallas_triton.mosaic_refusal(dataclasses.replace(wy, **change), **REFUSAL_ARGS)
+    monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: False)
+    assert "sm_90" in pallas_triton.mosaic_refusal(wy, **REFUSAL_ARGS)
+
+
+def test_explicit_mosaic_refused_in_the_interpreter_and_auto_falls_back():
+    inputs = workloads.make_inputs(DIM128, dtype=jnp.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="state_kernel='mosaic' does not take the Pallas interpreter"):
+        pallas_triton.gated_delta_rule_pallas(**inputs, block_sizes=MOSAIC, interpret=True)
+    with pytest.raises(ValueError, match="choose auto, triton or mosaic"):
+        pallas_triton.gated_delta_rule_pallas(
+            **inputs, block_sizes=dataclasses.replace(DEFAULT, state_kernel="cuda"), interpret=True)
+    # "auto" (the default) in the interpreter is the Triton state pass, bit for bit
+    triton = dataclasses.replace(DEFAULT, state_kernel="triton")
+    small = workloads.make_inputs(dataclasses.replace(DIM128, seq=70, batch=1, v_heads=2, k_heads=1),
+                                  dtype=jnp.bfloat16, seed=3)
+    auto = pallas_triton.gated_delta_rule_pallas(**small, block_sizes=DEFAULT, interpret=True)
+    explicit = pallas_triton.gated_delta_rule_pallas(**small, block_sizes=triton, interpret=True)
+    for a, e in zip(auto, explicit, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+
+
+def test_kernel_lowers_for_cuda():
+    """The walk kernel through Mosaic GPU's lowering (layout inference, wgmma shapes) for an sm_90 target."""
+    b, t, kh, vh, k, v = 1, 256, 2, 4, 128, 128
+    bf16 = jnp.bfloat16
+    args = (
+        jax.ShapeDtypeStruct((b, t, kh, k), bf16), jax.ShapeDtypeStruct((b, t, kh, k), bf16),
+        jax.ShapeDtypeStruct((b, t, vh, v), bf16), jax.ShapeDtypeStruct((b, t, vh, 64), bf16),
+        jax.ShapeDtypeStruct((b, t, vh, 64), bf16), jax.ShapeDtypeStruct((b, vh, t), jnp.float32),
+        jax.ShapeDtypeStruct((b, vh, k, v), jnp.float32),
+    )
+    text = pallas_mosaic.state_pass.trace(*args, scale=k**-0.5).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    with pytest.raises(ValueError, match="seq=200 not a multiple of 64"):
+        pallas_mosaic.state_pass.trace(*(jax.ShapeDtypeStruct((1, 200) + a.shape[2:], a.dtype) if a.ndim == 4
+                                         else a for a in args[:5]), args[5], args[6], scale=0.1)
+
+
+@pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
+@pytest.mark.parametrize("seq,batch", [(200, 2), (64, 1), (1000, 1)])
+def test_matches_reference_on_hopper(seq, batch):
+    inputs = workloads.make_inputs(dataclasses.replace(DIM128, seq=seq, batch=batch), dtype=jnp.bfloat16, seed=5)
+    as_f32 = {n: (x if x is None else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
+    want = reference.gated_delta_rule_reference(**as_f32)
+    got = pallas_triton.gated_delta_rule_pallas(**inputs, block_sizes=MOSAIC)
+    for name, g, w in zip(("output", "final_state"), got, want, strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
