@@ -88,6 +88,8 @@ class PackedLayout:
       chunk_first / chunk_last: [num_chunks] bool, chunk opens / closes its (non-empty) sequence.
       chunk_src: [num_chunks] int32, packed token of each chunk's first slot (0 for a chunk of no tokens).
       chunk_len: [num_chunks] int32, tokens in each chunk (<= chunk_size; slots past it are padding).
+      chunk_start: [num_seqs + 1] int32, first chunk of each sequence (its last: chunk_start[i + 1] - 1), then
+        the chunks used in all.
     """
 
     gather: jax.Array
@@ -98,6 +100,7 @@ class PackedLayout:
     chunk_last: jax.Array
     chunk_src: jax.Array
     chunk_len: jax.Array
+    chunk_start: jax.Array
 
 
 def num_packed_chunks(seq: int, num_seqs: int, chunk_size: int) -> int:
@@ -130,7 +133,8 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
     chunk_len = jnp.clip(lengths[chunk_seq] - offset_in_seq * chunk_size, 0, chunk_size).astype(jnp.int32)
     chunk_src = jnp.where(chunk_len > 0, cu[chunk_seq] + offset_in_seq * chunk_size, 0).astype(jnp.int32)
     return PackedLayout(
-        gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last, chunk_src, chunk_len
+        gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last, chunk_src, chunk_len,
+        chunk_start,
     )
 
 

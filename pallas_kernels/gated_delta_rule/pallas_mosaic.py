@@ -52,20 +52,22 @@ def _bf16_tile():
 
 
 def _walk_kernel(
-    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref,  # inputs (GMEM)
+    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, bounds_ref,  # inputs (GMEM)
     o_ref, final_ref,  # outputs (GMEM)
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
-    *, group, scale, stages,
+    *, group, scale, stages, packed,
 ):
     # Three warpgroups: 0 walks (h^T, V'^T: the critical path), 1 forms the output from the h^T and V'^T that
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
     # each compute warpgroup's tiles on their own barriers, so that warpgroup 0 never waits for 1's).
-    b, h, vb = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("vblocks")
+    row, h, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
+    # row: a batch row, or with `packed` a sequence, whose chunks [lo, hi) of batch row 0 it walks
+    b = 0 if packed else row
+    lo, hi = (bounds_ref[row], bounds_ref[row + 1]) if packed else (0, q_ref.shape[1] // CHUNK)
     wg = lax.axis_index("wg")
     kh = lax.div(h, jnp.array(group, h.dtype))
-    num_chunks = q_ref.shape[1] // CHUNK
     cols = pl.ds(vb * BLOCK_V, BLOCK_V)
     f32, bf16 = jnp.float32, jnp.bfloat16
     layout = plgpu.Layout.WGMMA
@@ -77,9 +79,9 @@ def _walk_kernel(
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        @pl.loop(0, num_chunks)
+        @pl.loop(lo, hi)
         def _(n):
-            rows, s = pl.ds(n * CHUNK, CHUNK), lax.rem(n, stages)
+            rows, s = pl.ds(n * CHUNK, CHUNK), lax.rem(n - lo, stages)
             walk_tiles = (  # warpgroup 0's: K, V, T diag(beta), e^gamma, e^(gamma_last - gamma)
                 (k_ref.at[b, rows, kh, :], k_smem), (v_ref.at[b, rows, h, cols], v_smem),
                 (tb_ref.at[b, rows, h, :], tb_smem), (eg_ref.at[b, h, rows], eg0_smem),
@@ -91,7 +93,7 @@ def _walk_kernel(
             )
             for tiles, free, loaded in ((walk_tiles, free0, loaded0), (output_tiles, free1, loaded1)):
 
-                pl.when(n >= stages)(functools.partial(plgpu.barrier_wait, free.at[s]))
+                pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free.at[s]))
 
                 for src, dst in tiles:
                     plgpu.copy_gmem_to_smem(src, dst.at[s], loaded.at[s])
@@ -99,13 +101,13 @@ def _walk_kernel(
     @pl.when(wg == 0)
     def _walk():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(init_ref.at[b, h, cols], state_smem, state_barrier.at[0])
+        plgpu.copy_gmem_to_smem(init_ref.at[row, h, cols], state_smem, state_barrier.at[0])
         plgpu.barrier_wait(state_barrier.at[0])
         state0 = lc(plgpu.load(state_smem, layout=layout))
         shape = (BLOCK_V, CHUNK)
 
         def step(n, state):
-            s, hb = lax.rem(n, stages), lax.rem(n, 2)
+            s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded0.at[s])
             state = lc(state)
             state_in = lc(state.astype(bf16))
@@ -118,7 +120,7 @@ def _walk_kernel(
                 plgpu.wgmma(kh_ref, state_in, k_smem.at[s].transpose((1, 0)))  # h^T K^T
                 plgpu.wgmma(u_ref, v_smem.at[s].transpose((1, 0)), tb_smem.at[s].transpose((1, 0)))  # U^T
 
-                @pl.when(n >= 2)
+                @pl.when(n - lo >= 2)
                 def _():
                     plgpu.barrier_wait(h_free.at[hb])
 
@@ -145,10 +147,10 @@ def _walk_kernel(
             plgpu.barrier_arrive(free0.at[s])
             return lc(state)
 
-        state = lax.fori_loop(0, num_chunks, step, state0)
+        state = lax.fori_loop(lo, hi, step, state0)
         state_smem[...] = state
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_smem, final_ref.at[b, h, cols])
+        plgpu.copy_smem_to_gmem(state_smem, final_ref.at[row, h, cols])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -156,9 +158,9 @@ def _walk_kernel(
         plgpu.set_max_registers(232, action="increase")
         shape = (CHUNK, BLOCK_V)
 
-        @pl.loop(0, num_chunks)
+        @pl.loop(lo, hi)
         def _(n):
-            s, hb = lax.rem(n, stages), lax.rem(n, 2)
+            s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded1.at[s])
             plgpu.barrier_wait(h_ready.at[hb])
             exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
@@ -185,7 +187,9 @@ def _walk_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "max_concurrent_steps", "interpret"))
-def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurrent_steps=2, interpret=False):
+def state_pass(
+    q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, *, scale, max_concurrent_steps=2, interpret=False
+):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
     Args:
@@ -194,13 +198,17 @@ def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurren
       t_beta: [batch, seq, v_heads, 64] bf16, each chunk's T diag(beta) (the UT transform) from the prepare.
       p: [batch, seq, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma).
       gamma: [batch, v_heads, seq] f32, chunk-local prefix sums of the log decay.
-      initial_state: [batch, v_heads, key_dim, value_dim] f32.
+      initial_state: [batch, v_heads, key_dim, value_dim] f32, or with chunk_bounds [num_seqs, ...].
+      chunk_bounds: None, or packed sequences (batch == 1): int32 [num_seqs + 1], sequence i owning chunks
+        chunk_bounds[i] .. chunk_bounds[i + 1] - 1 of the chunk-aligned arrays (one walk per sequence, from
+        its initial state; the output rows of chunks no sequence owns are left unwritten).
       scale: the query scale (P already carries it).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
       interpret: run in Pallas' GPU interpreter (CPU).
 
     Returns:
-      output [batch, seq, v_heads, value_dim] bf16 and the final state [batch, v_heads, key_dim, value_dim] f32.
+      output [batch, seq, v_heads, value_dim] bf16 and the final state [batch or num_seqs, v_heads, key_dim,
+      value_dim] f32.
 
     Raises:
       ValueError: shapes this kernel does not take (see `supported`).
@@ -213,9 +221,14 @@ def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurren
     # the decays as factors, once per token here (XLA) instead of once per token and value block in the walk
     gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
     exp_gamma, exp_to_last = jnp.exp(gamma), jnp.exp(gamma_last - gamma)
-    init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [batch, v_heads, value_dim, key_dim]
+    init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
+    packed = chunk_bounds is not None
+    if packed and (batch != 1 or chunk_bounds.shape != (initial_state.shape[0] + 1,)):
+        raise ValueError(f"chunk_bounds {chunk_bounds.shape} needs batch 1 and one entry per initial state + 1")
+    bounds = jnp.asarray(chunk_bounds if packed else jnp.zeros((2,), jnp.int32), jnp.int32)
+
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles
-        _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps)
+        _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed)
 
     tile, st = _bf16_tile(), max_concurrent_steps
     out, final_t = plgpu.kernel(
@@ -245,11 +258,11 @@ def state_pass(q, k, v, t_beta, p, gamma, initial_state, *, scale, max_concurren
             plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_free
             plgpu.Barrier(num_barriers=1, num_arrivals=1),  # state
         ),
-        grid=(batch, v_heads, value_dim // BLOCK_V),
-        grid_names=("batch", "heads", "vblocks"),
+        grid=(init_t.shape[0], v_heads, value_dim // BLOCK_V),
+        grid_names=("rows", "heads", "vblocks"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t)
+    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, bounds)
     return out, jnp.swapaxes(final_t, 2, 3)

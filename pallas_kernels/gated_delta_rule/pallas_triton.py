@@ -966,7 +966,8 @@ def _output(
 
 
 def _run_stages(
-    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, **common
+    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, chunk_bounds=None,
+    **common
 ):
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
     compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state).
@@ -988,7 +989,8 @@ def _run_stages(
         packed_inputs = (initial_state, *chunk_flags[:2])
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
     if block_sizes.state_kernel == "mosaic":
-        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, scale=scale, block_sizes=block_sizes)
+        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, chunk_bounds, scale=scale,
+                                       block_sizes=block_sizes)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
@@ -997,12 +999,10 @@ def _run_stages(
     return out, last if final_state is None else final_state
 
 
-def mosaic_refusal(block_sizes, *, packed, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:
+def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:
     """Why `pallas_mosaic.state_pass` cannot run this call (None: it can)."""
     reason = pallas_mosaic.supported(
         chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
-    if reason is None and packed:
-        reason = "packed sequences (cu_seqlens without max_seqlen)"
     if reason is None and not (block_sizes.wy_in_state and block_sizes.fuse_output and block_sizes.segments == 1
                                and not block_sizes.fold_t_into_p):
         reason = "BlockSizes other than wy_in_state, fuse_output, segments=1, no fold_t_into_p"
@@ -1013,9 +1013,10 @@ def mosaic_refusal(block_sizes, *, packed, interpret, chunk_size, key_dim, value
     return reason
 
 
-def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, *, scale, block_sizes):
-    """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes."""
-    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, scale=scale,
+def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, chunk_bounds, *, scale, block_sizes):
+    """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes; the output is
+    chunk-aligned, packed sequences included (chunk_bounds)."""
+    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, chunk_bounds, scale=scale,
                                     max_concurrent_steps=block_sizes.mosaic_stages)
 
 
@@ -1101,17 +1102,21 @@ def gated_delta_rule_pallas(
     # gathers: 1.3 of 4.3 ms at 8 x 8192 tokens on an H100, 2026-11-23).
     in_place = (packed and block_sizes.prepare_kernel == "dense" and block_sizes.fuse_output
                 and block_sizes.segments == 1)
+    if block_sizes.state_kernel not in ("auto", "triton", "mosaic"):
+        raise ValueError(f"BlockSizes.state_kernel={block_sizes.state_kernel!r}; choose auto, triton or mosaic")
+    if block_sizes.state_kernel != "triton":  # the Mosaic GPU walk takes T (wy_in_state), packed or not
+        wy = True if block_sizes.wy_in_state is None else block_sizes.wy_in_state
+        refusal = mosaic_refusal(dataclasses.replace(block_sizes, wy_in_state=wy), interpret=interpret,
+                                 chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim,
+                                 compute_dtype=compute_dtype)
+        if refusal is not None and block_sizes.state_kernel == "mosaic":
+            raise ValueError(f"BlockSizes.state_kernel='mosaic' does not take {refusal}; use 'triton' or 'auto'")
+        mosaic = refusal is None
+        block_sizes = dataclasses.replace(block_sizes, state_kernel="mosaic" if mosaic else "triton",
+                                          wy_in_state=wy if mosaic else block_sizes.wy_in_state)
     if block_sizes.wy_in_state is None:  # auto: T instead of W and U where V needs no chunk-aligned copy
         wy = block_sizes.prepare_kernel == "dense" and block_sizes.segments == 1 and not in_place
         block_sizes = dataclasses.replace(block_sizes, wy_in_state=wy)
-    if block_sizes.state_kernel not in ("auto", "triton", "mosaic"):
-        raise ValueError(f"BlockSizes.state_kernel={block_sizes.state_kernel!r}; choose auto, triton or mosaic")
-    if block_sizes.state_kernel != "triton":
-        refusal = mosaic_refusal(block_sizes, packed=packed, interpret=interpret, chunk_size=chunk_size,
-                                 key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
-        if refusal is not None and block_sizes.state_kernel == "mosaic":
-            raise ValueError(f"BlockSizes.state_kernel='mosaic' does not take {refusal}; use 'triton' or 'auto'")
-        block_sizes = dataclasses.replace(block_sizes, state_kernel="triton" if refusal else "mosaic")
     if block_sizes.fold_t_into_p and not (block_sizes.wy_in_state and block_sizes.fuse_output):
         block_sizes = dataclasses.replace(block_sizes, fold_t_into_p=False)  # P T needs T and the fused output
     if fit:
@@ -1175,6 +1180,8 @@ def gated_delta_rule_pallas(
         scale=scale,
         out_dtype=value.dtype,
         token_rows=(layout.chunk_src, layout.chunk_len) if in_place else None,
+        chunk_bounds=layout.chunk_start if packed else None,
         **common,
     )
-    return (out if in_place else _common.unpad_output(out, seq, layout)), final_state
+    written_in_place = in_place and block_sizes.state_kernel == "triton"  # the Mosaic GPU walk's is chunk-aligned
+    return (out if written_in_place else _common.unpad_output(out, seq, layout)), final_state

@@ -18,7 +18,7 @@ from pallas_kernels.gated_delta_rule import pallas_mosaic, pallas_triton, refere
 DIM128 = dataclasses.replace(workloads.TINY, name="dim128", seq=200, batch=2, key_dim=128, value_dim=128)
 DEFAULT = pallas_triton.BlockSizes.get_default()
 MOSAIC = dataclasses.replace(DEFAULT, state_kernel="mosaic")
-REFUSAL_ARGS = {"packed": False, "interpret": False, "chunk_size": 64, "key_dim": 128, "value_dim": 128,
+REFUSAL_ARGS = {"interpret": False, "chunk_size": 64, "key_dim": 128, "value_dim": 128,
                     "compute_dtype": jnp.bfloat16}
 
 
@@ -37,7 +37,6 @@ def test_refusals_name_the_reason(monkeypatch):
     wy = dataclasses.replace(MOSAIC, wy_in_state=True)
     assert pallas_triton.mosaic_refusal(wy, **REFUSAL_ARGS) is None
     cases = {
-        "packed sequences": {"packed": True},
         "interpreter": {"interpret": True},
         "float32": {"compute_dtype": jnp.float32},
     }
@@ -85,10 +84,12 @@ def test_kernel_lowers_for_cuda():
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
-@pytest.mark.parametrize("seq,batch", [(200, 2), (64, 1), (1000, 1)])
-def test_matches_reference_on_hopper(seq, batch):
-    inputs = workloads.make_inputs(dataclasses.replace(DIM128, seq=seq, batch=batch), dtype=jnp.bfloat16, seed=5)
-    as_f32 = {n: (x if x is None else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
+@pytest.mark.parametrize("seq,batch,seqlens", [(200, 2, None), (64, 1, None), (1000, 1, None),
+                                               (330, 1, (70, 0, 64, 196))])
+def test_matches_reference_on_hopper(seq, batch, seqlens):
+    workload = dataclasses.replace(DIM128, seq=seq, batch=batch)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=5, seqlens=seqlens)
+    as_f32 = {n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
     want = reference.gated_delta_rule_reference(**as_f32)
     got = pallas_triton.gated_delta_rule_pallas(**inputs, block_sizes=MOSAIC)
     for name, g, w in zip(("output", "final_state"), got, want, strict=True):
