@@ -52,7 +52,7 @@ def _bf16_tile():
 
 
 def _walk_kernel(
-    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, bounds_ref,  # inputs (GMEM)
+    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, bounds_ref, cu_ref,  # inputs (GMEM)
     o_ref, final_ref,  # outputs (GMEM)
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
@@ -179,16 +179,37 @@ def _walk_kernel(
             plgpu.barrier_arrive(h_free.at[hb])
             plgpu.barrier_arrive(free1.at[s])
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy out of this buffer two chunks ago
-            o_smem[hb] = lc(out.astype(o_smem.dtype))
+            out = lc(out.astype(o_smem.dtype))
+            if not packed:
+                o_smem[hb] = out
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[b, pl.ds(n * CHUNK, CHUNK), h, cols])
+                return
+            # packed: the output goes straight to the sequence's rows of the packed array (any token offset:
+            # O staged untiled), a whole chunk with one copy, the sequence's last, partial chunk row by row
+            # (its other rows are the next sequence's)
+            src = cu_ref[row] + (n - lo) * CHUNK
+            count = jnp.minimum(cu_ref[row + 1] - src, CHUNK)
+            o_smem[hb] = out
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[b, pl.ds(n * CHUNK, CHUNK), h, cols])
+
+            @pl.when(count == CHUNK)
+            def _():
+                plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[0, pl.ds(src, CHUNK), h, cols])
+
+            @pl.when(count < CHUNK)
+            def _():
+                for r in range(CHUNK):
+                    plgpu.copy_smem_to_gmem(o_smem.at[hb, pl.ds(r, 1)], o_ref.at[0, pl.ds(src + r, 1), h, cols],
+                                            predicate=r < count)
 
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "max_concurrent_steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "interpret"))
 def state_pass(
-    q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, *, scale, max_concurrent_steps=2, interpret=False
+    q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, cu_seqlens=None, *, scale, out_seq=None,
+    max_concurrent_steps=2, interpret=False
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -201,13 +222,15 @@ def state_pass(
       initial_state: [batch, v_heads, key_dim, value_dim] f32, or with chunk_bounds [num_seqs, ...].
       chunk_bounds: None, or packed sequences (batch == 1): int32 [num_seqs + 1], sequence i owning chunks
         chunk_bounds[i] .. chunk_bounds[i + 1] - 1 of the chunk-aligned arrays (one walk per sequence, from
-        its initial state; the output rows of chunks no sequence owns are left unwritten).
+        its initial state).
+      cu_seqlens: with chunk_bounds, int32 [num_seqs + 1] token offsets of the sequences in the packed
+        output [1, out_seq, ...], which the kernel writes in place.
       scale: the query scale (P already carries it).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
       interpret: run in Pallas' GPU interpreter (CPU).
 
     Returns:
-      output [batch, seq, v_heads, value_dim] bf16 and the final state [batch or num_seqs, v_heads, key_dim,
+      output [batch, seq, v_heads, value_dim] bf16 ([1, out_seq, ...] packed) and the final state [batch or num_seqs, v_heads, key_dim,
       value_dim] f32.
 
     Raises:
@@ -223,9 +246,13 @@ def state_pass(
     exp_gamma, exp_to_last = jnp.exp(gamma), jnp.exp(gamma_last - gamma)
     init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
     packed = chunk_bounds is not None
-    if packed and (batch != 1 or chunk_bounds.shape != (initial_state.shape[0] + 1,)):
-        raise ValueError(f"chunk_bounds {chunk_bounds.shape} needs batch 1 and one entry per initial state + 1")
-    bounds = jnp.asarray(chunk_bounds if packed else jnp.zeros((2,), jnp.int32), jnp.int32)
+    rows = (initial_state.shape[0] + 1,)
+    if packed and (batch != 1 or chunk_bounds.shape != rows or cu_seqlens is None or cu_seqlens.shape != rows
+                   or out_seq is None):
+        raise ValueError(f"packed: chunk_bounds {chunk_bounds.shape} and cu_seqlens need batch 1, one entry per "
+                         "initial state + 1, and out_seq")
+    bounds, cu = (jnp.asarray(x if packed else jnp.zeros((2,), jnp.int32), jnp.int32)
+                  for x in (chunk_bounds, cu_seqlens))
 
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed)
@@ -234,7 +261,7 @@ def state_pass(
     out, final_t = plgpu.kernel(
         gdn_state_mosaic,
         out_type=(
-            jax.ShapeDtypeStruct((batch, seq, v_heads, value_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, out_seq if packed else seq, v_heads, value_dim), jnp.bfloat16),
             jax.ShapeDtypeStruct(init_t.shape, jnp.float32),
         ),
         scratch_types=(
@@ -248,7 +275,7 @@ def state_pass(
             plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the output
             plgpu.SMEM((2, BLOCK_V, key_dim), jnp.bfloat16, transforms=tile),  # h^T for the output
             plgpu.SMEM((2, BLOCK_V, CHUNK), jnp.bfloat16, transforms=tile),  # V'^T for the output
-            plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tile),  # O staging
+            plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if packed else tile),  # O staging
             plgpu.SMEM((BLOCK_V, key_dim), jnp.float32),  # h^T in and out
             plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
             plgpu.Barrier(num_barriers=st, num_arrivals=3),  # loaded1: Q, P, e^gamma
@@ -264,5 +291,5 @@ def state_pass(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, bounds)
+    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, bounds, cu)
     return out, jnp.swapaxes(final_t, 2, 3)

@@ -966,7 +966,7 @@ def _output(
 
 
 def _run_stages(
-    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, chunk_bounds=None,
+    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, packed_rows=None,
     **common
 ):
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
@@ -989,7 +989,7 @@ def _run_stages(
         packed_inputs = (initial_state, *chunk_flags[:2])
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
     if block_sizes.state_kernel == "mosaic":
-        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, chunk_bounds, scale=scale,
+        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, packed_rows, scale=scale,
                                        block_sizes=block_sizes)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
@@ -1013,11 +1013,12 @@ def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, co
     return reason
 
 
-def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, chunk_bounds, *, scale, block_sizes):
-    """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes; the output is
-    chunk-aligned, packed sequences included (chunk_bounds)."""
-    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, chunk_bounds, scale=scale,
-                                    max_concurrent_steps=block_sizes.mosaic_stages)
+def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, packed_rows, *, scale, block_sizes):
+    """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes. packed_rows:
+    None, or (chunk_bounds, cu_seqlens, seq) of packed sequences, whose output is then written in place."""
+    chunk_bounds, cu_seqlens, seq = packed_rows or (None, None, None)
+    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, chunk_bounds, cu_seqlens,
+                                    scale=scale, out_seq=seq, max_concurrent_steps=block_sizes.mosaic_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "max_seqlen"))
@@ -1180,8 +1181,8 @@ def gated_delta_rule_pallas(
         scale=scale,
         out_dtype=value.dtype,
         token_rows=(layout.chunk_src, layout.chunk_len) if in_place else None,
-        chunk_bounds=layout.chunk_start if packed else None,
+        packed_rows=(layout.chunk_start, jnp.asarray(cu_seqlens, jnp.int32), seq) if packed else None,
         **common,
     )
-    written_in_place = in_place and block_sizes.state_kernel == "triton"  # the Mosaic GPU walk's is chunk-aligned
+    written_in_place = packed and (in_place or block_sizes.state_kernel == "mosaic")
     return (out if written_in_place else _common.unpad_output(out, seq, layout)), final_state
