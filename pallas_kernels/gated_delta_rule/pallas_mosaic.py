@@ -4,22 +4,26 @@ The Triton state pass (`pallas_triton._state_kernel`) keeps the state h [key_dim
 of its products, so h, and every product that feeds the next one, goes through shared memory at each of the
 walk's steps; on an H100 that walk is latency-bound (~1.5 us a step, 20% of the issue slots used;
 docs/benchmarks.md). Here the walk runs on the transposed state h^T [block_v, key_dim] (block_v = 64, one
-warpgroup's `wgmma` M), which is the *A* operand of every product on the critical path, so it never leaves
-the registers:
+warpgroup's `wgmma` M), the *A* operand of every product on the critical path, so it never leaves the
+registers. Per chunk (c = 64 tokens):
 
-    X^T  = V^T - (h^T K^T) diag(e^gamma)                  [block_v, c]    (V^T as I V^T: B transposed from SMEM)
-    V'^T = X^T (T diag(beta))^T                           [block_v, c]    (= (U - W h)^T)
-    O^T  = (h^T Q^T) diag(e^gamma) scale + V'^T P^T       [block_v, c]    -> O by one more I (O^T)^T product
-    h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K     [block_v, key_dim]
+    U^T  = V^T (T diag(beta))^T                             [block_v, c]  (both operands transposed from SMEM)
+    Y    = -(h^T K^T) diag(e^gamma)                         [block_v, c]
+    V'^T = U^T + Y (T diag(beta))^T                         [block_v, c]  (= (T diag(beta) (V - diag(e^gamma) K h))^T)
+    h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K       [block_v, key_dim]
+    O    = diag(e^gamma) scale Q h + P V'                   [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
 
-with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`). A memory warpgroup streams the
-chunk's Q, K, V, T diag(beta), P and gamma tiles with TMA (`emit_pipeline_warp_specialized`) while the
-compute warpgroup walks. Source of the algorithm: arXiv:2412.06464 (gated delta rule), the WY / UT
-representation as in flash-linear-attention; the warp-specialised pipeline as in JAX's
-`pallas/ops/gpu/attention_mgpu.py`.
+with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`). Three warpgroups per program
+(batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
+and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
+compute warpgroup's tiles on their own barriers). Source of the algorithm: arXiv:2412.06464 (gated delta
+rule), the WY / UT representation as in flash-linear-attention; the warp-specialised structure as in JAX's
+`pallas/ops/gpu/attention_mgpu.py` (FlashAttention-3).
 
-Hopper (sm_90) only; bf16 operands, f32 state and accumulation; chunk_size = block_v = 64, key_dim a multiple
-of 64, value_dim a multiple of 64. Runs in Pallas' GPU interpreter on CPU (tests).
+Hopper (sm_90) only; bf16 operands, f32 state and accumulation; chunk_size = block_v = 64, key_dim and
+value_dim multiples of 64. Pallas' GPU interpreter cannot run it (its wgmma takes no register operands): the
+CPU tests lower it for CUDA; the numerical checks run on an H100 (tests skipped elsewhere,
+`benchmarks/gated_delta_rule.py --check`).
 """
 
 from __future__ import annotations
@@ -206,10 +210,10 @@ def _walk_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, cu_seqlens=None, *, scale, out_seq=None,
-    max_concurrent_steps=2, interpret=False
+    max_concurrent_steps=2
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -227,7 +231,6 @@ def state_pass(
         output [1, out_seq, ...], which the kernel writes in place.
       scale: the query scale (P already carries it).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
-      interpret: run in Pallas' GPU interpreter (CPU).
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 ([1, out_seq, ...] packed) and the final state [batch or num_seqs, v_heads, key_dim,
@@ -290,6 +293,5 @@ def state_pass(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, bounds, cu)
     return out, jnp.swapaxes(final_t, 2, 3)
