@@ -157,7 +157,8 @@ class BlockSizes:
     # The state pass's kernel: "triton" (`_state_kernel`, any GPU), "mosaic" (`pallas_mosaic.state_pass`,
     # Hopper only: the state transposed in registers as the A operand of the walk's products, the output
     # formed by a second warpgroup, a TMA warpgroup streaming the tiles; bf16, chunk_size 64, key_dim and
-    # value_dim multiples of 64, one sequence per batch row, with wy_in_state, fuse_output and one segment),
+    # value_dim multiples of 64, batch rows or packed sequences, with wy_in_state, fuse_output, one segment
+    # and the dense prepare),
     # or "auto" (the default): "mosaic" where it applies and the device is an sm_90 GPU, else "triton". H100,
     # 2026-11-25 (docs/benchmarks.md): state pass 0.381 -> 0.277 ms at T=16384, 0.104 -> 0.075 at 4096.
     # `mosaic_stages`: its TMA pipeline depth (3 do not fit in shared memory).
@@ -972,7 +973,8 @@ def _run_stages(
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
     compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state).
     token_rows (packed, fused, dense prepare, one segment): q, k, v and the output stay packed [1, seq, ...]
-    (see `_prepare`)."""
+    (see `_prepare`). packed_rows (the Mosaic GPU state pass on packed sequences): (chunk_bounds, cu_seqlens,
+    seq), and the output is packed [1, seq, ...] too."""
     block_sizes = common["block_sizes"]
     w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
@@ -1004,8 +1006,8 @@ def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, co
     reason = pallas_mosaic.supported(
         chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
     if reason is None and not (block_sizes.wy_in_state and block_sizes.fuse_output and block_sizes.segments == 1
-                               and not block_sizes.fold_t_into_p):
-        reason = "BlockSizes other than wy_in_state, fuse_output, segments=1, no fold_t_into_p"
+                               and not block_sizes.fold_t_into_p and block_sizes.prepare_kernel == "dense"):
+        reason = "BlockSizes other than wy_in_state, fuse_output, segments=1, no fold_t_into_p, dense prepare"
     if reason is None and interpret:
         reason = "the Pallas interpreter (its wgmma takes no register operands)"
     if reason is None and not gpu_limits.is_hopper():

@@ -45,7 +45,7 @@ def test_refusals_name_the_reason(monkeypatch):
     for words, change in cases.items():
         assert words in pallas_triton.mosaic_refusal(wy, **{**REFUSAL_ARGS, **change})
     for change in ({"wy_in_state": False}, {"fuse_output": False}, {"segments": 2},
-                   {"fold_t_into_p": True}):
+                   {"fold_t_into_p": True}, {"prepare_kernel": "sub_blocks"}):
         assert "BlockSizes" in pallas_triton.mosaic_refusal(dataclasses.replace(wy, **change), **REFUSAL_ARGS)
     monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: False)
     assert "sm_90" in pallas_triton.mosaic_refusal(wy, **REFUSAL_ARGS)
