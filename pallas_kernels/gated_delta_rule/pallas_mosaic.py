@@ -233,8 +233,8 @@ def state_pass(
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
 
     Returns:
-      output [batch, seq, v_heads, value_dim] bf16 ([1, out_seq, ...] packed) and the final state [batch or num_seqs, v_heads, key_dim,
-      value_dim] f32.
+      output [batch, seq, v_heads, value_dim] bf16 ([1, out_seq, ...] packed) and the final state
+      [batch or num_seqs, v_heads, key_dim, value_dim] f32.
 
     Raises:
       ValueError: shapes this kernel does not take (see `supported`).

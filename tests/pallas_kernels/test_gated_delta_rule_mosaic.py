@@ -69,20 +69,27 @@ def test_explicit_mosaic_refused_in_the_interpreter_and_auto_falls_back():
 
 
 def test_kernel_lowers_for_cuda():
-    """The walk kernel through Mosaic GPU's lowering (layout inference, wgmma shapes) for an sm_90 target."""
-    b, t, kh, vh, k, v = 1, 256, 2, 4, 128, 128
-    bf16 = jnp.bfloat16
-    args = (
-        jax.ShapeDtypeStruct((b, t, kh, k), bf16), jax.ShapeDtypeStruct((b, t, kh, k), bf16),
-        jax.ShapeDtypeStruct((b, t, vh, v), bf16), jax.ShapeDtypeStruct((b, t, vh, 64), bf16),
-        jax.ShapeDtypeStruct((b, t, vh, 64), bf16), jax.ShapeDtypeStruct((b, vh, t), jnp.float32),
-        jax.ShapeDtypeStruct((b, vh, k, v), jnp.float32),
-    )
-    text = pallas_mosaic.state_pass.trace(*args, scale=k**-0.5).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    """The walk kernel through Mosaic GPU's lowering (layout inference, wgmma shapes, shared memory within
+    227 KiB) for an sm_90 target: two batch rows, and three packed sequences writing their output in place."""
+    t, kh, vh, k, v = 256, 2, 4, 128, 128
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def args(b, rows, seq=t):  # q, k, v, T diag(beta), P, gamma, initial state
+        return (jax.ShapeDtypeStruct((b, seq, kh, k), bf16), jax.ShapeDtypeStruct((b, seq, kh, k), bf16),
+                jax.ShapeDtypeStruct((b, seq, vh, v), bf16), jax.ShapeDtypeStruct((b, seq, vh, 64), bf16),
+                jax.ShapeDtypeStruct((b, seq, vh, 64), bf16), jax.ShapeDtypeStruct((b, vh, seq), f32),
+                jax.ShapeDtypeStruct((rows, vh, k, v), f32))
+
+    def lowered(*a, **kw):
+        return pallas_mosaic.state_pass.trace(*a, scale=k**-0.5, **kw).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "mosaic_gpu" in lowered(*args(2, 2))
+    bounds = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert "mosaic_gpu" in lowered(*args(1, 3), bounds, bounds, out_seq=250)
     with pytest.raises(ValueError, match="seq=200 not a multiple of 64"):
-        pallas_mosaic.state_pass.trace(*(jax.ShapeDtypeStruct((1, 200) + a.shape[2:], a.dtype) if a.ndim == 4
-                                         else a for a in args[:5]), args[5], args[6], scale=0.1)
+        lowered(*args(2, 2, seq=200))
+    with pytest.raises(ValueError, match="out_seq"):
+        lowered(*args(1, 3), bounds, bounds)
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
