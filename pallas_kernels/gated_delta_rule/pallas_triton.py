@@ -154,12 +154,6 @@ class BlockSizes:
     # Off: on an H100 (2026-11-24 23:48 UTC) the walk gained 6% at T=16384 (0.381 -> 0.359 ms) but the prepare
     # lost 52% (0.181 -> 0.275; with f32 operands and P live through the inverse, 0.179 -> 0.334).
     fold_t_into_p: bool = False
-    # Dense prepare: one program per k-head (and chunk block) instead of per v-head, so that the group's
-    # v-heads (2 in Qwen3.5/3.6) share the loads of Q and K and the products K K^T and Q K^T (2 of the 14
-    # [c, c]-sized products per v-head at key_dim 2c). Off: on an H100 (2026-11-25 06:25 UTC) the prepare took
-    # 0.264 instead of 0.183 ms at T=16384, 0.070 instead of 0.050 at 4096 (half the programs, each twice the
-    # straight-line code), 1.317 instead of 1.220 packed 8 x 8192; 8 warps 0.376 at T=16384.
-    prepare_share_heads: bool = False
     # The state pass's kernel: "triton" (`_state_kernel`, any GPU), "mosaic" (`pallas_mosaic.state_pass`,
     # Hopper only: the state transposed in registers as the A operand of the walk's products, the output
     # formed by a second warpgroup, a TMA warpgroup streaming the tiles; bf16, chunk_size 64, key_dim and
@@ -366,7 +360,6 @@ def _prepare_dense_kernel(
     wy_in_state=False,
     chunks_per_program=1,
     fold_t_into_p=False,
-    heads_per_program=1,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -379,73 +372,60 @@ def _prepare_dense_kernel(
     # each group); everything else chunk-aligned. wy_in_state: w_ref [b, t, v_heads, c] takes T diag(beta)
     # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
     # chunks_per_program > 1: program (chunk block, batch*v_heads) walks its chunks in a loop (the last block
-    # clamped to the last chunk, which it then redoes: identical writes). heads_per_program = group: one
-    # program per (chunk block, batch*k_heads) forms K K^T and Q K^T once for the group's v-heads (grid dim 1
-    # batch*v_heads // heads_per_program).
+    # clamped to the last chunk, which it then redoes: identical writes).
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
     bh = pl.program_id(1)
-    hp = heads_per_program  # 1, or the group: the group's v-heads share K K^T and Q K^T
-    programs_per_row = v_ref.shape[2] // hp
-    b, h0 = bh // programs_per_row, (bh % programs_per_row) * hp
-    kh = h0 // group
+    v_heads = v_ref.shape[2]
+    b, h = bh // v_heads, bh % v_heads
 
     def one_chunk(n):
         rows = pl.ds(n * c, c)
         tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
         key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
-        k = _load_rows(k_ref, (b, tokens, kh, slice(None)), mask, (c, key_dim))  # [c, key_dim]
-        kk = _dot(k, k, _TRANS_B, exact)  # K K^T [c, c] f32, the same for the group's v-heads
+        k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
+        gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
+        beta = beta_ref[b, h, rows]
+        gamma_ref[b, h, rows] = gamma
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
+        def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
+            return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
+
+        gamma_diff = decay()
+        a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * gamma_diff, 0.0)
         if with_p:
-            q = _load_rows(q_ref, (b, tokens, kh, slice(None)), mask, (c, key_dim))
-            qk_shared = _dot(q, k, _TRANS_B, exact) if hp > 1 else None  # Q K^T, once for the group
+            q = _load_rows(q_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))
 
-            def qk():  # one v-head per program: formed where it is used (not live through the inverse)
-                return qk_shared if qk_shared is not None else _dot(q, k, _TRANS_B, exact)
+            def intra(gamma_diff):  # P = scale lower_incl(Q K^T * Gamma) [c, c] f32
+                return jnp.where(incl, _dot(q, k, _TRANS_B, exact) * gamma_diff, 0.0) * scale
 
+            if not fold_t_into_p:
+                p_ref[b, rows, h, :] = intra(gamma_diff).astype(p_ref.dtype)
             if in_place:
 
-                @pl.when(h0 % group == 0)
+                @pl.when(h % group == 0)
                 def _():
-                    q_out_ref[b, rows, kh, :] = q.astype(q_out_ref.dtype)
-                    k_out_ref[b, rows, kh, :] = k.astype(k_out_ref.dtype)
-        for h in (h0 + j for j in range(hp)):
-            gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
-            beta = beta_ref[b, h, rows]
-            gamma_ref[b, h, rows] = gamma
-
-            def decay(gamma=gamma):  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
-                return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
-
-            gamma_diff = decay()
-            a = jnp.where(strict, (beta[:, None] * kk) * gamma_diff, 0.0)
-            if with_p:
-
-                def intra(gamma_diff):  # P = scale lower_incl(Q K^T * Gamma) [c, c] f32
-                    return jnp.where(incl, qk() * gamma_diff, 0.0) * scale
-
-                if not fold_t_into_p:
-                    p_ref[b, rows, h, :] = intra(gamma_diff).astype(p_ref.dtype)
-            if wy_in_state:
-                t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
-                w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
-                if fold_t_into_p:  # P T diag(beta), P formed only now (not live through the inverse)
-                    pt = _dot(intra(decay()).astype(compute_dtype), t_beta.astype(compute_dtype), exact=exact)
-                    p_ref[b, rows, h, :] = pt.astype(p_ref.dtype)
-                if in_place:
-                    v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
-                    u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
-                continue
-            t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
-            rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
-            v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
-            rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
-            w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
-            u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
+                    q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
+                    k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
+        if wy_in_state:
+            t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
+            w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
+            if fold_t_into_p:  # P T diag(beta), P formed only now (not live through the inverse)
+                pt = _dot(intra(decay()).astype(compute_dtype), t_beta.astype(compute_dtype), exact=exact)
+                p_ref[b, rows, h, :] = pt.astype(p_ref.dtype)
+            if in_place:
+                v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+                u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
+            return
+        t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
+        rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
+        v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
+        rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
+        w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
+        u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
     num_chunks, first = g_ref.shape[2] // c, pl.program_id(0) * chunks_per_program
     if chunks_per_program == 1:
@@ -843,9 +823,8 @@ def _prepare(
         raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
     num_chunks = padded // chunk_size
     chunks_per_program = max(1, min(block_sizes.prepare_chunks, num_chunks // 16))
-    heads_per_program = group if block_sizes.prepare_share_heads else 1
-    if block_sizes.prepare_kernel != "dense":  # the sub_blocks prepare runs one chunk and v-head per program
-        chunks_per_program = heads_per_program = 1
+    if block_sizes.prepare_kernel != "dense":  # the sub_blocks prepare runs one chunk per program
+        chunks_per_program = 1
     w_shape = (batch, padded, v_heads, chunk_size if wy_in_state else key_dim)
     u_shape = (1,) if wy_in_state and token_rows is None else (batch, padded, v_heads, value_dim)
     with_p = block_sizes.fuse_output
@@ -856,8 +835,7 @@ def _prepare(
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
-                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p,
-                  "heads_per_program": heads_per_program},
+                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
@@ -880,7 +858,7 @@ def _prepare(
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
-        grid=(pl.cdiv(num_chunks, chunks_per_program), batch * v_heads // heads_per_program),
+        grid=(pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
         interpret=interpret,
         name="gdn_prepare",

@@ -74,18 +74,6 @@ def test_grouped_heads(implementation, k_heads, v_heads, initial_state):
     check(inputs, implementation, jnp.float32)
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["prepare-per-v-head", "prepare-per-k-head"])
-@pytest.mark.parametrize("k_heads,v_heads", [(3, 3), (2, 6)], ids=["ratio1", "ratio3"])
-def test_grouped_heads_prepare_sharing(k_heads, v_heads, share):
-    """The dense prepare per v-head or per k-head (the group's v-heads sharing K K^T and Q K^T), 3 chunks."""
-    shapes = dataclasses.replace(SMALL, k_heads=k_heads, v_heads=v_heads)
-    inputs = workloads.make_inputs(shapes, seq=3 * CHUNK - 5, dtype=jnp.float32, seed=v_heads + 1)
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), prepare_share_heads=share)
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=block_sizes)
-    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
-        assert_close(name, g, w, jnp.float32)
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_extreme_gates(implementation):
     """g = -20 (state wiped), g = 0, beta exactly 0 and 1, mixed along the sequence."""
@@ -309,15 +297,6 @@ VARIANTS = [
      (20 * CHUNK + 3, 0, 15 * CHUNK, 7), 1),
     ("prepare-one-chunk-per-program", {"prepare_chunks": 1}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
     ("fold-t-into-p-f32", {"fold_t_into_p": True}, jnp.float32, 64, 150, None, 2),
-    # one prepare program per k-head: the group's v-heads share K K^T and Q K^T (SMALL has 2 v-heads a group)
-    ("prepare-share-heads-bf16", {"prepare_share_heads": True}, jnp.bfloat16, 64, 150, None, 2),
-    ("prepare-share-heads-packed", {"prepare_share_heads": True}, jnp.float32, CHUNK, None,
-     (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
-    ("prepare-share-heads-w-u-chunks", {"prepare_share_heads": True, "wy_in_state": False, "prepare_chunks": 3},
-     jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
-    ("prepare-share-heads-fold-packed-t", {"prepare_share_heads": True, "fold_t_into_p": True,
-                                           "wy_in_state": True}, jnp.bfloat16, CHUNK, None,
-     (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
     ("fold-t-into-p-bf16-packed-t", {"fold_t_into_p": True, "wy_in_state": True}, jnp.bfloat16, CHUNK, None,
      (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
     ("wy-in-state-unfused", {"wy_in_state": True, "fuse_output": False}, jnp.float32, CHUNK, 2 * CHUNK + 5,
