@@ -13,9 +13,8 @@ registers. Per chunk (c = 64 tokens):
     h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K       [block_v, key_dim]
     O    = diag(e^gamma) scale Q h + P V'                   [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
 
-with T diag(beta), P and the decay factors e^gamma, e^(gamma_last - gamma) from `pallas_triton._prepare`
-(`wy_in_state`). Three warpgroups per program (batch row or packed sequence, v-head, block of 64 value
-columns): 0 walks, 1 forms the output from the h^T
+with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`). Three warpgroups per program
+(batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
 and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
 compute warpgroup's tiles on their own barriers). Source of the algorithm: arXiv:2412.06464 (gated delta
 rule), the WY / UT representation as in flash-linear-attention; the warp-specialised structure as in JAX's
@@ -213,8 +212,8 @@ def _walk_kernel(
 
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps"))
 def state_pass(
-    q, k, v, t_beta, p, exp_gamma, exp_to_last, initial_state, chunk_bounds=None, cu_seqlens=None, *, scale,
-    out_seq=None, max_concurrent_steps=2
+    q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, cu_seqlens=None, *, scale, out_seq=None,
+    max_concurrent_steps=2
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -223,9 +222,7 @@ def state_pass(
       v: [batch, seq, v_heads, value_dim] bf16; v-head h reads q/k head h // (v_heads // k_heads).
       t_beta: [batch, seq, v_heads, 64] bf16, each chunk's T diag(beta) (the UT transform) from the prepare.
       p: [batch, seq, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma).
-      exp_gamma: [batch, v_heads, seq] f32, e^gamma, gamma the chunk-local prefix sums of the log decay.
-      exp_to_last: [batch, v_heads, seq] f32, e^(gamma_last - gamma), gamma_last the chunk's last gamma
-        (both from the prepare, `pallas_triton._prepare`, as factors: no XLA work between the kernels).
+      gamma: [batch, v_heads, seq] f32, chunk-local prefix sums of the log decay.
       initial_state: [batch, v_heads, key_dim, value_dim] f32, or with chunk_bounds [num_seqs, ...].
       chunk_bounds: None, or packed sequences (batch == 1): int32 [num_seqs + 1], sequence i owning chunks
         chunk_bounds[i] .. chunk_bounds[i + 1] - 1 of the chunk-aligned arrays (one walk per sequence, from
@@ -247,6 +244,9 @@ def state_pass(
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
     if reason or seq % CHUNK:
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
+    # the decays as factors, once per token here (XLA) instead of once per token and value block in the walk
+    gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
+    exp_gamma, exp_to_last = jnp.exp(gamma), jnp.exp(gamma_last - gamma)
     init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
     packed = chunk_bounds is not None
     rows = (initial_state.shape[0] + 1,)

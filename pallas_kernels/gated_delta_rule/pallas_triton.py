@@ -259,7 +259,6 @@ def _prepare_kernel(
     p_ref,
     q_out_ref,
     k_out_ref,
-    exp_to_last_ref,
     *,
     chunk_size,
     group,
@@ -270,12 +269,11 @@ def _prepare_kernel(
     in_place,
 ):
     # q_ref/k_ref [b, t, k_heads, key_dim]; v_ref/u_ref [b, t, v_heads, value_dim]; w_ref [b, t, v_heads,
-    # key_dim]; g_ref/beta_ref [b, t, v_heads] f32 (as given: no transposes before the kernel); gamma_ref
-    # [b, v_heads, t] f32; p_ref [b, t, v_heads, chunk_size] (with_p).
+    # key_dim]; g_ref/beta_ref/gamma_ref [b, v_heads, t] f32; p_ref [b, t, v_heads, chunk_size] (with_p).
     # Program (chunk n, batch*v_heads bh). The chunk is cut into chunk_size // sub row blocks and
     #   T_dd = (I + A_dd)^-1,   T_de = -T_dd sum_{e <= m < d} A_dm T_me   (d > e).
-    # src_ref/len_ref, q_out_ref/k_out_ref, exp_to_last_ref: unused (q, k, v come chunk-aligned: in_place
-    # and exp_decays are the dense kernel's only).
+    # src_ref/len_ref, q_out_ref/k_out_ref: unused (q, k, v come chunk-aligned: in_place is the dense
+    # kernel's only).
     assert not in_place, "the sub_blocks prepare reads chunk-aligned q, k, v only"
     exact = compute_dtype == jnp.float32
     n, bh = pl.program_id(0), pl.program_id(1)
@@ -289,10 +287,10 @@ def _prepare_kernel(
     offset = jnp.float32(0.0)
     for d in range(num_blocks):
         k = k_ref[b, rows[d], h // group, :]  # [sub, key_dim]
-        g = g_ref[b, rows[d], h]  # [sub] f32
+        g = g_ref[b, h, rows[d]]  # [sub] f32
         gamma = jnp.cumsum(g, axis=0) + offset  # chunk-local prefix sum
         offset = offset + jnp.sum(g)
-        beta = beta_ref[b, rows[d], h]
+        beta = beta_ref[b, h, rows[d]]
         gamma_ref[b, h, rows[d]] = gamma
         ks.append(k)
         gammas.append(gamma)
@@ -351,7 +349,6 @@ def _prepare_dense_kernel(
     p_ref,
     q_out_ref,
     k_out_ref,
-    exp_to_last_ref,
     *,
     chunk_size,
     group,
@@ -363,7 +360,6 @@ def _prepare_dense_kernel(
     wy_in_state=False,
     chunks_per_program=1,
     fold_t_into_p=False,
-    exp_decays=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -376,9 +372,7 @@ def _prepare_dense_kernel(
     # each group); everything else chunk-aligned. wy_in_state: w_ref [b, t, v_heads, c] takes T diag(beta)
     # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
     # chunks_per_program > 1: program (chunk block, batch*v_heads) walks its chunks in a loop (the last block
-    # clamped to the last chunk, which it then redoes: identical writes). exp_decays (for the Mosaic GPU
-    # walk): gamma_ref takes e^gamma, exp_to_last_ref [b, v_heads, t] e^(gamma_last - gamma), gamma_last the
-    # chunk's last gamma (else exp_to_last_ref is unused).
+    # clamped to the last chunk, which it then redoes: identical writes).
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -391,14 +385,9 @@ def _prepare_dense_kernel(
         tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
         key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
         k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
-        gamma = jnp.cumsum(g_ref[b, rows, h], axis=0)  # [c] f32, chunk-local prefix sum
-        beta = beta_ref[b, rows, h]
-        if exp_decays:  # the factors the Mosaic GPU walk takes: e^gamma and e^(gamma_last - gamma)
-            last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1, gamma, 0.0))
-            gamma_ref[b, h, rows] = jnp.exp(gamma)
-            exp_to_last_ref[b, h, rows] = jnp.exp(last - gamma)
-        else:
-            gamma_ref[b, h, rows] = gamma
+        gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
+        beta = beta_ref[b, h, rows]
+        gamma_ref[b, h, rows] = gamma
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
@@ -438,7 +427,7 @@ def _prepare_dense_kernel(
         w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
         u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
-    num_chunks, first = g_ref.shape[1] // c, pl.program_id(0) * chunks_per_program
+    num_chunks, first = g_ref.shape[2] // c, pl.program_id(0) * chunks_per_program
     if chunks_per_program == 1:
         one_chunk(first)
     else:  # a loop, so that Triton's software pipeline loads the next chunk's tiles during this one's products
@@ -817,18 +806,15 @@ def _output_kernel(
 def _prepare(
     q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None
 ):
-    """Stage 1 from g, bt [b, t, v_heads] f32: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim]
-    (compute dtype), gamma [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads,
-    chunk_size] (compute dtype; else a dummy); t = g's chunk-aligned length. token_rows: None (q, k, v chunk-aligned too) or (chunk_src,
+    """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
+    [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
+    else a dummy); t = g's chunk-aligned length. token_rows: None (q, k, v chunk-aligned too) or (chunk_src,
     chunk_len) [num_chunks] int32, where each chunk's rows lie in the packed q, k, v (dense kernel with P
     only); then also chunk-aligned copies of q and k [b, t, k_heads, key_dim] (else dummies).
     With `block_sizes.wy_in_state` the first output is T diag(beta) [b, t, v_heads, chunk_size] in place of W,
-    and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U. With
-    `block_sizes.state_kernel == "mosaic"` (dense prepare) the third output is e^gamma, and a seventh
-    e^(gamma_last - gamma) [b, v_heads, t] f32 (else a dummy), the factors the Mosaic GPU walk takes."""
+    and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U."""
     batch, _, k_heads, key_dim = k.shape
-    padded = g.shape[1]
-    exp_decays = block_sizes.state_kernel == "mosaic"
+    padded = g.shape[2]
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
     wy_in_state = block_sizes.wy_in_state
@@ -849,8 +835,7 @@ def _prepare(
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
-                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p,
-                  "exp_decays": exp_decays},
+                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
@@ -872,7 +857,6 @@ def _prepare(
             jax.ShapeDtypeStruct(p_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
-            jax.ShapeDtypeStruct((batch, v_heads, padded) if exp_decays else (1,), jnp.float32),
         ),
         grid=(pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
@@ -987,13 +971,12 @@ def _run_stages(
     **common
 ):
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
-    compute dtype, g/bt [b, t, v_heads] f32. Returns (output [b, t, v_heads, value_dim], final state).
+    compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state).
     token_rows (packed, fused, dense prepare, one segment): q, k, v and the output stay packed [1, seq, ...]
     (see `_prepare`). packed_rows (the Mosaic GPU state pass on packed sequences): (chunk_bounds, cu_seqlens,
     seq), and the output is packed [1, seq, ...] too."""
     block_sizes = common["block_sizes"]
-    w, u, gamma, p, q_aligned, k_aligned, exp_to_last = _prepare(
-        q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
+    w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
         u = v
     final_state = None
@@ -1008,8 +991,8 @@ def _run_stages(
         packed_inputs = (initial_state, *chunk_flags[:2])
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
     if block_sizes.state_kernel == "mosaic":
-        out, last = _state_pass_mosaic(q, k, u, w, gamma, exp_to_last, p, initial_state, packed_rows,
-                                       scale=scale, block_sizes=block_sizes)
+        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, packed_rows, scale=scale,
+                                       block_sizes=block_sizes)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
@@ -1032,13 +1015,11 @@ def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, co
     return reason
 
 
-def _state_pass_mosaic(q, k, v, t_beta, exp_gamma, exp_to_last, p, initial_state, packed_rows, *, scale,
-                       block_sizes):
+def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, packed_rows, *, scale, block_sizes):
     """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes. packed_rows:
     None, or (chunk_bounds, cu_seqlens, seq) of packed sequences, whose output is then written in place."""
     chunk_bounds, cu_seqlens, seq = packed_rows or (None, None, None)
-    return pallas_mosaic.state_pass(q, k, v, t_beta, p, exp_gamma, exp_to_last, initial_state, chunk_bounds,
-                                    cu_seqlens,
+    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, chunk_bounds, cu_seqlens,
                                     scale=scale, out_seq=seq, max_concurrent_steps=block_sizes.mosaic_stages)
 
 
@@ -1168,6 +1149,8 @@ def gated_delta_rule_pallas(
         q, k, v, g, bt = (
             jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, bt)
         )
+    g = jnp.swapaxes(g, 1, 2)  # [batch, v_heads, padded]
+    bt = jnp.swapaxes(bt, 1, 2)
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, key_dim, value_dim), jnp.float32)
     initial_state = initial_state.astype(jnp.float32)

@@ -68,40 +68,17 @@ def test_explicit_mosaic_refused_in_the_interpreter_and_auto_falls_back():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
 
 
-def test_prepare_gives_the_walk_its_decay_factors():
-    """For the Mosaic GPU walk the prepare writes e^gamma and e^(gamma_last - gamma) (interpreter) in place
-    of gamma, the chunk-local prefix sums of the log decay it writes for the Triton walk."""
-    inputs = workloads.make_inputs(dataclasses.replace(DIM128, seq=128, batch=1, v_heads=2, k_heads=1),
-                                   dtype=jnp.bfloat16, seed=4)
-    q, k, v = (inputs[n] for n in ("query", "key", "value"))
-    g, bt = (inputs[n].astype(jnp.float32) for n in ("log_decay", "beta"))
-    common = {"scale": 128**-0.5, "chunk_size": 64, "group": 2, "compute_dtype": jnp.bfloat16,
-              "interpret": True}
-    wy = dataclasses.replace(DEFAULT, wy_in_state=True)
-    plain = pallas_triton._prepare(q, k, v, g, bt, block_sizes=dataclasses.replace(wy, state_kernel="triton"),
-                                   **common)
-    factors = pallas_triton._prepare(q, k, v, g, bt, block_sizes=dataclasses.replace(wy, state_kernel="mosaic"),
-                                     **common)
-    gamma = np.asarray(plain[2])  # [1, v_heads, 128]
-    last = np.repeat(gamma[:, :, 63::64], 64, axis=2)
-    assert np.isfinite(gamma).all() and (gamma[..., -1] < -0.1).all()  # decays that matter
-    np.testing.assert_allclose(np.asarray(factors[2]), np.exp(gamma), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(factors[6]), np.exp(last - gamma), rtol=1e-6)
-    for a, b in zip(plain[:2] + plain[3:6], factors[:2] + factors[3:6], strict=True):  # the rest unchanged
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_kernel_lowers_for_cuda():
     """The walk kernel through Mosaic GPU's lowering (layout inference, wgmma shapes, shared memory within
     227 KiB) for an sm_90 target: two batch rows, and three packed sequences writing their output in place."""
     t, kh, vh, k, v = 256, 2, 4, 128, 128
     bf16, f32 = jnp.bfloat16, jnp.float32
 
-    def args(b, rows, seq=t):  # q, k, v, T diag(beta), P, e^gamma, e^(gamma_last - gamma), initial state
+    def args(b, rows, seq=t):  # q, k, v, T diag(beta), P, gamma, initial state
         return (jax.ShapeDtypeStruct((b, seq, kh, k), bf16), jax.ShapeDtypeStruct((b, seq, kh, k), bf16),
                 jax.ShapeDtypeStruct((b, seq, vh, v), bf16), jax.ShapeDtypeStruct((b, seq, vh, 64), bf16),
                 jax.ShapeDtypeStruct((b, seq, vh, 64), bf16), jax.ShapeDtypeStruct((b, vh, seq), f32),
-                jax.ShapeDtypeStruct((b, vh, seq), f32), jax.ShapeDtypeStruct((rows, vh, k, v), f32))
+                jax.ShapeDtypeStruct((rows, vh, k, v), f32))
 
     def lowered(*a, **kw):
         return pallas_mosaic.state_pass.trace(*a, scale=k**-0.5, **kw).lower(lowering_platforms=("cuda",)).as_text()
