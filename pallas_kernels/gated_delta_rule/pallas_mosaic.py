@@ -210,10 +210,195 @@ def _walk_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps"))
+def _walk_kernel_w(
+    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, bounds_ref, cu_ref,  # inputs (GMEM)
+    o_ref, final_ref,  # outputs (GMEM)
+    q_smem, k_smem, v_smem, tb_smem, p_smem,  # input tiles
+    h_smem, w_smem, union,  # h^T, -W for the walk, (h^T in/out | V'^T and O staging)
+    decays_smem,  # [3, 2, c] f32: e^gamma for the walk and W, e^(gamma_last - gamma), e^gamma for the output
+    kload, kfree, tload, tfree, loaded1, free1, h_ready, h_free, w_ready, w_free, state_barrier, out_done,
+    *, group, scale, k_stages, packed,
+):
+    # As `_walk_kernel`, but the walk takes V'^T = U^T + h^T (-W)^T, W = T diag(beta e^gamma) K formed by
+    # warpgroup 1 one chunk ahead (two buffers): two products a step on the walk's critical path instead of
+    # three, no elementwise work between them. K streams in `k_stages` buffers on its own barriers; V, T
+    # diag(beta) and the decays in 2, released by the walk after its first product.
+    state_smem, (vn_smem, o_smem) = union
+    eg0_smem, ed_smem, eg1_smem = (decays_smem.at[i] for i in range(3))  # one allocation (1 KiB aligned)
+    row, h, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
+    b = 0 if packed else row
+    lo, hi = (bounds_ref[row], bounds_ref[row + 1]) if packed else (0, q_ref.shape[1] // CHUNK)
+    wg = lax.axis_index("wg")
+    kh = lax.div(h, jnp.array(group, h.dtype))
+    cols = pl.ds(vb * BLOCK_V, BLOCK_V)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    layout = plgpu.Layout.WGMMA
+    key_dim = k_smem.shape[-1]
+
+    def lc(x):
+        return plgpu.layout_cast(x, layout)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @pl.loop(lo, hi)
+        def _(n):
+            rows, s, sk = pl.ds(n * CHUNK, CHUNK), lax.rem(n - lo, 2), lax.rem(n - lo, k_stages)
+            pl.when(n - lo >= k_stages)(functools.partial(plgpu.barrier_wait, kfree.at[sk]))
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh, :], k_smem.at[sk], kload.at[sk])
+            walk_tiles = (  # V, T diag(beta), e^gamma, e^(gamma_last - gamma)
+                (v_ref.at[b, rows, h, cols], v_smem), (tb_ref.at[b, rows, h, :], tb_smem),
+                (eg_ref.at[b, h, rows], eg0_smem), (ed_ref.at[b, h, rows], ed_smem),
+            )
+            output_tiles = (  # warpgroup 1's own: Q, P, e^gamma
+                (q_ref.at[b, rows, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
+                (eg_ref.at[b, h, rows], eg1_smem),
+            )
+            for tiles, free, loaded in ((walk_tiles, tfree, tload), (output_tiles, free1, loaded1)):
+                pl.when(n - lo >= 2)(functools.partial(plgpu.barrier_wait, free.at[s]))
+                for src, dst in tiles:
+                    plgpu.copy_gmem_to_smem(src, dst.at[s], loaded.at[s])
+
+    @pl.when(wg == 0)
+    def _walk():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.copy_gmem_to_smem(init_ref.at[row, h, cols], state_smem, state_barrier.at[0])
+        plgpu.barrier_wait(state_barrier.at[0])
+        state0 = lc(plgpu.load(state_smem, layout=layout))
+        shape = (BLOCK_V, CHUNK)
+
+        def step(n, state):
+            s, sk = lax.rem(n - lo, 2), lax.rem(n - lo, k_stages)
+            plgpu.barrier_wait(tload.at[s])
+            plgpu.barrier_wait(w_ready.at[s])
+            state = lc(state)
+            state_in = lc(state.astype(bf16))
+            exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
+            exp_last = eg0_smem[s, CHUNK - 1]
+
+            def products(u_ref):  # V'^T = V^T (T diag(beta))^T + h^T (-W)^T, elementwise work meanwhile
+                plgpu.wgmma(u_ref, v_smem.at[s].transpose((1, 0)), tb_smem.at[s].transpose((1, 0)))
+                plgpu.wgmma(u_ref, state_in, w_smem.at[s].transpose((1, 0)))
+
+                @pl.when(n - lo >= 2)
+                def _():
+                    plgpu.barrier_wait(h_free.at[s])
+
+                h_smem[s] = state_in  # h^T for the output warpgroup
+                decay = lc(lax.broadcast_in_dim(exp_to_last, shape, [1]))
+                state_scaled = lc(state * exp_last)
+                return lc(u_ref[...]), decay, state_scaled
+
+            vnew_t, decay, state_scaled = pl.run_scoped(products, plgpu.ACC(shape, f32))
+            plgpu.barrier_arrive(tfree.at[s])
+            plgpu.barrier_arrive(w_free.at[s])
+            decayed = lc((vnew_t * decay).astype(bf16))
+            vnew_in = lc(vnew_t.astype(bf16))
+            plgpu.barrier_wait(kload.at[sk])
+
+            def third(acc_ref):  # h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K
+                plgpu.wgmma(acc_ref, decayed, k_smem.at[sk])
+                vn_smem[s] = vnew_in
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(h_ready.at[s])
+
+            state = pl.run_state(third)(plgpu.ACC.init(state_scaled))
+            plgpu.barrier_arrive(kfree.at[sk])
+            return lc(state)
+
+        state = lax.fori_loop(lo, hi, step, state0)
+        plgpu.barrier_wait(out_done.at[0])  # state_smem shares its bytes with V'^T and the O staging
+        state_smem[...] = state
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state_smem, final_ref.at[row, h, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _output():
+        plgpu.set_max_registers(232, action="increase")
+        shape = (CHUNK, BLOCK_V)
+
+        def make_w(n):  # -W = -(T diag(beta) diag(e^gamma)) K [c, key_dim] for the walk's chunk n
+            s, sk = lax.rem(n - lo, 2), lax.rem(n - lo, k_stages)
+            plgpu.barrier_wait(tload.at[s])
+            plgpu.barrier_wait(kload.at[sk])
+
+            @pl.when(n - lo >= 2)
+            def _():
+                plgpu.barrier_wait(w_free.at[s])
+
+            exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))  # over the columns (tokens)
+            tb = lc(plgpu.load(tb_smem.at[s], (), layout=layout)).astype(f32)
+            a = lc((tb * -lc(lax.broadcast_in_dim(exp_gamma, (CHUNK, CHUNK), [1]))).astype(bf16))
+
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, a, k_smem.at[sk])
+                return lc(acc_ref[...])
+
+            w = pl.run_scoped(product, plgpu.ACC((CHUNK, key_dim), f32))
+            w_smem[s] = lc(w.astype(bf16))
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(w_ready.at[s])
+
+        pl.when(lo < hi)(functools.partial(make_w, lo))
+
+        @pl.loop(lo, hi)
+        def _(n):
+            pl.when(n + 1 < hi)(functools.partial(make_w, n + 1))
+            s = lax.rem(n - lo, 2)
+            plgpu.barrier_wait(loaded1.at[s])
+            plgpu.barrier_wait(h_ready.at[s])
+            exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
+
+            def inter(acc_ref):  # Q h, scaled by rows
+                plgpu.wgmma(acc_ref, q_smem.at[s], h_smem.at[s].transpose((1, 0)))
+                row_scale = lc(lax.broadcast_in_dim(exp_gamma * scale, shape, [0]))
+                return lc(lc(acc_ref[...]) * row_scale)
+
+            out0 = pl.run_scoped(inter, plgpu.ACC(shape, f32))
+
+            def intra(acc_ref):  # + P V'
+                plgpu.wgmma(acc_ref, p_smem.at[s], vn_smem.at[s].transpose((1, 0)))
+
+            out = lc(pl.run_state(intra)(plgpu.ACC.init(out0)))
+            plgpu.barrier_arrive(h_free.at[s])
+            plgpu.barrier_arrive(free1.at[s])
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out = lc(out.astype(o_smem.dtype))
+            _store_output(out, o_smem, o_ref, cu_ref, s, n, lo, b, h, cols, row, packed)
+
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_arrive(out_done.at[0])
+
+
+def _store_output(out, o_smem, o_ref, cu_ref, hb, n, lo, b, h, cols, row, packed):
+    """O [c, block_v] (registers) -> o_smem[hb] -> the output rows of chunk n (TMA); packed: straight to the
+    sequence's rows of the packed array (any token offset: O staged untiled), a whole chunk with one copy, the
+    sequence's last, partial chunk row by row (its other rows are the next sequence's)."""
+    o_smem[hb] = out
+    plgpu.commit_smem()
+    if not packed:
+        plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[b, pl.ds(n * CHUNK, CHUNK), h, cols])
+        return
+    src = cu_ref[row] + (n - lo) * CHUNK
+    count = jnp.minimum(cu_ref[row + 1] - src, CHUNK)
+
+    @pl.when(count == CHUNK)
+    def _():
+        plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[0, pl.ds(src, CHUNK), h, cols])
+
+    @pl.when(count < CHUNK)
+    def _():
+        for r in range(CHUNK):
+            plgpu.copy_smem_to_gmem(o_smem.at[hb, pl.ds(r, 1)], o_ref.at[0, pl.ds(src + r, 1), h, cols],
+                                    predicate=r < count)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "form_w", "k_stages"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, cu_seqlens=None, *, scale, out_seq=None,
-    max_concurrent_steps=2
+    max_concurrent_steps=2, form_w=False, k_stages=3
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -257,10 +442,50 @@ def state_pass(
     bounds, cu = (jnp.asarray(x if packed else jnp.zeros((2,), jnp.int32), jnp.int32)
                   for x in (chunk_bounds, cu_seqlens))
 
+    tile, st = _bf16_tile(), max_concurrent_steps
+    if form_w:
+        def gdn_state_mosaic(*refs):  # the kernel's name in profiles
+            _walk_kernel_w(*refs, group=v_heads // k_heads, scale=scale, k_stages=k_stages, packed=packed)
+
+        bar = plgpu.Barrier
+        out, final_t = plgpu.kernel(
+            gdn_state_mosaic,
+            out_type=(
+                jax.ShapeDtypeStruct((batch, out_seq if packed else seq, v_heads, value_dim), jnp.bfloat16),
+                jax.ShapeDtypeStruct(init_t.shape, jnp.float32),
+            ),
+            scratch_types=(
+                plgpu.SMEM((2, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # q
+                plgpu.SMEM((k_stages, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # k
+                plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tile),  # v
+                plgpu.SMEM((2, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # T diag(beta)
+                plgpu.SMEM((2, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # P
+                plgpu.SMEM((2, BLOCK_V, key_dim), jnp.bfloat16, transforms=tile),  # h^T for the output
+                plgpu.SMEM((2, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # -W for the walk
+                plgpu.RefUnion(
+                    plgpu.SMEM((BLOCK_V, key_dim), jnp.float32),  # h^T in and out (before / after the loops)
+                    (plgpu.SMEM((2, BLOCK_V, CHUNK), jnp.bfloat16, transforms=tile),  # V'^T for the output
+                     plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if packed else tile)),  # O
+                ),
+                plgpu.SMEM((3, 2, CHUNK), jnp.float32),  # e^gamma (walk, W), e^(gamma_last - gamma), e^gamma (O)
+                bar(num_barriers=k_stages, num_arrivals=1), bar(num_barriers=k_stages, num_arrivals=1),  # K
+                bar(num_barriers=2, num_arrivals=4), bar(num_barriers=2, num_arrivals=1),  # V, T, decays
+                bar(num_barriers=2, num_arrivals=3), bar(num_barriers=2, num_arrivals=1),  # Q, P, e^gamma
+                bar(num_barriers=2, num_arrivals=1), bar(num_barriers=2, num_arrivals=1),  # h_ready, h_free
+                bar(num_barriers=2, num_arrivals=1), bar(num_barriers=2, num_arrivals=1),  # w_ready, w_free
+                bar(num_barriers=1, num_arrivals=1), bar(num_barriers=1, num_arrivals=1),  # state, out_done
+            ),
+            grid=(init_t.shape[0], v_heads, value_dim // BLOCK_V),
+            grid_names=("rows", "heads", "vblocks"),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, bounds, cu)
+        return out, jnp.swapaxes(final_t, 2, 3)
+
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed)
 
-    tile, st = _bf16_tile(), max_concurrent_steps
     out, final_t = plgpu.kernel(
         gdn_state_mosaic,
         out_type=(
