@@ -164,13 +164,6 @@ class BlockSizes:
     # `mosaic_stages`: its TMA pipeline depth (3 do not fit in shared memory).
     state_kernel: str = "auto"
     mosaic_stages: int = 2
-    # Mosaic GPU walk: W = T diag(beta e^gamma) K formed by the output warpgroup one chunk ahead, so that the
-    # walk's step is two dependent products (V'^T = U^T - h^T W^T, then h^T) instead of three; K in
-    # `mosaic_k_stages` buffers. Off: on an H100 (2026-11-25 06:22 UTC) the walk took 0.376 instead of 0.276
-    # ms at T=16384 (2 K buffers 0.378): the output warpgroup, now 5 of the 10 [64, 64, 64]-sized products a
-    # step, holds the walk up, the SM's tensor cores shared by both warpgroups.
-    mosaic_form_w: bool = False
-    mosaic_k_stages: int = 3
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -1027,8 +1020,7 @@ def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, packed_rows, *,
     None, or (chunk_bounds, cu_seqlens, seq) of packed sequences, whose output is then written in place."""
     chunk_bounds, cu_seqlens, seq = packed_rows or (None, None, None)
     return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, chunk_bounds, cu_seqlens,
-                                    scale=scale, out_seq=seq, max_concurrent_steps=block_sizes.mosaic_stages,
-                                    form_w=block_sizes.mosaic_form_w, k_stages=block_sizes.mosaic_k_stages)
+                                    scale=scale, out_seq=seq, max_concurrent_steps=block_sizes.mosaic_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "max_seqlen"))
