@@ -174,7 +174,9 @@ def parse_variant(spec: str, default) -> tuple[object, int]:
         if name not in fields:
             raise ValueError(f"variant {spec!r}: unknown field {name!r}; choose from {sorted(fields)}")
         current = getattr(default, name)
-        if isinstance(current, bool) or current is None:  # bool or bool | None (auto)
+        if current is None and "int" in str(fields[name].type):  # int | None
+            changes[name] = None if value.lower() in ("auto", "none") else int(value)
+        elif isinstance(current, bool) or current is None:  # bool or bool | None (auto)
             changes[name] = None if value.lower() == "auto" else value.lower() in ("1", "true", "yes")
         else:
             changes[name] = type(current)(value)

@@ -1,6 +1,7 @@
 """Shape checks and the chunk-aligned layout shared by the chunked implementations (pure JAX and Pallas)."""
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,29 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
         gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last, chunk_src, chunk_len,
         chunk_start,
     )
+
+
+class GridRanges(NamedTuple):
+    """Packed sequences on the packed array's own chunk grid (chunk n = tokens [n c, n c + c), a chunk may hold
+    the end of one sequence and the start of the next): per token slot t < padded (padded a multiple of c)."""
+
+    token_seq: jax.Array  # int32 [padded]: the sequence of token t, -1 for t >= seq
+    first: jax.Array  # int32 [padded]: the first token of t's sequence in t's chunk (t >= seq: the chunk's)
+    last: jax.Array  # int32 [padded]: the last token of t's sequence in t's chunk (t >= seq: t)
+
+
+def grid_ranges(cu_seqlens, seq: int, padded: int, chunk_size: int) -> GridRanges:
+    """`GridRanges` of packed sequences (cu_seqlens: int32 [num_seqs + 1], cu[-1] == seq <= padded)."""
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    num_seqs = cu.shape[0] - 1
+    token = jnp.arange(padded, dtype=jnp.int32)
+    found = jnp.clip(jnp.searchsorted(cu[1:], token, side="right", method=SEARCH), 0, num_seqs - 1)
+    chunk_first = token - token % chunk_size
+    first = jnp.maximum(cu[found], chunk_first)
+    last = jnp.minimum(cu[found + 1], chunk_first + chunk_size) - 1
+    inside = token < seq
+    return GridRanges(jnp.where(inside, found, -1).astype(jnp.int32), jnp.where(inside, first, chunk_first),
+                      jnp.where(inside, last, token))
 
 
 def pad_to_chunks(query, key, value, log_decay, beta, chunk_size: int, layout: PackedLayout | None):

@@ -36,6 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gated_delta_rule import _common
+
 CHUNK = 64  # tokens per chunk; also the walk's rows of h^T (block_v): one warpgroup's wgmma M
 BLOCK_V = 64
 
@@ -56,7 +58,7 @@ def _bf16_tile():
 
 
 def _walk_kernel(
-    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, bounds_ref, cu_ref,  # inputs (GMEM)
+    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, cu_ref, bounds_ref,  # inputs (GMEM)
     o_ref, final_ref,  # outputs (GMEM)
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
@@ -67,9 +69,24 @@ def _walk_kernel(
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
     # each compute warpgroup's tiles on their own barriers, so that warpgroup 0 never waits for 1's).
     row, h, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
-    # row: a batch row, or with `packed` a sequence, whose chunks [lo, hi) of batch row 0 it walks
+    # row: a batch row, or with `packed` a sequence (tokens [start, end) of the packed output), whose chunks
+    # [lo, hi) it walks: "own_grid", the packed array's own chunks (the first and last may hold other
+    # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
     b = 0 if packed else row
-    lo, hi = (bounds_ref[row], bounds_ref[row + 1]) if packed else (0, q_ref.shape[1] // CHUNK)
+    start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
+    if packed == "own_grid":
+        lo = lax.div(start, CHUNK)
+        hi = jnp.where(end > start, lax.div(end + CHUNK - 1, CHUNK), lo)
+    elif packed == "regathered":
+        lo, hi = bounds_ref[row], bounds_ref[row + 1]
+    else:
+        lo, hi = 0, tb_ref.shape[1] // CHUNK
+
+    def own_rows(n):  # chunk n's first row in the packed output, and its rows [first, last) of this sequence
+        if packed == "own_grid":
+            return n * CHUNK, jnp.maximum(start - n * CHUNK, 0), jnp.minimum(end - n * CHUNK, CHUNK)
+        row0 = start + (n - lo) * CHUNK
+        return row0, 0, jnp.minimum(end - row0, CHUNK)
     wg = lax.axis_index("wg")
     kh = lax.div(h, jnp.array(group, h.dtype))
     cols = pl.ds(vb * BLOCK_V, BLOCK_V)
@@ -86,6 +103,7 @@ def _walk_kernel(
         @pl.loop(lo, hi)
         def _(n):
             rows, s = pl.ds(n * CHUNK, CHUNK), lax.rem(n - lo, stages)
+            # packed: q, k, v past the array's end (its last chunk) read as zeros (TMA)
             walk_tiles = (  # warpgroup 0's: K, V, T diag(beta), e^gamma, e^(gamma_last - gamma)
                 (k_ref.at[b, rows, kh, :], k_smem), (v_ref.at[b, rows, h, cols], v_smem),
                 (tb_ref.at[b, rows, h, :], tb_smem), (eg_ref.at[b, h, rows], eg0_smem),
@@ -118,7 +136,13 @@ def _walk_kernel(
             # e^gamma and e^(gamma_last - gamma) over the columns (tokens), e^gamma_last as a scalar
             exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
             exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
-            exp_last = eg0_smem[s, CHUNK - 1]
+            if packed == "own_grid":  # only the own sequence's tokens update the state, its decay ends there
+                _, first, last = own_rows(n)
+                token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout.reduce(0))
+                exp_to_last = jnp.where((token >= first) & (token < last), exp_to_last, 0.0)
+                exp_last = eg0_smem[s, last - 1]
+            else:
+                exp_last = eg0_smem[s, CHUNK - 1]
 
             def products(kh_ref, u_ref):  # the first two products, with the elementwise work while they run
                 plgpu.wgmma(kh_ref, state_in, k_smem.at[s].transpose((1, 0)))  # h^T K^T
@@ -189,73 +213,136 @@ def _walk_kernel(
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[b, pl.ds(n * CHUNK, CHUNK), h, cols])
                 return
-            # packed: the output goes straight to the sequence's rows of the packed array (any token offset:
-            # O staged untiled), a whole chunk with one copy, the sequence's last, partial chunk row by row
-            # (its other rows are the next sequence's)
-            src = cu_ref[row] + (n - lo) * CHUNK
-            count = jnp.minimum(cu_ref[row + 1] - src, CHUNK)
+            # packed: the rows of the walk's own sequence, straight to the packed output (any token offset: O
+            # staged untiled), a whole chunk with one copy, a chunk shared with other sequences (or partial)
+            # row by row
+            row0, first, last = own_rows(n)
             o_smem[hb] = out
             plgpu.commit_smem()
+            whole = (first == 0) & (last == CHUNK)
 
-            @pl.when(count == CHUNK)
+            @pl.when(whole)
             def _():
-                plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[0, pl.ds(src, CHUNK), h, cols])
+                plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[0, pl.ds(row0, CHUNK), h, cols])
 
-            @pl.when(count < CHUNK)
+            @pl.when(jnp.logical_not(whole))
             def _():
                 for r in range(CHUNK):
-                    plgpu.copy_smem_to_gmem(o_smem.at[hb, pl.ds(r, 1)], o_ref.at[0, pl.ds(src + r, 1), h, cols],
-                                            predicate=r < count)
+                    plgpu.copy_smem_to_gmem(o_smem.at[hb, pl.ds(r, 1)], o_ref.at[0, pl.ds(row0 + r, 1), h, cols],
+                                            predicate=(r >= first) & (r < last))
 
         plgpu.wait_smem_to_gmem(0)
 
 
+# Packed sequences on their own chunk grid: the log decay at each sequence's first token inside a chunk (not a
+# chunk's first row) is lowered by this much, so that exp(gamma_i - gamma_j) = exp(<= -256) = 0 in f32 for every
+# token j of an earlier sequence in the chunk: the prepare's T and P come out block-diagonal over the chunk's
+# sequences with no mask. Within a sequence the offsets cancel, at an f32 rounding cost of ~256 m * 6e-8 in the
+# exponent after m breaks in the chunk (1.5e-5 relative per break, under bf16's 4e-3); `decay_factors` adds
+# them back for the walk's own factors.
+SEQUENCE_BREAK = 256.0
+
+
+def break_sequences(log_decay, cu_seqlens, seq):
+    """log_decay [1, t, v_heads] f32 (t = seq rounded up to chunks) with -SEQUENCE_BREAK added at each packed
+    sequence's first token that is not a chunk's first row (cu_seqlens int32 [num_seqs + 1])."""
+    t = log_decay.shape[1]
+    starts = jnp.asarray(cu_seqlens, jnp.int32)[:-1]
+    inside = (starts % CHUNK != 0) & (starts < seq)
+    penalty = jnp.zeros((t,), jnp.float32).at[jnp.where(inside, starts, t)].set(-SEQUENCE_BREAK, mode="drop")
+    return log_decay + penalty[None, :, None]
+
+
+def decay_factors(gamma, cu_seqlens=None, seq=None):
+    """The walk's decays as factors, once per token (XLA) instead of once per token and value block in the walk.
+
+    Args:
+      gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (t a multiple of 64).
+      cu_seqlens: None, or packed sequences (batch == 1) on the packed array's chunk grid: int32 [num_seqs + 1]
+        token offsets (cu[-1] == seq <= t); a chunk may then hold several sequences' tokens, and gamma sums
+        the log decay of `break_sequences`.
+      seq: with cu_seqlens, the packed length.
+
+    Returns:
+      (e^gamma', e^(gamma'_last - gamma')) [batch, v_heads, t] f32: gamma' the prefix sum from the start of the
+      token's sequence or chunk, whichever is later, gamma'_last its value at the last token of the same
+      sequence in the same chunk (for batch rows: gamma and the chunk's last gamma).
+    """
+    if cu_seqlens is None:
+        gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
+        return jnp.exp(gamma), jnp.exp(gamma_last - gamma)
+    t = gamma.shape[2]
+    ranges = _common.grid_ranges(cu_seqlens, seq, t, CHUNK)
+    token = jnp.arange(t, dtype=jnp.int32)
+    before = jnp.take(gamma, jnp.maximum(ranges.first - 1, 0), axis=2)  # gamma just before the restart
+    restart = jnp.where(ranges.first > token - token % CHUNK, before - SEQUENCE_BREAK, 0.0)
+    return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps"))
 def state_pass(
-    q, k, v, t_beta, p, gamma, initial_state, chunk_bounds=None, cu_seqlens=None, *, scale, out_seq=None,
-    max_concurrent_steps=2
+    q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
+    max_concurrent_steps=2,
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
+    Three layouts: batch rows (no cu_seqlens); packed sequences on the packed array's own chunk grid
+    (cu_seqlens: q, k, v read and the output written in place); packed sequences regathered chunk-aligned
+    (cu_seqlens and chunk_bounds: each sequence starting a chunk of q, k, v and the prepare's outputs, the
+    output written in place).
+
     Args:
-      q, k: [batch, seq, k_heads, key_dim] bf16, chunk-aligned (seq a multiple of 64).
+      q, k: [batch, seq, k_heads, key_dim] bf16; seq a multiple of 64 for batch rows and regathered, any for
+        the own grid (not a multiple of 8: q, k, v are copied 8-row aligned, TMA's tiles needing whole tiles).
       v: [batch, seq, v_heads, value_dim] bf16; v-head h reads q/k head h // (v_heads // k_heads).
-      t_beta: [batch, seq, v_heads, 64] bf16, each chunk's T diag(beta) (the UT transform) from the prepare.
-      p: [batch, seq, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma).
-      gamma: [batch, v_heads, seq] f32, chunk-local prefix sums of the log decay.
-      initial_state: [batch, v_heads, key_dim, value_dim] f32, or with chunk_bounds [num_seqs, ...].
-      chunk_bounds: None, or packed sequences (batch == 1): int32 [num_seqs + 1], sequence i owning chunks
-        chunk_bounds[i] .. chunk_bounds[i + 1] - 1 of the chunk-aligned arrays (one walk per sequence, from
-        its initial state).
-      cu_seqlens: with chunk_bounds, int32 [num_seqs + 1] token offsets of the sequences in the packed
-        output [1, out_seq, ...], which the kernel writes in place.
+      t_beta: [batch, t, v_heads, 64] bf16, each chunk's T diag(beta) (the UT transform) from the prepare;
+        t = seq rounded up to chunks. Own grid: the chunks of the packed array itself (chunk n = tokens
+        [64 n, 64 n + 64), whatever sequences they belong to), from the log decay of `break_sequences` (T
+        block-diagonal over the chunk's sequences), and zero columns past seq (beta = 0 there).
+      p: [batch, t, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma) (own grid:
+        block-diagonal like T).
+      gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (own grid: of
+        `break_sequences`).
+      initial_state: [batch, v_heads, key_dim, value_dim] f32, or packed [num_seqs, ...].
+      cu_seqlens: None, or packed sequences (batch == 1): int32 [num_seqs + 1] token offsets in the packed
+        output (and own grid: in q, k, v), cu[-1] == the packed length. One walk per sequence over its chunks
+        (own grid: those holding its tokens, other sequences' tokens masked off), from its initial state.
+      chunk_bounds: with cu_seqlens, regathered: int32 [num_seqs + 1], sequence i owning chunks
+        chunk_bounds[i] .. chunk_bounds[i + 1] - 1 of the chunk-aligned q, k, v, t_beta, p, gamma.
       scale: the query scale (P already carries it).
+      out_seq: regathered: the packed output's length (static).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
 
     Returns:
-      output [batch, seq, v_heads, value_dim] bf16 ([1, out_seq, ...] packed) and the final state
+      output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]) and the final state
       [batch or num_seqs, v_heads, key_dim, value_dim] f32.
 
     Raises:
-      ValueError: shapes this kernel does not take (see `supported`).
+      ValueError: shapes this kernel does not take (see `supported`), or that disagree.
     """
     batch, seq, k_heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2:]
+    packed = None if cu_seqlens is None else "own_grid" if chunk_bounds is None else "regathered"
+    t = -(-seq // CHUNK) * CHUNK
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
-    if reason or seq % CHUNK:
+    if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
-    # the decays as factors, once per token here (XLA) instead of once per token and value block in the walk
-    gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
-    exp_gamma, exp_to_last = jnp.exp(gamma), jnp.exp(gamma_last - gamma)
-    init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
-    packed = chunk_bounds is not None
+    if t_beta.shape[1] != t or p.shape[1] != t or gamma.shape[2] != t:
+        raise ValueError(f"t_beta {t_beta.shape}, p {p.shape}, gamma {gamma.shape}: need {t} tokens (seq {seq} "
+                         "rounded up to chunks)")
     rows = (initial_state.shape[0] + 1,)
-    if packed and (batch != 1 or chunk_bounds.shape != rows or cu_seqlens is None or cu_seqlens.shape != rows
-                   or out_seq is None):
-        raise ValueError(f"packed: chunk_bounds {chunk_bounds.shape} and cu_seqlens need batch 1, one entry per "
-                         "initial state + 1, and out_seq")
-    bounds, cu = (jnp.asarray(x if packed else jnp.zeros((2,), jnp.int32), jnp.int32)
-                  for x in (chunk_bounds, cu_seqlens))
+    if packed and (batch != 1 or cu_seqlens.shape != rows or (chunk_bounds is not None and (
+            chunk_bounds.shape != rows or out_seq is None))):
+        raise ValueError(f"packed: cu_seqlens {cu_seqlens.shape} (and regathered, chunk_bounds and out_seq) need "
+                         "batch 1 and one entry per initial state + 1")
+    own = packed == "own_grid"
+    exp_gamma, exp_to_last = decay_factors(gamma, cu_seqlens if own else None, seq)
+    init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
+    cu, bounds = (jnp.asarray(jnp.zeros((2,), jnp.int32) if x is None else x, jnp.int32)
+                  for x in (cu_seqlens, chunk_bounds))
+    out_rows = out_seq if packed == "regathered" else seq
+    if seq % 8:  # TMA into 8-row tiles needs whole tiles in GMEM too: copies of q, k, v (the output is untiled)
+        q, k, v = (jnp.pad(x, [(0, 0), (0, (-seq) % 8), (0, 0), (0, 0)]) for x in (q, k, v))
 
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed)
@@ -264,7 +351,7 @@ def state_pass(
     out, final_t = plgpu.kernel(
         gdn_state_mosaic,
         out_type=(
-            jax.ShapeDtypeStruct((batch, out_seq if packed else seq, v_heads, value_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16),
             jax.ShapeDtypeStruct(init_t.shape, jnp.float32),
         ),
         scratch_types=(
@@ -293,5 +380,5 @@ def state_pass(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, bounds, cu)
+    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, cu, bounds)
     return out, jnp.swapaxes(final_t, 2, 3)

@@ -57,14 +57,16 @@ def _dot(a, b, dims=_PLAIN, exact=False):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _token_rows(n, chunk_size, src_ref, len_ref, in_place):
+def _token_rows(n, chunk_size, src_ref, len_ref, in_place, src_len=None):
     """Rows of chunk n in the token-ordered arrays (q, k, v, the fused output): (pl.ds, row mask or None).
     In place (packed sequences read where they lie): from the chunk's first packed token, the rows past the
-    chunk's length (the next sequence, or past the array's end) masked off."""
+    chunk's length (the next sequence, or past the array's end) masked off. src_len: the chunk's (first
+    token, length) already in registers, else read from src_ref, len_ref."""
     if not in_place:
         return pl.ds(n * chunk_size, chunk_size), None
-    mask = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) < len_ref[n]
-    return pl.ds(src_ref[n], chunk_size), mask
+    src, length = src_len if src_len is not None else (src_ref[n], len_ref[n])
+    mask = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) < length
+    return pl.ds(src, chunk_size), mask
 
 
 def _load_rows(ref, idx, mask, shape):
@@ -154,6 +156,19 @@ class BlockSizes:
     # Off: on an H100 (2026-11-24 23:48 UTC) the walk gained 6% at T=16384 (0.381 -> 0.359 ms) but the prepare
     # lost 52% (0.181 -> 0.275; with f32 operands and P live through the inverse, 0.179 -> 0.334).
     fold_t_into_p: bool = False
+    # Dense prepare on packed sequences read in place: each program loads its chunks' first tokens and lengths
+    # once before its loop over chunks, so that no tile address depends on a load inside the loop. On since
+    # 2026-11-25: on an H100 the prepare took 1.225 instead of 1.319 ms at 8 x 8192 tokens (7% less).
+    prepare_prefetch_rows: bool = True
+    # Dense prepare: Triton's software-pipelining depth of the loop over a program's chunks (None: Pallas'
+    # default). H100, 2026-11-25, prepare ms at T=16384 / packed 8 x 8192: None 0.180 / 1.319, 1 0.211 /
+    # 1.345, 2 0.190 / 1.288, 4 0.271 / 1.321.
+    prepare_pipeline_stages: int | None = None
+    # Dense prepare: launch order of the programs; True = the v-heads of one chunk block next to each other
+    # (those of one k-head read the same q, k tiles), False = the chunk blocks of one v-head. True since
+    # 2026-11-25: H100 prepare ms (False -> True) T=4096 0.0502 -> 0.0492, 16384 0.1801 -> 0.1808, 65536 0.707
+    # -> 0.688, packed 8 x 8192 0.723 -> 0.700.
+    prepare_heads_fastest: bool = True
     # The state pass's kernel: "triton" (`_state_kernel`, any GPU), "mosaic" (`pallas_mosaic.state_pass`,
     # Hopper only: the state transposed in registers as the A operand of the walk's products, the output
     # formed by a second warpgroup, a TMA warpgroup streaming the tiles; bf16, chunk_size 64, key_dim and
@@ -360,6 +375,9 @@ def _prepare_dense_kernel(
     wy_in_state=False,
     chunks_per_program=1,
     fold_t_into_p=False,
+    prefetch_rows=False,
+    valid_rows=None,
+    heads_fastest=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -372,17 +390,20 @@ def _prepare_dense_kernel(
     # each group); everything else chunk-aligned. wy_in_state: w_ref [b, t, v_heads, c] takes T diag(beta)
     # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
     # chunks_per_program > 1: program (chunk block, batch*v_heads) walks its chunks in a loop (the last block
-    # clamped to the last chunk, which it then redoes: identical writes).
+    # clamped to the last chunk, which it then redoes: identical writes). valid_rows: q, k (not in_place) hold
+    # that many tokens, fewer than t; the rows past them read as zeros.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
-    bh = pl.program_id(1)
+    block, bh = (pl.program_id(1), pl.program_id(0)) if heads_fastest else (pl.program_id(0), pl.program_id(1))
     v_heads = v_ref.shape[2]
     b, h = bh // v_heads, bh % v_heads
 
-    def one_chunk(n):
+    def one_chunk(n, src_len=None):
         rows = pl.ds(n * c, c)
-        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place)
+        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place, src_len)
+        if valid_rows is not None:  # the last chunk runs past the arrays' end
+            mask = n * c + jax.lax.broadcasted_iota(jnp.int32, (c,), 0) < valid_rows
         key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
         k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
         gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
@@ -391,6 +412,7 @@ def _prepare_dense_kernel(
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
+
         def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
             return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
 
@@ -427,13 +449,20 @@ def _prepare_dense_kernel(
         w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
         u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
-    num_chunks, first = g_ref.shape[2] // c, pl.program_id(0) * chunks_per_program
+    num_chunks, first = g_ref.shape[2] // c, block * chunks_per_program
     if chunks_per_program == 1:
         one_chunk(first)
     else:  # a loop, so that Triton's software pipeline loads the next chunk's tiles during this one's products
+        if in_place and prefetch_rows:  # the program's chunk offsets and lengths, loaded once before the loop
+            span = src_ref.shape[0] - num_chunks  # a power of 2 >= chunks_per_program (padded by `_prepare`)
+            lane = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
+            srcs, lens = src_ref[pl.ds(first, span)], len_ref[pl.ds(first, span)]
 
         def body(i, carry):
-            one_chunk(jnp.minimum(first + i, num_chunks - 1))
+            src_len = None
+            if in_place and prefetch_rows:
+                src_len = tuple(jnp.sum(jnp.where(lane == i, x, 0)) for x in (srcs, lens))
+            one_chunk(jnp.minimum(first + i, num_chunks - 1), src_len)
             return carry
 
         jax.lax.fori_loop(0, chunks_per_program, body, 0)
@@ -804,7 +833,8 @@ def _output_kernel(
 
 
 def _prepare(
-    q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None
+    q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None,
+    valid_rows=None,
 ):
     """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
     [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
@@ -812,7 +842,8 @@ def _prepare(
     chunk_len) [num_chunks] int32, where each chunk's rows lie in the packed q, k, v (dense kernel with P
     only); then also chunk-aligned copies of q and k [b, t, k_heads, key_dim] (else dummies).
     With `block_sizes.wy_in_state` the first output is T diag(beta) [b, t, v_heads, chunk_size] in place of W,
-    and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U."""
+    and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U. valid_rows
+    (dense prepare, no token_rows): q, k hold that many tokens, t rounded down; the rest read as zeros."""
     batch, _, k_heads, key_dim = k.shape
     padded = g.shape[2]
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
@@ -825,6 +856,11 @@ def _prepare(
     chunks_per_program = max(1, min(block_sizes.prepare_chunks, num_chunks // 16))
     if block_sizes.prepare_kernel != "dense":  # the sub_blocks prepare runs one chunk per program
         chunks_per_program = 1
+    heads_fastest = block_sizes.prepare_heads_fastest and block_sizes.prepare_kernel == "dense"
+    prefetch_rows = block_sizes.prepare_prefetch_rows and token_rows is not None and chunks_per_program > 1
+    if prefetch_rows:  # each program reads a power-of-2 span of offsets and lengths from its first chunk
+        span = 1 << (chunks_per_program - 1).bit_length()
+        token_rows = tuple(jnp.concatenate([x, jnp.repeat(x[-1:], span)]) for x in token_rows)
     w_shape = (batch, padded, v_heads, chunk_size if wy_in_state else key_dim)
     u_shape = (1,) if wy_in_state and token_rows is None else (batch, padded, v_heads, value_dim)
     with_p = block_sizes.fuse_output
@@ -835,10 +871,16 @@ def _prepare(
     options = {  # what only one of the two kernels takes
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
-                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p},
+                  "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p,
+                  "prefetch_rows": prefetch_rows, "heads_fastest": block_sizes.prepare_heads_fastest,
+                  "valid_rows": valid_rows},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
+    if valid_rows is not None and (token_rows is not None or block_sizes.prepare_kernel != "dense"
+                                   or not valid_rows < padded == k.shape[1] + (-k.shape[1]) % chunk_size):
+        raise ValueError(f"_prepare: valid_rows={valid_rows} needs the dense prepare, no token_rows, and q, k "
+                         f"of that many rows, fewer than the chunk-aligned {padded}")
     return pl.pallas_call(
         functools.partial(
             kernels[block_sizes.prepare_kernel],
@@ -858,8 +900,10 @@ def _prepare(
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
-        grid=(pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps),
+        grid=(batch * v_heads, pl.cdiv(num_chunks, chunks_per_program)) if heads_fastest
+        else (pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps,
+                                             num_stages=block_sizes.prepare_pipeline_stages),
         interpret=interpret,
         name="gdn_prepare",
     )(q, k, v, g, bt, *(token_rows or (jnp.zeros((1,), jnp.int32),) * 2))
@@ -967,16 +1011,24 @@ def _output(
 
 
 def _run_stages(
-    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, packed_rows=None,
-    **common
+    q, k, v, g, bt, initial_state, chunk_flags, *, packed, scale, out_dtype, token_rows=None, cu_seqlens=None,
+    chunk_bounds=None, **common
 ):
     """Stages 1-3 on chunk-padded inputs: q/k [b, t, k_heads, key_dim], v [b, t, v_heads, value_dim] in the
     compute dtype, g/bt [b, v_heads, t] f32. Returns (output [b, t, v_heads, value_dim], final state).
     token_rows (packed, fused, dense prepare, one segment): q, k, v and the output stay packed [1, seq, ...]
-    (see `_prepare`). packed_rows (the Mosaic GPU state pass on packed sequences): (chunk_bounds, cu_seqlens,
-    seq), and the output is packed [1, seq, ...] too."""
+    (see `_prepare`). cu_seqlens (packed, the Mosaic GPU walk): without token_rows, the sequences on the packed
+    array's own chunk grid, g with `pallas_mosaic.SEQUENCE_BREAK` at each sequence's first token inside a
+    chunk: q, k, v (of any length <= t) and the output stay packed; with token_rows and chunk_bounds
+    (`_common.PackedLayout.chunk_start`), regathered (`pallas_mosaic.state_pass`)."""
     block_sizes = common["block_sizes"]
-    w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows, **common)
+    mosaic = block_sizes.state_kernel == "mosaic"
+    if mosaic and packed and (cu_seqlens is None or (token_rows is None) != (chunk_bounds is None)):
+        raise ValueError("the Mosaic GPU walk on packed sequences takes cu_seqlens, and with token_rows "
+                         "chunk_bounds")
+    valid_rows = q.shape[1] if token_rows is None and q.shape[1] < g.shape[2] else None
+    w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
+                                                    valid_rows=valid_rows, **common)
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
         u = v
     final_state = None
@@ -990,9 +1042,10 @@ def _run_stages(
         zeros = jnp.zeros((1,) + initial_state.shape[1:], jnp.float32)
         packed_inputs = (initial_state, *chunk_flags[:2])
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
-    if block_sizes.state_kernel == "mosaic":
-        out, last = _state_pass_mosaic(q, k, u, w, gamma, p, initial_state, packed_rows, scale=scale,
-                                       block_sizes=block_sizes)
+    if mosaic:
+        out, last = pallas_mosaic.state_pass(
+            q, k, u, w, p, gamma, initial_state, cu_seqlens, chunk_bounds, scale=scale,
+            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
@@ -1013,14 +1066,6 @@ def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, co
     if reason is None and not gpu_limits.is_hopper():
         reason = "a device other than an sm_90 GPU (wgmma)"
     return reason
-
-
-def _state_pass_mosaic(q, k, v, t_beta, gamma, p, initial_state, packed_rows, *, scale, block_sizes):
-    """The state pass by `pallas_mosaic.state_pass` (Hopper), after `mosaic_refusal` said yes. packed_rows:
-    None, or (chunk_bounds, cu_seqlens, seq) of packed sequences, whose output is then written in place."""
-    chunk_bounds, cu_seqlens, seq = packed_rows or (None, None, None)
-    return pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, initial_state, chunk_bounds, cu_seqlens,
-                                    scale=scale, out_seq=seq, max_concurrent_steps=block_sizes.mosaic_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "max_seqlen"))
@@ -1137,10 +1182,23 @@ def gated_delta_rule_pallas(
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
     c = chunk_size
-    layout = _common.packed_layout(cu_seqlens, seq, c) if packed else None
+    # The Mosaic GPU walk takes packed sequences on the packed array's own chunk grid (a chunk may hold the end
+    # of one sequence and the start of the next; a log decay of -SEQUENCE_BREAK at the start of the next keeps
+    # their products out of T and P): q, k, v and the output stay where they lie; only g, beta are padded.
+    # Only for packed lengths that are multiples of 8: TMA into 8-row tiles needs whole tiles in GMEM, else q,
+    # k, v need copies, and the regathered layout (the prepare writes chunk-aligned copies) is cheaper. H100,
+    # 2026-11-25 (docs/benchmarks.md): 8 x 8192 tokens 2.15 -> 1.54 ms; 65 533 tokens own grid with copies
+    # 2.31 ms, regathered 2.19.
+    own_grid = packed and block_sizes.state_kernel == "mosaic" and seq % 8 == 0
+    in_place = in_place and not own_grid
+    layout = _common.packed_layout(cu_seqlens, seq, c) if packed and not own_grid else None
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)
-    if in_place:
+    if own_grid:
+        padded = -(-seq // c) * c
+        g, bt = (jnp.pad(x, [(0, 0), (0, padded - seq), (0, 0)]) for x in (g, bt))
+        g = pallas_mosaic.break_sequences(g, cu_seqlens, seq)
+    elif in_place:
         g, bt = (_common.regather(x, layout) for x in (g, bt))
     else:
         q, k, v, g, bt = _common.pad_to_chunks(q, k, v, g, bt, c, layout)
@@ -1154,7 +1212,7 @@ def gated_delta_rule_pallas(
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, key_dim, value_dim), jnp.float32)
     initial_state = initial_state.astype(jnp.float32)
-    if packed:
+    if packed and not own_grid:
         chunk_flags = (
             layout.chunk_seq,
             layout.chunk_first.astype(jnp.int32),
@@ -1183,8 +1241,9 @@ def gated_delta_rule_pallas(
         scale=scale,
         out_dtype=value.dtype,
         token_rows=(layout.chunk_src, layout.chunk_len) if in_place else None,
-        packed_rows=(layout.chunk_start, jnp.asarray(cu_seqlens, jnp.int32), seq) if packed else None,
+        cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32) if packed else None,
+        chunk_bounds=layout.chunk_start if packed and not own_grid else None,
         **common,
     )
-    written_in_place = packed and (in_place or block_sizes.state_kernel == "mosaic")
+    written_in_place = packed and (in_place or own_grid)
     return (out if written_in_place else _common.unpad_output(out, seq, layout)), final_state

@@ -31,10 +31,16 @@ TINY = Workload(name="tiny", seq=130, k_heads=2, v_heads=4, key_dim=32, value_di
 QWEN35_PREFILL_512 = Workload(name="qwen35_prefill_512", seq=512)
 QWEN35_PREFILL_4K = Workload(name="qwen35_prefill_4k", seq=4096)
 QWEN35_PREFILL_16K = Workload(name="qwen35_prefill_16k", seq=16384)
+QWEN35_PREFILL_64K = Workload(name="qwen35_prefill_64k", seq=65536)
 QWEN35_PACKED_8X8K = Workload(name="qwen35_packed_8x8k", seq=8 * 8192, seqlens=(8192,) * 8)
+# 8 prompts of uneven lengths: sequences start anywhere in a chunk, 65 533 tokens (not a multiple of 8)
+RAGGED = (8191, 8193, 6000, 10385, 8100, 8284, 8000, 8380)
+QWEN35_PACKED_RAGGED = Workload(name="qwen35_packed_ragged", seq=sum(RAGGED), seqlens=RAGGED)
 
 WORKLOADS = {
-    w.name: w for w in (TINY, QWEN35_PREFILL_512, QWEN35_PREFILL_4K, QWEN35_PREFILL_16K, QWEN35_PACKED_8X8K)
+    w.name: w
+    for w in (TINY, QWEN35_PREFILL_512, QWEN35_PREFILL_4K, QWEN35_PREFILL_16K, QWEN35_PREFILL_64K,
+              QWEN35_PACKED_8X8K, QWEN35_PACKED_RAGGED)
 }
 
 

@@ -295,6 +295,14 @@ VARIANTS = [
      50 * CHUNK - 3, None, 1),
     ("prepare-chunks-2-packed", {"prepare_chunks": 8}, jnp.float32, CHUNK, None,
      (20 * CHUNK + 3, 0, 15 * CHUNK, 7), 1),
+    # packed, 50 chunks -> 3 per program: offsets and lengths read once per program (a span of 4; the
+    # default), or inside the loop over chunks
+    ("prepare-prefetch-rows-packed", {"prepare_chunks": 8}, jnp.float32, CHUNK, None,
+     (30 * CHUNK + 3, 0, 18 * CHUNK, 7), 1),
+    ("prepare-rows-read-in-loop-packed", {"prepare_prefetch_rows": False}, jnp.float32, CHUNK, None,
+     (30 * CHUNK + 3, 0, 18 * CHUNK, 7), 1),
+    ("prepare-chunk-blocks-fastest-packed", {"prepare_heads_fastest": False}, jnp.float32, CHUNK, None,
+     (30 * CHUNK + 3, 0, 18 * CHUNK, 7), 1),
     ("prepare-one-chunk-per-program", {"prepare_chunks": 1}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
     ("fold-t-into-p-f32", {"fold_t_into_p": True}, jnp.float32, 64, 150, None, 2),
     ("fold-t-into-p-bf16-packed-t", {"fold_t_into_p": True, "wy_in_state": True}, jnp.bfloat16, CHUNK, None,

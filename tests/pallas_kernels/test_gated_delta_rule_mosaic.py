@@ -84,17 +84,88 @@ def test_kernel_lowers_for_cuda():
         return pallas_mosaic.state_pass.trace(*a, scale=k**-0.5, **kw).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "mosaic_gpu" in lowered(*args(2, 2))
-    bounds = jax.ShapeDtypeStruct((4,), jnp.int32)
-    assert "mosaic_gpu" in lowered(*args(1, 3), bounds, bounds, out_seq=250)
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+    qkv, chunked, state = args(1, 3)[:3], args(1, 3)[3:6], args(1, 3)[6]
+    packed = (jax.ShapeDtypeStruct((1, 250) + x.shape[2:], bf16) for x in qkv)  # 250 tokens, 4 chunks
+    assert "mosaic_gpu" in lowered(*packed, *chunked, state, cu)  # own grid (250 % 8: q, k, v copied)
+    assert "mosaic_gpu" in lowered(*args(1, 3), cu, cu, out_seq=250)  # regathered chunk-aligned
     with pytest.raises(ValueError, match="seq=200 not a multiple of 64"):
         lowered(*args(2, 2, seq=200))
+    with pytest.raises(ValueError, match="one entry per initial state"):
+        lowered(*args(1, 2), cu)
     with pytest.raises(ValueError, match="out_seq"):
-        lowered(*args(1, 3), bounds, bounds)
+        lowered(*args(1, 3), cu, cu)
+    with pytest.raises(ValueError, match="need 192 tokens"):
+        lowered(*args(1, 3, seq=192)[:3], *chunked, state, cu)
+
+
+def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scale):
+    """What `pallas_mosaic.state_pass` computes for packed sequences on their own chunk grid, in f32 jnp: one
+    walk per sequence over the chunks holding its tokens, other sequences' tokens masked off."""
+    seq, k_heads = q.shape[1], q.shape[2]
+    v_heads, c = v.shape[2], pallas_mosaic.CHUNK
+    t = gamma.shape[2]
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    pad = lambda x: jnp.pad(f32(x[0]), [(0, t - seq)] + [(0, 0)] * (x.ndim - 2))  # [t, heads, dim]
+    heads = jnp.arange(v_heads) // (v_heads // k_heads)
+    q, k, v = pad(q)[:, heads], pad(k)[:, heads], pad(v)  # [t, v_heads, dim]
+    tb, pp = f32(t_beta[0]), f32(p[0])
+    exp_gamma, exp_to_last = (f32(x[0]).T for x in pallas_mosaic.decay_factors(gamma, cu_seqlens, seq))
+    out, finals = jnp.zeros((seq, v_heads, v.shape[2]), jnp.float32), []
+    for i in range(len(cu_seqlens) - 1):
+        start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+        h = f32(initial_state[i])  # [v_heads, key_dim, value_dim]
+        for n in range(start // c, -(-end // c) if end > start else start // c):
+            rows = slice(n * c, n * c + c)
+            first, last = max(start - n * c, 0), min(end - n * c, c)
+            own = (jnp.arange(c) >= first) & (jnp.arange(c) < last)
+            eg, ed = exp_gamma[rows], exp_to_last[rows]  # [c, v_heads]
+            kh = jnp.einsum("thk,hkv->thv", k[rows], h) * eg[..., None]
+            v_new = jnp.einsum("ths,shv->thv", tb[rows], v[rows] - kh)  # T diag(beta) (V - diag(e^g) K h)
+            o = (jnp.einsum("thk,hkv->thv", q[rows], h) * eg[..., None] * scale
+                 + jnp.einsum("ths,shv->thv", pp[rows], v_new))
+            out = out.at[n * c + first : n * c + last].set(o[first:last])
+            weights = jnp.where(own[:, None], ed, 0.0)
+            h = h * exp_gamma[n * c + last - 1][:, None, None] + jnp.einsum(
+                "thk,thv->hkv", k[rows] * weights[..., None], v_new)
+        finals.append(h)
+    return out[None], jnp.stack(finals)
+
+
+@pytest.mark.parametrize("seqlens", [(70, 0, 5, 3, 64, 188), (64, 128), (1, 129)])
+def test_own_grid_prepare_and_walk_math(seqlens):
+    """The packed path of the Mosaic walk, its math on the CPU: the prepare on the packed array's own chunk
+    grid (T, P block-diagonal over each chunk's sequences by `break_sequences`; interpreter) and the decay
+    factors, walked as the kernel walks them (`_walk_on_own_grid`), against the f32 recurrence. Sequences that share chunks, one
+    inside a chunk, an empty one, a sequence ending exactly at a chunk's end, a last partial chunk."""
+    workload = dataclasses.replace(DIM128, seq=sum(seqlens), batch=1, key_dim=64, value_dim=64)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=7, seqlens=seqlens)
+    cu = np.asarray(inputs["cu_seqlens"])
+    as_f32 = {n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
+    want = reference.gated_delta_rule_reference(**as_f32)
+    seq, c = workload.seq, pallas_mosaic.CHUNK
+    t = -(-seq // c) * c
+    g, bt = (jnp.pad(jnp.asarray(inputs[n], jnp.float32), [(0, 0), (0, t - seq), (0, 0)])
+             for n in ("log_decay", "beta"))
+    g, bt = jnp.swapaxes(pallas_mosaic.break_sequences(g, cu, seq), 1, 2), jnp.swapaxes(bt, 1, 2)
+    block_sizes = dataclasses.replace(DEFAULT, wy_in_state=True)
+    scale = workload.key_dim**-0.5
+    t_beta, _, gamma, p, _, _ = pallas_triton._prepare(
+        inputs["query"], inputs["key"], inputs["value"], g, bt, scale=scale, chunk_size=c,
+        group=workload.v_heads // workload.k_heads, compute_dtype=jnp.bfloat16, block_sizes=block_sizes,
+        interpret=True, valid_rows=seq if seq < t else None)
+    got = _walk_on_own_grid(inputs["query"], inputs["key"], inputs["value"], t_beta, p, gamma,
+                            inputs["initial_state"], cu, scale)
+    for name, g, w in zip(("output", "final_state"), got, want, strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
 @pytest.mark.parametrize("seq,batch,seqlens", [(200, 2, None), (64, 1, None), (1000, 1, None),
-                                               (330, 1, (70, 0, 64, 196))])
+                                               (330, 1, (70, 0, 64, 196)), (336, 1, (70, 0, 5, 3, 64, 194)),
+                                               (192, 1, (64, 128))])
 def test_matches_reference_on_hopper(seq, batch, seqlens):
     workload = dataclasses.replace(DIM128, seq=seq, batch=batch)
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=5, seqlens=seqlens)
