@@ -13,7 +13,10 @@ registers. Per chunk (c = 64 tokens):
     h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K       [block_v, key_dim]
     O    = diag(e^gamma) scale Q h + P V'                   [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
 
-with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`). Three warpgroups per program
+with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`). Packed sequences either on the
+packed array's own chunks (a chunk may hold several sequences: T and P block-diagonal over them by
+`break_sequences`, and each sequence's walk masks the others' columns out of its state update and writes
+only its own rows) or regathered chunk-aligned (see `state_pass`). Three warpgroups per program
 (batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
 and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
 compute warpgroup's tiles on their own barriers). Source of the algorithm: arXiv:2412.06464 (gated delta

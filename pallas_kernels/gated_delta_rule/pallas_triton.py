@@ -24,8 +24,11 @@ one [c, c] K K^T product, the inverse from whole-chunk products, W and U as two 
 (16-row tiles). Off-by-default options, timed on an H100 and slower there (docs/benchmarks_gdn.md):
 `state_prefetch` (the sequential walks load chunk n+1's tiles during chunk n), `segments` > 1,
 `segment_combine="pallas"`.
-Packed sequences (cu_seqlens) are regathered so each starts a chunk; the state pass restarts h from the
-sequence's initial state at its first chunk and stores the final state after its last.
+Packed sequences (cu_seqlens) are regathered so each starts a chunk (g, beta by XLA; q, k, v read where they
+lie by the dense prepare, which writes chunk-aligned copies); the state pass restarts h from the sequence's
+initial state at its first chunk and stores the final state after its last. With the Mosaic GPU walk and a
+packed length that is a multiple of 8, the sequences stay on the packed array's own chunks instead (no
+regather, no copies; `pallas_mosaic.break_sequences` keeps each chunk's sequences apart in T and P).
 Grouped heads: v-head h reads q/k head h // (v_heads // k_heads) straight from the un-repeated arrays.
 Matrix products take the input dtype (bf16 -> tensor cores) and accumulate in f32; g, beta, gamma, A, T and
 the carried state are f32 (f32 inputs: every product in IEEE f32, precision=HIGHEST; bf16 inputs: the
