@@ -1192,7 +1192,7 @@ def gated_delta_rule_pallas(
     # k, v need copies, and the regathered layout (the prepare writes chunk-aligned copies) is cheaper. H100,
     # 2026-11-25 (docs/benchmarks.md): 8 x 8192 tokens 2.15 -> 1.54 ms; 65 533 tokens own grid with copies
     # 2.31 ms, regathered 2.19.
-    own_grid = packed and block_sizes.state_kernel == "mosaic" and seq % 8 == 0
+    own_grid = packed and block_sizes.state_kernel == "mosaic" and seq % 8 == 0 and seq > 0
     in_place = in_place and not own_grid
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed and not own_grid else None
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
