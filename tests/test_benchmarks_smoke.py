@@ -69,3 +69,10 @@ def test_trace_summary_device_streams(tmp_path):
     assert s["compute_and_copy_ms"] == 0.007 and s["idle_ms"] == 0.0
     (gap,) = s["compute_gaps"]["largest"]
     assert gap["ms"] == 0.004 and gap["after"] == "gmm" and gap["before"] == "attention" and gap["copy_during_ms"] == 0.004
+
+
+def test_gdn_decode_step_smoke(tmp_path):
+    doc = _load("gdn_decode_step").main(["--batch", "2", "--k-heads", "2", "--v-heads", "4", "--dim", "32",
+                                         "--block-v", "16", "--reps", "1", "--out", str(tmp_path / "step.json")])
+    assert [r["impl"] for r in doc["rows"]] == ["reference (XLA)", "pallas block_v=16"]
+    assert all(r["us"] > 0 and r["output_rel_err"] <= 1e-5 and r["state_rel_err"] <= 1e-5 for r in doc["rows"])

@@ -143,8 +143,11 @@ class GatedDeltaNet(nnx.Module):
         k = jnp.where(valid[..., None, None], k, 0.0)
 
         if seq == 1:
+            # decode: the fused Pallas step only where the config asks for "pallas" (its speed is not measured
+            # yet); else the pure-JAX step (the chunked form has no single-token variant)
+            step = "pallas" if self.config.gdn_implementation == "pallas" else "reference"
             o, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0],
-                                                 state.recurrent)
+                                                 state.recurrent, implementation=step)
             o = o[:, None]
         else:
             o, recurrent = gated_delta_rule(q, k, v, log_decay, beta, initial_state=state.recurrent,

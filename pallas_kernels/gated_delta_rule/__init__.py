@@ -2,6 +2,7 @@
 
 from pallas_kernels.gated_delta_rule.api import gated_delta_rule, gated_delta_rule_step
 from pallas_kernels.gated_delta_rule.chunked import gated_delta_rule_chunked
+from pallas_kernels.gated_delta_rule.pallas_step import gated_delta_rule_step_pallas
 from pallas_kernels.gated_delta_rule.pallas_triton import gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.reference import (
     gated_delta_rule_reference,
@@ -14,5 +15,6 @@ __all__ = [
     "gated_delta_rule_pallas",
     "gated_delta_rule_reference",
     "gated_delta_rule_step",
+    "gated_delta_rule_step_pallas",
     "gated_delta_rule_step_reference",
 ]

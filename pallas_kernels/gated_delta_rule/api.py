@@ -6,10 +6,10 @@ from typing import Literal
 import jax
 import numpy as np
 
-from pallas_kernels.gated_delta_rule import chunked, pallas_triton, reference
+from pallas_kernels.gated_delta_rule import chunked, pallas_step, pallas_triton, reference
 
 Implementation = Literal["reference", "chunked", "pallas"]
-StepImplementation = Literal["reference"]
+StepImplementation = Literal["reference", "pallas"]
 
 _IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
     "reference": reference.gated_delta_rule_reference,
@@ -18,6 +18,7 @@ _IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
 }
 _STEP_IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
     "reference": reference.gated_delta_rule_step_reference,
+    "pallas": pallas_step.gated_delta_rule_step_pallas,
 }
 
 
@@ -123,7 +124,9 @@ def gated_delta_rule_step(
       log_decay, beta: [batch, v_heads]; any float dtype (computed in f32).
       state: [batch, v_heads, key_dim, value_dim] float32.
       scale: multiplies the query; defaults to key_dim ** -0.5.
-      implementation: "reference" (pure JAX; the only one so far). None picks "reference".
+      implementation: "reference" (pure JAX, XLA's fusions) or "pallas" (`pallas_step`: one fused kernel,
+        the state read and written once; in the Pallas interpreter where no GPU is present). None picks
+        "reference" (the Pallas step's speed on a GPU is not measured yet).
 
     Returns:
       output: [batch, v_heads, value_dim] in value.dtype; new_state: same shape as state, float32.

@@ -4,12 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from support import assert_finite
 
+import hybridlm
 from hybridlm.layers import gated_attention
 from hybridlm.layers import moe as moe_lib
 from hybridlm.layers.gated_attention import cached_attention
-from hybridlm.layers.gated_deltanet import causal_depthwise_conv, conv_history_after
+from hybridlm.layers.gated_deltanet import (
+    GatedDeltaNet,
+    GatedDeltaNetState,
+    causal_depthwise_conv,
+    conv_history_after,
+)
 from hybridlm.layers.moe import dispatch, route_top_k, routed_experts
 from hybridlm.layers.norms import gated_rms_norm, rms_norm
 from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
@@ -158,3 +165,23 @@ def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypat
     p = np.exp(scores - scores.max(-1, keepdims=True))
     want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), values)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gdn_layer_decode_step_pallas_equals_reference():
+    """A decode step (seq = 1) of the Gated DeltaNet layer with gdn_implementation="pallas" (the fused Pallas
+    step, interpreter on the CPU) against the pure-JAX step, from a non-zero state."""
+    config = hybridlm.get_config("tiny")
+    layer = GatedDeltaNet(config.replace(gdn_implementation="reference"), rngs=nnx.Rngs(0))
+    g = config.gdn
+    r = np.random.default_rng(5)
+    x = jnp.asarray(r.normal(size=(2, 1, config.hidden_dim)), jnp.float32)
+    state = GatedDeltaNetState(
+        conv=jnp.asarray(r.normal(size=(2, g.conv_kernel - 1, g.conv_dim)), jnp.float32),
+        recurrent=jnp.asarray(r.normal(size=(2, g.num_v_heads, g.key_dim, g.value_dim)) * 0.1, jnp.float32))
+    want_out, want_state = layer(x, state)
+    layer.config = config.replace(gdn_implementation="pallas")
+    got_out, got_state = layer(x, state)
+    assert np.isfinite(np.asarray(got_out)).all()
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(got_state.recurrent), np.asarray(want_state.recurrent), atol=1e-5,
+                               rtol=1e-4)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
+from pallas_kernels.gated_delta_rule import api, pallas_step, pallas_triton, reference, workloads
 
 # Max |got - want| / max |want| against the f32 reference, by input dtype. The bf16 bound covers bf16 tiles
 # (W, U, V', chunk states) feeding the matrix products; the f32 bound is f32 rounding over ~100 tokens.
@@ -147,6 +147,41 @@ def test_decode_step_matches_prefill():
         assert out.shape == want_out[:, t].shape and state.dtype == jnp.float32
         assert_close(f"output[{t}]", out, want_out[:, t], jnp.float32)
     assert_close("state", state, want_final, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype,group,block_v", [(jnp.float32, 1, 32), (jnp.float32, 2, 16),
+                                                 (jnp.bfloat16, 3, 32)])
+def test_pallas_decode_step_matches_the_recurrence(dtype, group, block_v):
+    """The fused Pallas step (interpreter), token by token from an initial state, against the f32 recurrence
+    over the same tokens: grouped heads 1, 2, 3, several value blocks, strongly negative g and beta 0 / 1."""
+    workload = dataclasses.replace(workloads.TINY, seq=5, batch=2, k_heads=2, v_heads=2 * group, key_dim=32,
+                                   value_dim=64)
+    inputs = workloads.make_inputs(workload, dtype=dtype, seed=11)
+    inputs["log_decay"] = inputs["log_decay"].at[:, 1].set(-30.0)  # the state all but erased at token 1
+    inputs["beta"] = inputs["beta"].at[:, 2].set(0.0).at[:, 3].set(1.0)
+    as_f32 = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+    want_out, want_final = reference.gated_delta_rule_reference(**as_f32)
+    state = inputs["initial_state"]
+    step = functools.partial(pallas_step.gated_delta_rule_step_pallas, block_v=block_v, interpret=True)
+    for t in range(workload.seq):
+        token = {n: inputs[n][:, t] for n in ("query", "key", "value", "log_decay", "beta")}
+        out, state = step(**token, state=state)
+        assert out.dtype == dtype and state.dtype == jnp.float32
+        assert_close(f"output[{t}]", out, want_out[:, t], dtype)
+    assert_close("state", state, want_final, dtype)
+
+
+def test_pallas_decode_step_through_the_api_and_its_errors():
+    inputs = workloads.make_inputs(SMALL, seq=1, dtype=jnp.float32, seed=3)
+    token = {n: inputs[n][:, 0] for n in ("query", "key", "value", "log_decay", "beta")}
+    want = api.gated_delta_rule_step(**token, state=inputs["initial_state"])
+    got = api.gated_delta_rule_step(**token, state=inputs["initial_state"], implementation="pallas")
+    for name, g, w in zip(("output", "state"), got, want, strict=True):
+        assert_close(name, g, w, jnp.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        pallas_step.gated_delta_rule_step_pallas(**token, state=inputs["initial_state"], block_v=12)
+    with pytest.raises(ValueError, match="state.shape"):
+        pallas_step.gated_delta_rule_step_pallas(**token, state=inputs["initial_state"][:, :1])
 
 
 def test_nan_output_fails_the_check():
