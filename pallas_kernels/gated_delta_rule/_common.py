@@ -118,8 +118,7 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
     chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
     chunk_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(chunks_per_seq)]).astype(jnp.int32)
     chunk = jnp.arange(num_chunks, dtype=jnp.int32)
-    chunk_seq = jnp.clip(jnp.searchsorted(chunk_start[1:], chunk, side="right", method=SEARCH), 0, num_seqs - 1)
-    chunk_seq = chunk_seq.astype(jnp.int32)
+    chunk_seq = token_sequences(chunk_start, chunk)  # the same search over the sequences' chunk offsets
     offset_in_seq = chunk - chunk_start[chunk_seq]  # [num_chunks]
     chunk_first = (offset_in_seq == 0) & (lengths[chunk_seq] > 0)
     chunk_last = (offset_in_seq == chunks_per_seq[chunk_seq] - 1) & (lengths[chunk_seq] > 0)
@@ -129,7 +128,7 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
     valid = (pos >= 0) & (pos < lengths[slot_seq])
     gather = jnp.where(valid, cu[slot_seq] + pos, 0)
     token = jnp.arange(seq, dtype=jnp.int32)
-    token_seq = jnp.clip(jnp.searchsorted(cu[1:], token, side="right", method=SEARCH), 0, num_seqs - 1)
+    token_seq = token_sequences(cu, token)
     scatter = chunk_start[token_seq] * chunk_size + token - cu[token_seq]
     chunk_len = jnp.clip(lengths[chunk_seq] - offset_in_seq * chunk_size, 0, chunk_size).astype(jnp.int32)
     chunk_src = jnp.where(chunk_len > 0, cu[chunk_seq] + offset_in_seq * chunk_size, 0).astype(jnp.int32)
@@ -139,11 +138,17 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
     )
 
 
+def token_sequences(cu, token):
+    """The packed sequence (int32) of each index in `token`, for offsets cu int32 [num_seqs + 1] (clipped to
+    the last sequence past cu[-1]; empty sequences own no index). Also chunks, given chunk offsets."""
+    found = jnp.searchsorted(cu[1:], token, side="right", method=SEARCH)
+    return jnp.clip(found, 0, cu.shape[0] - 2).astype(jnp.int32)
+
+
 class GridRanges(NamedTuple):
     """Packed sequences on the packed array's own chunk grid (chunk n = tokens [n c, n c + c), a chunk may hold
     the end of one sequence and the start of the next): per token slot t < padded (padded a multiple of c)."""
 
-    token_seq: jax.Array  # int32 [padded]: the sequence of token t, -1 for t >= seq
     first: jax.Array  # int32 [padded]: the first token of t's sequence in t's chunk (t >= seq: the chunk's)
     last: jax.Array  # int32 [padded]: the last token of t's sequence in t's chunk (t >= seq: t)
 
@@ -151,15 +156,13 @@ class GridRanges(NamedTuple):
 def grid_ranges(cu_seqlens, seq: int, padded: int, chunk_size: int) -> GridRanges:
     """`GridRanges` of packed sequences (cu_seqlens: int32 [num_seqs + 1], cu[-1] == seq <= padded)."""
     cu = jnp.asarray(cu_seqlens, jnp.int32)
-    num_seqs = cu.shape[0] - 1
     token = jnp.arange(padded, dtype=jnp.int32)
-    found = jnp.clip(jnp.searchsorted(cu[1:], token, side="right", method=SEARCH), 0, num_seqs - 1)
+    found = token_sequences(cu, token)
     chunk_first = token - token % chunk_size
     first = jnp.maximum(cu[found], chunk_first)
     last = jnp.minimum(cu[found + 1], chunk_first + chunk_size) - 1
     inside = token < seq
-    return GridRanges(jnp.where(inside, found, -1).astype(jnp.int32), jnp.where(inside, first, chunk_first),
-                      jnp.where(inside, last, token))
+    return GridRanges(jnp.where(inside, first, chunk_first), jnp.where(inside, last, token))
 
 
 def pad_to_chunks(query, key, value, log_decay, beta, chunk_size: int, layout: PackedLayout | None):
@@ -220,7 +223,7 @@ def batch_to_packed(output, cu_seqlens, seq: int):
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     num_seqs, max_len = output.shape[:2]
     token = jnp.arange(seq, dtype=jnp.int32)
-    token_seq = jnp.clip(jnp.searchsorted(cu[1:], token, side="right", method=SEARCH), 0, num_seqs - 1)
+    token_seq = token_sequences(cu, token)
     flat = output.reshape((num_seqs * max_len,) + output.shape[2:])
     index = jnp.clip(token_seq * max_len + token - cu[token_seq], 0, num_seqs * max_len - 1)
     return jnp.take(flat, index, axis=0)[None]
