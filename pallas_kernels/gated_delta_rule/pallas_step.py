@@ -22,11 +22,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gated_delta_rule import _common
 
 
-def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, group, scale):
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, group, scale, block_v):
     # q_ref/k_ref [batch, k_heads, key_dim]; v_ref/o_ref [batch, v_heads, value_dim]; g_ref/beta_ref
     # [batch, v_heads] f32; s_ref/s_out_ref [batch, v_heads, key_dim, value_dim] f32 (aliased).
     b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_v = o_ref.shape[2] // pl.num_programs(2)
     cols = pl.ds(vb * block_v, block_v)
     k = k_ref[b, h // group, :].astype(jnp.float32)  # [key_dim]
     q = q_ref[b, h // group, :].astype(jnp.float32) * scale
@@ -71,7 +70,7 @@ def gated_delta_rule_step_pallas(query, key, value, log_decay, beta, state, *, s
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial(_step_kernel, group=v_heads // k_heads, scale=scale),
+        functools.partial(_step_kernel, group=v_heads // k_heads, scale=scale, block_v=block_v),
         out_shape=(jax.ShapeDtypeStruct(value.shape, value.dtype), jax.ShapeDtypeStruct(state.shape, f32)),
         grid=(batch, v_heads, value_dim // block_v),
         input_output_aliases={5: 1},

@@ -184,6 +184,21 @@ def test_pallas_decode_step_through_the_api_and_its_errors():
         pallas_step.gated_delta_rule_step_pallas(**token, state=inputs["initial_state"][:, :1])
 
 
+def test_pallas_decode_step_lowers_for_cuda():
+    """The step through Pallas' Triton lowering for an H100 (an abstract device: no GPU here; compiling the
+    Triton IR needs one): Qwen3.5's head shape, batch 4."""
+    b, kh, vh, d = 4, 16, 32, 128
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    args = (jax.ShapeDtypeStruct((b, kh, d), bf16), jax.ShapeDtypeStruct((b, kh, d), bf16),
+            jax.ShapeDtypeStruct((b, vh, d), bf16), jax.ShapeDtypeStruct((b, vh), f32),
+            jax.ShapeDtypeStruct((b, vh), f32), jax.ShapeDtypeStruct((b, vh, d, d), f32))
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        lowered = pallas_step.gated_delta_rule_step_pallas.trace(*args, interpret=False).lower(
+            lowering_platforms=("cuda",))
+    assert "gdn_step" in lowered.as_text()
+
+
 def test_nan_output_fails_the_check():
     with pytest.raises(AssertionError, match="NaN/Inf"):
         assert_close("output", jnp.array([1.0, jnp.nan]), jnp.array([1.0, 1.0]), jnp.float32)
