@@ -24,24 +24,24 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling benchmark's timing helpers
 from gated_delta_rule import jax_sync, rel_err, wall_ms
 
-from pallas_kernels.gated_delta_rule import pallas_step, reference
+from pallas_kernels.gated_delta_rule import pallas_step, reference, workloads
 
 
 def make_token(batch, k_heads, v_heads, dim, seed=0):
-    rng = np.random.default_rng(seed)
+    """One token per sequence from `workloads.make_inputs` (the prefill benchmark's distribution), as the
+    keyword arguments of a step (state = the random initial state)."""
+    workload = workloads.Workload(name="decode", batch=batch, seq=1, k_heads=k_heads, v_heads=v_heads,
+                                  key_dim=dim, value_dim=dim)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=seed)
+    token = {n: inputs[n][:, 0] for n in ("query", "key", "value", "log_decay", "beta")}
+    return {**token, "state": inputs["initial_state"]}
 
-    def unit(*shape):
-        x = rng.normal(size=shape)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
-    return {
-        "query": jnp.asarray(unit(batch, k_heads, dim), jnp.bfloat16),
-        "key": jnp.asarray(unit(batch, k_heads, dim), jnp.bfloat16),
-        "value": jnp.asarray(rng.normal(size=(batch, v_heads, dim)), jnp.bfloat16),
-        "log_decay": jnp.asarray(-np.log1p(np.exp(-rng.normal(size=(batch, v_heads)))), jnp.float32),
-        "beta": jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(batch, v_heads)))), jnp.float32),
-        "state": jnp.asarray(rng.normal(size=(batch, v_heads, dim, dim)) * 0.1, jnp.float32),
-    }
+def timed_row(impl, ms, out, new_state, want, state_bytes) -> dict:
+    """One row: wall time per step, the state traffic it implies, errors against the reference step."""
+    return {"impl": impl, "us": round(ms * 1e3, 2),
+            "state_gb_per_s": round(2 * state_bytes / (ms * 1e-3) / 1e9, 1),
+            "output_rel_err": rel_err(out, want[0]), "state_rel_err": rel_err(new_state, want[1])}
 
 
 def time_fla(fla, token, want, reps, state_bytes) -> dict:
@@ -60,10 +60,8 @@ def time_fla(fla, token, want, reps, state_bytes) -> dict:
 
     ms = wall_ms(run, lambda _: torch.cuda.synchronize(), reps)
     o, s = run()
-    return {"impl": "fla.fused_recurrent_gated_delta_rule", "us": round(ms * 1e3, 2),
-            "state_gb_per_s": round(2 * state_bytes / (ms * 1e-3) / 1e9, 1),
-            "output_rel_err": rel_err(o[:, 0].float().cpu().numpy(), want[0]),
-            "state_rel_err": rel_err(s.float().cpu().numpy(), want[1])}
+    return timed_row("fla.fused_recurrent_gated_delta_rule", ms, o[:, 0].float().cpu().numpy(),
+                     s.float().cpu().numpy(), want, state_bytes)
 
 
 def main(argv=None):
@@ -99,11 +97,7 @@ def main(argv=None):
         for name, fn in impls.items():
             call = functools.partial(fn, **token)
             ms = wall_ms(call, jax_sync, args.reps)
-            out, new_state = call()
-            doc["rows"].append({"batch": batch, "impl": name, "us": round(ms * 1e3, 2),
-                                "state_gb_per_s": round(2 * state_bytes / (ms * 1e-3) / 1e9, 1),
-                                "output_rel_err": rel_err(out, want[0]),
-                                "state_rel_err": rel_err(new_state, want[1])})
+            doc["rows"].append({"batch": batch, **timed_row(name, ms, *call(), want, state_bytes)})
             print(doc["rows"][-1], flush=True)
         if fla is not None:
             doc["rows"].append({"batch": batch, **time_fla(fla, token, want, args.reps, state_bytes)})

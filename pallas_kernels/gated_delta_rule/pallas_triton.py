@@ -875,7 +875,7 @@ def _prepare(
         "sub_blocks": {"sub": min(block_sizes.solve_block, chunk_size)},
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
                   "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p,
-                  "prefetch_rows": prefetch_rows, "heads_fastest": block_sizes.prepare_heads_fastest,
+                  "prefetch_rows": prefetch_rows, "heads_fastest": heads_fastest,
                   "valid_rows": valid_rows},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
