@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import pathlib
 import tempfile
 import time
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import trace_summary
 
+from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
 
 START = time.monotonic()
@@ -368,13 +370,21 @@ def main():
         action="store_true",
         help="also compare every timed output (ours and FLA) with the token-by-token f32 recurrence",
     )
+    parser.add_argument(
+        "--no-concurrent-regions", action="store_true",
+        help="leave XLA_FLAGS as they are (by default the run adds --xla_gpu_graph_enable_concurrent_region=true,"
+        " which the pipelined walk, BlockSizes.walk_pipeline, needs to overlap its launches)",
+    )
     parser.add_argument("--json", default=None, help="also write the JSON here")
     parser.add_argument(
         "--no-split", action="store_true",
         help="skip the per-kernel split (a profiler trace; leave it out under ncu, which holds the counters)"
     )
     args = parser.parse_args()
+    if not args.no_concurrent_regions:
+        gpu_limits.enable_concurrent_regions()   # before the first computation starts the backend
     result = {
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -8,6 +8,8 @@ refuses at compile time a kernel whose pipelined tiles need more ("Shared memory
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 SHARED_MEMORY_BY_ARCH = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912}
@@ -27,3 +29,31 @@ def is_hopper(device: jax.Device | None = None) -> bool:
     (Pallas Mosaic GPU) run there only (Blackwell has no `wgmma`)."""
     device = jax.devices()[0] if device is None else device
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+CONCURRENT_REGIONS_FLAG = "--xla_gpu_graph_enable_concurrent_region=true"
+
+
+def concurrent_regions_enabled() -> bool:
+    """Whether XLA_FLAGS asks XLA:GPU to run independent kernels of a CUDA graph concurrently (off by default
+    in JAX 0.11.2): what `pallas_triton.BlockSizes.walk_pipeline` needs to overlap its launches."""
+    return CONCURRENT_REGIONS_FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
+def enable_concurrent_regions() -> None:
+    """Add `CONCURRENT_REGIONS_FLAG` to XLA_FLAGS, for the whole process.
+
+    XLA reads its flags once, when JAX starts its first backend; call this before any computation (or
+    `jax.devices()`), or set XLA_FLAGS in the environment.
+
+    Raises:
+      RuntimeError: a JAX backend has already started without the flag (it would not take effect).
+    """
+    if concurrent_regions_enabled():
+        return
+    from jax._src import xla_bridge  # no public way to ask whether the backends exist yet
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(f"enable_concurrent_regions: JAX has already started its backends; set XLA_FLAGS="
+                           f"{CONCURRENT_REGIONS_FLAG} before the first computation")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CONCURRENT_REGIONS_FLAG}".strip()

@@ -66,7 +66,7 @@ def _walk_kernel(
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
-    *, group, scale, stages, packed,
+    *, group, scale, stages, packed, chunk_offset=0,
 ):
     # Three warpgroups: 0 walks (h^T, V'^T: the critical path), 1 forms the output from the h^T and V'^T that
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
@@ -75,6 +75,8 @@ def _walk_kernel(
     # row: a batch row, or with `packed` a sequence (tokens [start, end) of the packed output), whose chunks
     # [lo, hi) it walks: "own_grid", the packed array's own chunks (the first and last may hold other
     # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
+    # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles (T diag(beta),
+    # P, the decays) one segment of it starting at that chunk (`pipelined_state_pass`)
     b = 0 if packed else row
     start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
     if packed == "own_grid":
@@ -106,14 +108,15 @@ def _walk_kernel(
         @pl.loop(lo, hi)
         def _(n):
             rows, s = pl.ds(n * CHUNK, CHUNK), lax.rem(n - lo, stages)
+            tokens = pl.ds((n + chunk_offset) * CHUNK, CHUNK)
             # packed: q, k, v past the array's end (its last chunk) read as zeros (TMA)
             walk_tiles = (  # warpgroup 0's: K, V, T diag(beta), e^gamma, e^(gamma_last - gamma)
-                (k_ref.at[b, rows, kh, :], k_smem), (v_ref.at[b, rows, h, cols], v_smem),
+                (k_ref.at[b, tokens, kh, :], k_smem), (v_ref.at[b, tokens, h, cols], v_smem),
                 (tb_ref.at[b, rows, h, :], tb_smem), (eg_ref.at[b, h, rows], eg0_smem),
                 (ed_ref.at[b, h, rows], ed_smem),
             )
             output_tiles = (  # warpgroup 1's: Q, P, e^gamma
-                (q_ref.at[b, rows, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
+                (q_ref.at[b, tokens, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
                 (eg_ref.at[b, h, rows], eg1_smem),
             )
             for tiles, free, loaded in ((walk_tiles, free0, loaded0), (output_tiles, free1, loaded1)):
@@ -214,7 +217,8 @@ def _walk_kernel(
             if not packed:
                 o_smem[hb] = out
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[b, pl.ds(n * CHUNK, CHUNK), h, cols])
+                tokens = pl.ds((n + chunk_offset) * CHUNK, CHUNK)
+                plgpu.copy_smem_to_gmem(o_smem.at[hb], o_ref.at[b, tokens, h, cols])
                 return
             # packed: the rows of the walk's own sequence, straight to the packed output (any token offset: O
             # staged untiled), a whole chunk with one copy, a chunk shared with other sequences (or partial)
@@ -282,10 +286,10 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
     return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps"))
+@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
-    max_concurrent_steps=2,
+    max_concurrent_steps=2, chunk_offset=0, out=None,
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -315,10 +319,14 @@ def state_pass(
       scale: the query scale (P already carries it).
       out_seq: regathered: the packed output's length (static).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
+      chunk_offset: batch rows only: t_beta, p and gamma hold one segment of the sequence, its chunks from
+        this one on (static; `pipelined_state_pass`); q, k, v (and `out`) the whole sequence.
+      out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the segment's output
+        rows in place (the other rows untouched); None: a new output array.
 
     Returns:
-      output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]) and the final state
-      [batch or num_seqs, v_heads, key_dim, value_dim] f32.
+      output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
+      final state [batch or num_seqs, v_heads, key_dim, value_dim] f32.
 
     Raises:
       ValueError: shapes this kernel does not take (see `supported`), or that disagree.
@@ -327,6 +335,14 @@ def state_pass(
     v_heads, value_dim = v.shape[2:]
     packed = None if cu_seqlens is None else "own_grid" if chunk_bounds is None else "regathered"
     t = -(-seq // CHUNK) * CHUNK
+    if (chunk_offset or out is not None) and packed:
+        raise ValueError("state_pass: chunk_offset and out take batch rows, not packed sequences")
+    if chunk_offset or out is not None:  # one segment of the chunks
+        t = t_beta.shape[1]
+        if chunk_offset < 0 or chunk_offset * CHUNK + t > seq:
+            raise ValueError(f"state_pass: chunks {chunk_offset} .. {chunk_offset} + {t // CHUNK} past seq={seq}")
+    if out is not None and (out.shape != v.shape or out.dtype != jnp.bfloat16):
+        raise ValueError(f"state_pass: out {out.shape} {out.dtype} must be bf16 of v's shape {v.shape}")
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
     if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
@@ -347,16 +363,17 @@ def state_pass(
     if seq % 8:  # TMA into 8-row tiles needs whole tiles in GMEM too: copies of q, k, v (the output is untiled)
         q, k, v = (jnp.pad(x, [(0, 0), (0, (-seq) % 8), (0, 0), (0, 0)]) for x in (q, k, v))
 
-    def gdn_state_mosaic(*refs):  # the kernel's name in profiles
-        _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed)
+    def gdn_state_mosaic(*refs):  # the kernel's name in profiles (the output ref the 11th either way)
+        _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed,
+                     chunk_offset=chunk_offset)
 
     tile, st = _bf16_tile(), max_concurrent_steps
-    out, final_t = plgpu.kernel(
+    final_type = jax.ShapeDtypeStruct(init_t.shape, jnp.float32)
+    out_type = (final_type,) if out is not None else (
+        jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16), final_type)
+    outs = plgpu.kernel(
         gdn_state_mosaic,
-        out_type=(
-            jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16),
-            jax.ShapeDtypeStruct(init_t.shape, jnp.float32),
-        ),
+        out_type=out_type,
         scratch_types=(
             plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # q
             plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # k
@@ -383,5 +400,6 @@ def state_pass(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, cu, bounds)
-    return out, jnp.swapaxes(final_t, 2, 3)
+    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, cu, bounds, *(() if out is None else (out,)))
+    out_array, final_t = (None, *outs) if out is not None else outs
+    return out_array, jnp.swapaxes(final_t, 2, 3)

@@ -38,6 +38,7 @@ rounded to bf16 before W and U). The inverse is blocked for stability (`_unit_lo
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,16 @@ class BlockSizes:
     # `mosaic_stages`: its TMA pipeline depth (3 do not fit in shared memory).
     state_kernel: str = "auto"
     mosaic_stages: int = 2
+    # Mosaic GPU walk on batch rows: the chunks cut into this many equal pieces, each prepared by its own
+    # prepare launch and walked by its own walk launch (the state handed on, the output written in place),
+    # each prepare after the one before, so that a CUDA graph with concurrent regions runs piece i + 1's
+    # prepare beside piece i's walk (which holds 64 of an H100's 132 SMs at the model's 32 v-heads). Pays only
+    # with XLA_FLAGS=--xla_gpu_graph_enable_concurrent_region=true (`gpu_limits.enable_concurrent_regions`);
+    # else the launches run one after another (same result, slower). None: 4 where that flag is set and each
+    # piece gets >= 64 chunks, else 1. H100, 2026-11-25 (docs/benchmarks.md), ms for 1 / 3 / 4 / 6 / 8
+    # pieces: T=16384 0.495 / 0.467 / 0.445 / 0.459 / 0.458 (6 and 8 with half-length end pieces; 4 with them
+    # 0.480); T=4096 0.145 / 0.154 / 0.149 / 0.155 / 0.174.
+    walk_pipeline: int | None = None
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -381,6 +392,7 @@ def _prepare_dense_kernel(
     prefetch_rows=False,
     valid_rows=None,
     heads_fastest=False,
+    chunk_offset=0,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -394,7 +406,8 @@ def _prepare_dense_kernel(
     # instead of W, and u_ref the chunk-aligned copy of v in place (else u_ref is unused): no W, U products.
     # chunks_per_program > 1: program (chunk block, batch*v_heads) walks its chunks in a loop (the last block
     # clamped to the last chunk, which it then redoes: identical writes). valid_rows: q, k (not in_place) hold
-    # that many tokens, fewer than t; the rows past them read as zeros.
+    # that many tokens, fewer than t; the rows past them read as zeros. chunk_offset (not in_place): the
+    # outputs are one piece of the sequence, from that chunk of q, k, v, g, beta on.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -404,13 +417,14 @@ def _prepare_dense_kernel(
 
     def one_chunk(n, src_len=None):
         rows = pl.ds(n * c, c)
-        tokens, mask = _token_rows(n, c, src_ref, len_ref, in_place, src_len)
+        tokens, mask = _token_rows(n + chunk_offset, c, src_ref, len_ref, in_place, src_len)
         if valid_rows is not None:  # the last chunk runs past the arrays' end
-            mask = n * c + jax.lax.broadcasted_iota(jnp.int32, (c,), 0) < valid_rows
+            mask = (n + chunk_offset) * c + jax.lax.broadcasted_iota(jnp.int32, (c,), 0) < valid_rows
         key_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
         k = _load_rows(k_ref, (b, tokens, h // group, slice(None)), mask, (c, key_dim))  # [c, key_dim]
-        gamma = jnp.cumsum(g_ref[b, h, rows], axis=0)  # [c] f32, chunk-local prefix sum
-        beta = beta_ref[b, h, rows]
+        in_rows = pl.ds((n + chunk_offset) * c, c)  # g, beta: the whole sequence
+        gamma = jnp.cumsum(g_ref[b, h, in_rows], axis=0)  # [c] f32, chunk-local prefix sum
+        beta = beta_ref[b, h, in_rows]
         gamma_ref[b, h, rows] = gamma
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -452,7 +466,7 @@ def _prepare_dense_kernel(
         w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
         u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
-    num_chunks, first = g_ref.shape[2] // c, block * chunks_per_program
+    num_chunks, first = gamma_ref.shape[2] // c, block * chunks_per_program
     if chunks_per_program == 1:
         one_chunk(first)
     else:  # a loop, so that Triton's software pipeline loads the next chunk's tiles during this one's products
@@ -837,7 +851,7 @@ def _output_kernel(
 
 def _prepare(
     q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None,
-    valid_rows=None,
+    valid_rows=None, chunk_offset=0, num_chunks=None,
 ):
     """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
     [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
@@ -846,9 +860,12 @@ def _prepare(
     only); then also chunk-aligned copies of q and k [b, t, k_heads, key_dim] (else dummies).
     With `block_sizes.wy_in_state` the first output is T diag(beta) [b, t, v_heads, chunk_size] in place of W,
     and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U. valid_rows
-    (dense prepare, no token_rows): q, k hold that many tokens, t rounded down; the rest read as zeros."""
+    (dense prepare, no token_rows): q, k hold that many tokens, t rounded down; the rest read as zeros.
+    chunk_offset, num_chunks (dense prepare, no token_rows, static): the outputs cover that many chunks (t =
+    num_chunks * chunk_size) of q, k, v, g, bt from chunk chunk_offset on; None: all of g's chunks."""
     batch, _, k_heads, key_dim = k.shape
-    padded = g.shape[2]
+    piece = chunk_offset != 0 or num_chunks is not None
+    padded = g.shape[2] if num_chunks is None else num_chunks * chunk_size
     qk_shape = (batch, padded, k_heads, key_dim) if token_rows is not None else (1,)
     v_heads, value_dim = v.shape[2:]
     wy_in_state = block_sizes.wy_in_state
@@ -880,6 +897,13 @@ def _prepare(
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
+    if piece and (token_rows is not None or block_sizes.prepare_kernel != "dense" or valid_rows is not None
+                  or chunk_offset < 0 or padded < chunk_size
+                  or (chunk_offset * chunk_size + padded) > min(k.shape[1], g.shape[2])):
+        raise ValueError(f"_prepare: chunk_offset={chunk_offset}, num_chunks={num_chunks} need the dense "
+                         "prepare, no token_rows or valid_rows, and q, k, g holding those chunks")
+    if piece:
+        options["chunk_offset"] = chunk_offset
     if valid_rows is not None and (token_rows is not None or block_sizes.prepare_kernel != "dense"
                                    or not valid_rows < padded == k.shape[1] + (-k.shape[1]) % chunk_size):
         raise ValueError(f"_prepare: valid_rows={valid_rows} needs the dense prepare, no token_rows, and q, k "
@@ -1030,6 +1054,9 @@ def _run_stages(
         raise ValueError("the Mosaic GPU walk on packed sequences takes cu_seqlens, and with token_rows "
                          "chunk_bounds")
     valid_rows = q.shape[1] if token_rows is None and q.shape[1] < g.shape[2] else None
+    pieces = _walk_pipeline_pieces(block_sizes, g.shape[2] // common["chunk_size"]) if mosaic and not packed else 1
+    if pieces > 1 and valid_rows is None:
+        return _pipelined_walk(q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common)
     w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
                                                     valid_rows=valid_rows, **common)
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
@@ -1055,6 +1082,41 @@ def _run_stages(
         states, v_new, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
         out = _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common)
     return out, last if final_state is None else final_state
+
+
+def _walk_pipeline_pieces(block_sizes, num_chunks: int) -> int:
+    """How many pieces `_pipelined_walk` cuts `num_chunks` chunks into (1: no pipeline)."""
+    pieces = block_sizes.walk_pipeline
+    if pieces is None:
+        pieces = 4 if num_chunks >= 4 * 64 and gpu_limits.concurrent_regions_enabled() else 1
+    if pieces < 1:
+        raise ValueError(f"BlockSizes.walk_pipeline={pieces} must be >= 1")
+    return max(1, min(pieces, num_chunks))
+
+
+def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size, block_sizes, **common):
+    """Stages 1-3 with the Mosaic GPU walk on batch rows, the chunks cut into `pieces` pieces (see
+    `BlockSizes.walk_pipeline`; 1 <= pieces <= chunks): prepare i reads q, k, g, beta from its first chunk on
+    (no copies) and waits for prepare i - 1 (an optimization barrier on g: without it a concurrent graph would
+    start every prepare at once, ahead of the first walk); walk i reads q, k, v the same way, takes walk i - 1's final state and
+    writes its rows of one output buffer (a `jax.Ref`). Returns (output [b, t, v_heads, value_dim] bf16, final
+    state)."""
+    num_chunks = g.shape[2] // chunk_size
+    edges = [num_chunks * i // pieces for i in range(pieces + 1)]
+    prepared, before = [], None
+    for first, end in itertools.pairwise(edges):
+        g_in = g if before is None else jax.lax.optimization_barrier((g, before))[0]
+        t_beta, _, gamma, p, _, _ = _prepare(q, k, v, g_in, bt, scale=scale, chunk_size=chunk_size,
+                                             block_sizes=block_sizes, chunk_offset=first, num_chunks=end - first,
+                                             **common)
+        prepared.append((first, t_beta, p, gamma))
+        before = gamma
+    out = jax.empty_ref(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16))
+    state = initial_state
+    for first, t_beta, p, gamma in prepared:
+        _, state = pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, state, scale=scale, chunk_offset=first,
+                                            out=out, max_concurrent_steps=block_sizes.mosaic_stages)
+    return jax.freeze(out), state
 
 
 def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:

@@ -176,3 +176,84 @@ def test_matches_reference_on_hopper(seq, batch, seqlens):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
         assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
+
+
+def test_prepare_of_a_piece_is_that_piece_of_the_whole_prepare():
+    """The pipelined walk's prepare of one piece (chunk_offset, num_chunks; interpreter) writes what the prepare
+    of the whole sequence writes for those chunks, reading q, k, v, g, beta in place."""
+    workload = dataclasses.replace(DIM128, seq=5 * 64, batch=2, key_dim=64, value_dim=64)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=8)
+    g, bt = (jnp.swapaxes(jnp.asarray(inputs[n], jnp.float32), 1, 2) for n in ("log_decay", "beta"))
+    qkv = (inputs["query"], inputs["key"], inputs["value"])
+    common = {"scale": 0.125, "chunk_size": 64, "group": 2, "compute_dtype": jnp.bfloat16, "interpret": True,
+              "block_sizes": dataclasses.replace(DEFAULT, wy_in_state=True)}
+    whole = pallas_triton._prepare(*qkv, g, bt, **common)
+    piece = pallas_triton._prepare(*qkv, g, bt, chunk_offset=2, num_chunks=2, **common)
+    rows = slice(2 * 64, 4 * 64)
+    for name, got, want in (("T diag(beta)", piece[0], whole[0][:, rows]), ("gamma", piece[2], whole[2][..., rows]),
+                            ("P", piece[3], whole[3][:, rows])):
+        assert got.shape == want.shape, name
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
+    with pytest.raises(ValueError, match="chunk_offset=4, num_chunks=2"):
+        pallas_triton._prepare(*qkv, g, bt, chunk_offset=4, num_chunks=2, **common)
+
+
+def test_pipelined_walk_lowers_for_cuda():
+    """The pipelined walk (`BlockSizes.walk_pipeline`) lowers for an H100: one prepare and one walk launch per
+    piece, the walks writing one output buffer in place (aliased, no copies), each prepare after the last."""
+    t, kh, vh, k, v = 640, 2, 4, 128, 128
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    args = (jax.ShapeDtypeStruct((1, t, kh, k), bf16), jax.ShapeDtypeStruct((1, t, kh, k), bf16),
+            jax.ShapeDtypeStruct((1, t, vh, v), bf16), jax.ShapeDtypeStruct((1, vh, t), f32),
+            jax.ShapeDtypeStruct((1, vh, t), f32), jax.ShapeDtypeStruct((1, vh, k, v), f32))
+    block_sizes = dataclasses.replace(MOSAIC, wy_in_state=True, walk_pipeline=4)
+
+    def run(q, k_, v_, g, bt, state):
+        return pallas_triton._pipelined_walk(q, k_, v_, g, bt, state, pieces=4, scale=k**-0.5, chunk_size=64,
+                                             block_sizes=block_sizes, group=2, compute_dtype=bf16,
+                                             interpret=False)
+
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
+    assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
+
+
+@pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
+@pytest.mark.parametrize("pieces", [2, 3, 16])
+def test_pipelined_walk_matches_one_walk_on_hopper(pieces):
+    """The chunks cut into pieces (uneven: 16 chunks in 3), each prepared and walked by its own launches: the
+    same as one walk over all chunks, and near the f32 reference."""
+    workload = dataclasses.replace(DIM128, seq=1000, batch=2)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=6)
+    as_f32 = {n: (x if x is None else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
+    want = reference.gated_delta_rule_reference(**as_f32)
+    one = pallas_triton.gated_delta_rule_pallas(**inputs, block_sizes=dataclasses.replace(MOSAIC, walk_pipeline=1))
+    got = pallas_triton.gated_delta_rule_pallas(
+        **inputs, block_sizes=dataclasses.replace(MOSAIC, walk_pipeline=pieces))
+    for name, g, o, w in zip(("output", "final_state"), got, one, want, strict=True):
+        g, o, w = (np.asarray(x, np.float32) for x in (g, o, w))
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - o).max() / np.abs(o).max() <= 1e-3, name
+        assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
+
+
+def test_walk_pipeline_pieces_follow_the_concurrent_regions_flag(monkeypatch):
+    """Auto: 4 pieces only where XLA may run the pieces' launches concurrently and each piece gets >= 64
+    chunks; an explicit count is kept (at most one piece per chunk); enabling the flag after the backend has
+    started is refused with a message naming it."""
+    auto = dataclasses.replace(MOSAIC, walk_pipeline=None)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert not gpu_limits.concurrent_regions_enabled()
+    assert pallas_triton._walk_pipeline_pieces(auto, 256) == 1
+    jax.devices()  # the backend has started
+    with pytest.raises(RuntimeError, match="xla_gpu_graph_enable_concurrent_region"):
+        gpu_limits.enable_concurrent_regions()
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {gpu_limits.CONCURRENT_REGIONS_FLAG}")
+    gpu_limits.enable_concurrent_regions()  # already set: nothing to do
+    assert [pallas_triton._walk_pipeline_pieces(auto, n) for n in (255, 256, 4096)] == [1, 4, 4]
+    explicit = dataclasses.replace(MOSAIC, walk_pipeline=8)
+    assert [pallas_triton._walk_pipeline_pieces(explicit, n) for n in (3, 64)] == [3, 8]
+    with pytest.raises(ValueError, match="walk_pipeline=0"):
+        pallas_triton._walk_pipeline_pieces(dataclasses.replace(MOSAIC, walk_pipeline=0), 64)
