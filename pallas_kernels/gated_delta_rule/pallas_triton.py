@@ -10,7 +10,10 @@ Launches, like flash-linear-attention's `chunk_gated_delta_rule_fwd` (spec §9):
      chunks: V' = U - W h (with `wy_in_state`: T diag(beta) (V - diag(e^gamma) K h)), h <- e^{gamma_C} h +
      (K e^{gamma_C - gamma})^T V', and stores each chunk-start state h and V' for
      On an sm_90 GPU (`BlockSizes.state_kernel`, "auto") the state pass is `pallas_mosaic.state_pass`
-     instead: the same walk in Pallas Mosaic GPU, h kept transposed in registers (wgmma A operand).
+     instead: the same walk in Pallas Mosaic GPU, h kept transposed in registers (wgmma A operand). On batch
+     rows of >= 256 chunks, with CUDA-graph concurrent regions enabled (`BlockSizes.walk_pipeline`,
+     `_pipelined_walk`), stages 1 and 2 run per piece of the chunks, the next piece's prepare beside this
+     piece's walk.
   3. `_output_kernel`, one program per (chunk, v-head, value block): O = scale (Q e^gamma) h + P V'
      (P recomputed there). With `fuse_output` (the default) the state pass computes O itself and no chunk
      state goes to memory.
@@ -190,8 +193,8 @@ class BlockSizes:
     # with XLA_FLAGS=--xla_gpu_graph_enable_concurrent_region=true (`gpu_limits.enable_concurrent_regions`);
     # else the launches run one after another (same result, slower). None: 4 where that flag is set and each
     # piece gets >= 64 chunks, else 1. H100, 2026-11-25 (docs/benchmarks.md), ms for 1 / 3 / 4 / 6 / 8
-    # pieces: T=16384 0.495 / 0.467 / 0.445 / 0.459 / 0.458 (6 and 8 with half-length end pieces; 4 with them
-    # 0.480); T=4096 0.145 / 0.154 / 0.149 / 0.155 / 0.174.
+    # pieces: T=16384 0.495 / 0.467 / 0.445 / 0.459 / 0.458 (3, 6 and 8 with half-length end pieces; 4 with
+    # them 0.480); T=4096 0.145 / 0.154 / 0.149 / 0.155 / 0.174; shrinking pieces (0.85^i) 0.452 at 16384.
     walk_pipeline: int | None = None
 
     @classmethod
