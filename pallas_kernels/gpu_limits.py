@@ -36,8 +36,14 @@ CONCURRENT_REGIONS_FLAG = "--xla_gpu_graph_enable_concurrent_region=true"
 
 def concurrent_regions_enabled() -> bool:
     """Whether XLA_FLAGS asks XLA:GPU to run independent kernels of a CUDA graph concurrently (off by default
-    in JAX 0.11.2): what `pallas_triton.BlockSizes.walk_pipeline` needs to overlap its launches."""
-    return CONCURRENT_REGIONS_FLAG in os.environ.get("XLA_FLAGS", "").split()
+    in JAX 0.11.2): what `pallas_triton.BlockSizes.walk_pipeline` needs to overlap its launches. The last
+    mention of the flag counts (`=true`, `=1` or bare: on)."""
+    name = CONCURRENT_REGIONS_FLAG.split("=")[0]
+    value = None
+    for token in os.environ.get("XLA_FLAGS", "").split():
+        if token == name or token.startswith(name + "="):
+            value = token.partition("=")[2].lower() or "true"
+    return value in ("true", "1")
 
 
 def enable_concurrent_regions() -> None:

@@ -76,7 +76,7 @@ def _walk_kernel(
     # [lo, hi) it walks: "own_grid", the packed array's own chunks (the first and last may hold other
     # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
     # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles (T diag(beta),
-    # P, the decays) one segment of it starting at that chunk (`pipelined_state_pass`)
+    # P, the decays) one piece of it starting at that chunk (`pallas_triton._pipelined_walk`)
     b = 0 if packed else row
     start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
     if packed == "own_grid":
@@ -319,9 +319,9 @@ def state_pass(
       scale: the query scale (P already carries it).
       out_seq: regathered: the packed output's length (static).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
-      chunk_offset: batch rows only: t_beta, p and gamma hold one segment of the sequence, its chunks from
-        this one on (static; `pipelined_state_pass`); q, k, v (and `out`) the whole sequence.
-      out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the segment's output
+      chunk_offset: batch rows only: t_beta, p and gamma hold one piece of the sequence, its chunks from
+        this one on (static; `pallas_triton._pipelined_walk`); q, k, v (and `out`) the whole sequence.
+      out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
 
     Returns:
@@ -337,7 +337,7 @@ def state_pass(
     t = -(-seq // CHUNK) * CHUNK
     if (chunk_offset or out is not None) and packed:
         raise ValueError("state_pass: chunk_offset and out take batch rows, not packed sequences")
-    if chunk_offset or out is not None:  # one segment of the chunks
+    if chunk_offset or out is not None:  # one piece of the chunks
         t = t_beta.shape[1]
         if chunk_offset < 0 or chunk_offset * CHUNK + t > seq:
             raise ValueError(f"state_pass: chunks {chunk_offset} .. {chunk_offset} + {t // CHUNK} past seq={seq}")

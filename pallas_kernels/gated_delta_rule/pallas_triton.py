@@ -1101,9 +1101,9 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
     """Stages 1-3 with the Mosaic GPU walk on batch rows, the chunks cut into `pieces` pieces (see
     `BlockSizes.walk_pipeline`; 1 <= pieces <= chunks): prepare i reads q, k, g, beta from its first chunk on
     (no copies) and waits for prepare i - 1 (an optimization barrier on g: without it a concurrent graph would
-    start every prepare at once, ahead of the first walk); walk i reads q, k, v the same way, takes walk i - 1's final state and
-    writes its rows of one output buffer (a `jax.Ref`). Returns (output [b, t, v_heads, value_dim] bf16, final
-    state)."""
+    start every prepare at once, ahead of the first walk); walk i reads q, k, v the same way, takes walk
+    i - 1's final state and writes its rows of one output buffer (a `jax.Ref`). Returns (output [b, t,
+    v_heads, value_dim] bf16, final state)."""
     num_chunks = g.shape[2] // chunk_size
     edges = [num_chunks * i // pieces for i in range(pieces + 1)]
     prepared, before = [], None

@@ -252,6 +252,13 @@ def test_walk_pipeline_pieces_follow_the_concurrent_regions_flag(monkeypatch):
         gpu_limits.enable_concurrent_regions()
     monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {gpu_limits.CONCURRENT_REGIONS_FLAG}")
     gpu_limits.enable_concurrent_regions()  # already set: nothing to do
+    for flags, on in (("--xla_gpu_graph_enable_concurrent_region", True),
+                      ("--xla_gpu_graph_enable_concurrent_region=1", True),
+                      ("--xla_gpu_graph_enable_concurrent_region=true --xla_gpu_graph_enable_concurrent_region=false",
+                       False), ("--xla_gpu_graph_enable_concurrent_region_x=true", False)):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert gpu_limits.concurrent_regions_enabled() is on, flags
+    monkeypatch.setenv("XLA_FLAGS", gpu_limits.CONCURRENT_REGIONS_FLAG)
     assert [pallas_triton._walk_pipeline_pieces(auto, n) for n in (255, 256, 4096)] == [1, 4, 4]
     explicit = dataclasses.replace(MOSAIC, walk_pipeline=8)
     assert [pallas_triton._walk_pipeline_pieces(explicit, n) for n in (3, 64)] == [3, 8]
