@@ -13,3 +13,16 @@ def assert_finite(x, name: str = "array") -> None:
     x = np.asarray(x, np.float32)
     bad = ~np.isfinite(x)
     assert not bad.any(), f"{name} has {bad.sum()} NaN/Inf values of {x.size}"
+
+
+def lowered_for_h100(fn, *args, **kwargs) -> str:
+    """StableHLO text of jax.jit(fn)(*args, **kwargs) lowered for CUDA on an abstract H100 (no GPU here): the
+    Pallas Triton and Mosaic GPU lowerings run, their compilation does not. kwargs are static."""
+    import functools
+
+    import jax
+
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        traced = jax.jit(functools.partial(fn, **kwargs)).trace(*args)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import support
 
 from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import pallas_mosaic, pallas_triton, reference, workloads
@@ -207,15 +208,8 @@ def test_pipelined_walk_lowers_for_cuda():
             jax.ShapeDtypeStruct((1, t, vh, v), bf16), jax.ShapeDtypeStruct((1, vh, t), f32),
             jax.ShapeDtypeStruct((1, vh, t), f32), jax.ShapeDtypeStruct((1, vh, k, v), f32))
     block_sizes = dataclasses.replace(MOSAIC, wy_in_state=True, walk_pipeline=4)
-
-    def run(q, k_, v_, g, bt, state):
-        return pallas_triton._pipelined_walk(q, k_, v_, g, bt, state, pieces=4, scale=k**-0.5, chunk_size=64,
-                                             block_sizes=block_sizes, group=2, compute_dtype=bf16,
-                                             interpret=False)
-
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
-        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = support.lowered_for_h100(pallas_triton._pipelined_walk, *args, pieces=4, scale=k**-0.5, chunk_size=64,
+                                    block_sizes=block_sizes, group=2, compute_dtype=bf16, interpret=False)
     assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
     assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
 
