@@ -335,9 +335,9 @@ def state_pass(
     v_heads, value_dim = v.shape[2:]
     packed = None if cu_seqlens is None else "own_grid" if chunk_bounds is None else "regathered"
     t = -(-seq // CHUNK) * CHUNK
-    if (chunk_offset or out is not None) and packed:
-        raise ValueError("state_pass: chunk_offset and out take batch rows, not packed sequences")
     if chunk_offset or out is not None:  # one piece of the chunks
+        if packed:
+            raise ValueError("state_pass: chunk_offset and out take batch rows, not packed sequences")
         t = t_beta.shape[1]
         if chunk_offset < 0 or chunk_offset * CHUNK + t > seq:
             raise ValueError(f"state_pass: chunks {chunk_offset} .. {chunk_offset} + {t // CHUNK} past seq={seq}")
