@@ -40,8 +40,8 @@ from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
 
 START = time.monotonic()
-# Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products,
-# state_block_v 32 and 3 pipeline stages, one sequential walk, output fused into the state pass, the decays
+# Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products
+# by 16-row slabs, the pipelined Mosaic GPU walk on an H100, state_block_v 32 and 3 pipeline stages, one sequential walk, output fused into the state pass, the decays
 # scaling the products, the WY factors formed in the state pass from T except for packed sequences read in
 # place), then the options. Measured on an H100 (docs/benchmarks.md, docs/benchmarks_gdn.md): W and U written
 # by the prepare (wy_in_state=0, the default until 2026-11-24) 12% slower at T=16384; TF32 inverse products
@@ -52,9 +52,9 @@ START = time.monotonic()
 # program per chunk 4-11% slower in the prepare than 8 chunks per program.
 DEFAULT_VARIANTS = [
     "fused:32",
-    "fused:32:wy_in_state=0",   # W and U from the prepare (the default before 2026-11-24)
+    "fused:32:inverse_slabs=0",   # the whole-tile triangular inverse (the default before 2026-11-25 11:00 UTC)
+    "fused:32:walk_pipeline=1",   # one prepare launch, then one walk (no pipeline)
     "fused:32:wy_in_state=1",   # T on packed sequences too (V copied chunk-aligned by the prepare)
-    "fused:32:prepare_chunks=1",   # one prepare program per chunk (the default before 2026-11-24 23:40 UTC)
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
@@ -146,7 +146,7 @@ def kernel_split_ms(call, calls: int = 10) -> dict[str, float]:
                 out = call()
             jax.block_until_ready(out)
         trace = next(pathlib.Path(d).rglob("perfetto_trace.json.gz"))
-        kernels = trace_summary.summarize(trace, top=8).get("top_kernels_ms", {})
+        kernels = trace_summary.summarize(trace, top=16).get("top_kernels_ms", {})
     return {name: round(ms / calls, 4) for name, ms in kernels.items()}
 
 

@@ -286,10 +286,11 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
     return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
+@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset",
+                                               "state_transposed"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
-    max_concurrent_steps=2, chunk_offset=0, out=None,
+    max_concurrent_steps=2, chunk_offset=0, out=None, state_transposed=False, decays=None,
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -309,7 +310,7 @@ def state_pass(
       p: [batch, t, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma) (own grid:
         block-diagonal like T).
       gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (own grid: of
-        `break_sequences`).
+        `break_sequences`); None with `decays`.
       initial_state: [batch, v_heads, key_dim, value_dim] f32, or packed [num_seqs, ...].
       cu_seqlens: None, or packed sequences (batch == 1): int32 [num_seqs + 1] token offsets in the packed
         output (and own grid: in q, k, v), cu[-1] == the packed length. One walk per sequence over its chunks
@@ -323,6 +324,11 @@ def state_pass(
         this one on (static; `pallas_triton._pipelined_walk`); q, k, v (and `out`) the whole sequence.
       out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
+      state_transposed: initial_state comes, and the final state goes, as h^T [rows, v_heads, value_dim,
+        key_dim] (the walk's own layout), so that pieces hand it on without two transposes each.
+      decays: batch rows only: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as `decay_factors`
+        returns them, formed elsewhere (the prepare writes them: no XLA kernel between it and the walk);
+        gamma is then None. None: formed here from gamma.
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
@@ -346,17 +352,23 @@ def state_pass(
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
     if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
-    if t_beta.shape[1] != t or p.shape[1] != t or gamma.shape[2] != t:
-        raise ValueError(f"t_beta {t_beta.shape}, p {p.shape}, gamma {gamma.shape}: need {t} tokens (seq {seq} "
-                         "rounded up to chunks)")
+    if (decays is None) == (gamma is None) or (decays is not None and packed):
+        raise ValueError("state_pass: pass gamma or (batch rows) decays, one of the two")
+    gamma_shape = gamma.shape if decays is None else decays[0].shape
+    if t_beta.shape[1] != t or p.shape[1] != t or gamma_shape[2] != t or (
+            decays is not None and decays[1].shape != gamma_shape):
+        raise ValueError(f"t_beta {t_beta.shape}, p {p.shape}, gamma/decays {gamma_shape}: need {t} tokens (seq "
+                         f"{seq} rounded up to chunks)")
     rows = (initial_state.shape[0] + 1,)
     if packed and (batch != 1 or cu_seqlens.shape != rows or (chunk_bounds is not None and (
             chunk_bounds.shape != rows or out_seq is None))):
         raise ValueError(f"packed: cu_seqlens {cu_seqlens.shape} (and regathered, chunk_bounds and out_seq) need "
                          "batch 1 and one entry per initial state + 1")
     own = packed == "own_grid"
-    exp_gamma, exp_to_last = decay_factors(gamma, cu_seqlens if own else None, seq)
-    init_t = jnp.swapaxes(initial_state.astype(jnp.float32), 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
+    exp_gamma, exp_to_last = decays or decay_factors(gamma, cu_seqlens if own else None, seq)
+    init_t = initial_state.astype(jnp.float32)
+    if not state_transposed:
+        init_t = jnp.swapaxes(init_t, 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
     cu, bounds = (jnp.asarray(jnp.zeros((2,), jnp.int32) if x is None else x, jnp.int32)
                   for x in (cu_seqlens, chunk_bounds))
     out_rows = out_seq if packed == "regathered" else seq
@@ -402,4 +414,4 @@ def state_pass(
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, cu, bounds, *(() if out is None else (out,)))
     out_array, final_t = (None, *outs) if out is not None else outs
-    return out_array, jnp.swapaxes(final_t, 2, 3)
+    return out_array, final_t if state_transposed else jnp.swapaxes(final_t, 2, 3)

@@ -136,6 +136,13 @@ class BlockSizes:
     # 0.039, FLA 0.032 / 0.033). Needs the 4-row blocks of `_unit_lower_inverse` (with 16-row squaring
     # blocks, bf16 factors blew up to 1e9).
     inverse_bf16: bool = True
+    # Dense prepare: the triangular inverse by 16-row slabs (`_slab_inverse`: the 16x16 diagonal blocks'
+    # inverses, then forward block substitution, ~1/10 of the multiply-adds) instead of the ten whole-chunk
+    # products of `_unit_lower_inverse` (which fold_t_into_p keeps: P T needs T whole). The default since 2026-11-25 (H100,
+    # docs/benchmarks.md): prepare alone T=16384 0.186 -> 0.178 ms, packed 8 x 8192 0.690 -> 0.654; error
+    # against the f32 recurrence the same (keys at cosine 0.9: 0.030 -> 0.027). Far less than the saved
+    # multiply-adds: the slabs' products are small and chained (the prepare without any inverse took 0.123).
+    inverse_slabs: bool = True
     # State pass: the chunk's decays scale the [chunk, block_v] products (Q h after the product, V' before
     # K^T V') instead of the [chunk, key_dim] tiles Q and K before them, so Q and K go to the tensor cores as
     # loaded: a quarter of the elementwise work at block_v 32, and no register round trip of those tiles.
@@ -277,6 +284,30 @@ def _unit_lower_inverse(a, exact, operand_dtype=None):
     return t
 
 
+def _slab_inverse(a, exact, operand_dtype=None, slab=16):
+    """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two >= slab) as s // slab row
+    slabs [slab, s] f32, by forward block substitution (as FLA's `solve_tril` merges its 16x16 blocks):
+        T_d = D_d (E_d - sum_{m < d} A_dm T_m),   D_d = (I + A_dd)^-1 by `_unit_lower_inverse`,
+    A_dm the [slab, slab] blocks of a, E_d rows d * slab .. of the identity. At s = 64: 4 x 6 [16, 16, 16]
+    products for the D_d and 10 [16, 16, 64] products, about a tenth of the multiply-adds of the ten whole-tile
+    products of `_unit_lower_inverse` (which multiply the zero blocks too). The blocks come from splitting the
+    register tile (`jnp.split`, which Pallas Triton lowers for power-of-two parts). `operand_dtype`: as in
+    `_unit_lower_inverse`."""
+    s = a.shape[0]
+    n = s // slab
+    cast = (lambda x: x) if operand_dtype is None else (lambda x: x.astype(operand_dtype))
+    blocks = [jnp.split(r, n, axis=1) for r in jnp.split(a, n, axis=0)] if n > 1 else [[a]]
+    i = jax.lax.broadcasted_iota(jnp.int32, (slab, s), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (slab, s), 1)
+    slabs = []
+    for d in range(n):
+        x = jnp.where(j == i + d * slab, 1.0, 0.0)  # E_d
+        for m in range(d):
+            x = x - _dot(cast(blocks[d][m]), cast(slabs[m]), exact=exact)
+        slabs.append(_dot(cast(_unit_lower_inverse(blocks[d][d], exact, operand_dtype)), cast(x), exact=exact))
+    return slabs
+
+
 def _prepare_kernel(
     q_ref,
     k_ref,
@@ -396,6 +427,8 @@ def _prepare_dense_kernel(
     valid_rows=None,
     heads_fastest=False,
     chunk_offset=0,
+    decay_factors=False,
+    inverse_slabs=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -410,7 +443,11 @@ def _prepare_dense_kernel(
     # chunks_per_program > 1: program (chunk block, batch*v_heads) walks its chunks in a loop (the last block
     # clamped to the last chunk, which it then redoes: identical writes). valid_rows: q, k (not in_place) hold
     # that many tokens, fewer than t; the rows past them read as zeros. chunk_offset (not in_place): the
-    # outputs are one piece of the sequence, from that chunk of q, k, v, g, beta on.
+    # outputs are one piece of the sequence, from that chunk of q, k, v, g, beta on. decay_factors (wy_in_state,
+    # not in_place): gamma_ref takes e^gamma and u_ref [b, v_heads, t] f32 e^(gamma_last - gamma), the Mosaic
+    # walk's decay factors (`pallas_mosaic.decay_factors`), in place of gamma. inverse_slabs: T by
+    # `_slab_inverse` (16-row slabs) instead of `_unit_lower_inverse`, and T's rows written (or multiplied) slab
+    # by slab.
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -428,7 +465,12 @@ def _prepare_dense_kernel(
         in_rows = pl.ds((n + chunk_offset) * c, c)  # g, beta: the whole sequence
         gamma = jnp.cumsum(g_ref[b, h, in_rows], axis=0)  # [c] f32, chunk-local prefix sum
         beta = beta_ref[b, h, in_rows]
-        gamma_ref[b, h, rows] = gamma
+        if decay_factors:
+            last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1, gamma, 0.0))
+            gamma_ref[b, h, rows] = jnp.exp(gamma)
+            u_ref[b, h, rows] = jnp.exp(last - gamma)
+        else:
+            gamma_ref[b, h, rows] = gamma
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
@@ -452,9 +494,17 @@ def _prepare_dense_kernel(
                 def _():
                     q_out_ref[b, rows, h // group, :] = q.astype(q_out_ref.dtype)
                     k_out_ref[b, rows, h // group, :] = k.astype(k_out_ref.dtype)
-        if wy_in_state:
+        slab = min(16, c)
+        if inverse_slabs:  # T as row slabs, each written (or multiplied) on its own
+            t_slabs = _slab_inverse(a, exact, inv_dtype, slab)
+            slab_rows = [pl.ds(n * c + d * slab, slab) for d in range(len(t_slabs))]
+        if wy_in_state and inverse_slabs:
+            for t_d, rows_d in zip(t_slabs, slab_rows, strict=True):
+                w_ref[b, rows_d, h, :] = (t_d * beta[None, :]).astype(w_ref.dtype)
+        elif wy_in_state:
             t_beta = _unit_lower_inverse(a, exact, inv_dtype) * beta[None, :]
             w_ref[b, rows, h, :] = t_beta.astype(w_ref.dtype)
+        if wy_in_state:
             if fold_t_into_p:  # P T diag(beta), P formed only now (not live through the inverse)
                 pt = _dot(intra(decay()).astype(compute_dtype), t_beta.astype(compute_dtype), exact=exact)
                 p_ref[b, rows, h, :] = pt.astype(p_ref.dtype)
@@ -462,10 +512,15 @@ def _prepare_dense_kernel(
                 v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
                 u_ref[b, rows, h, :] = v.astype(u_ref.dtype)
             return
-        t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
         rhs_w = (k.astype(jnp.float32) * (beta * jnp.exp(gamma))[:, None]).astype(compute_dtype)
         v = _load_rows(v_ref, (b, tokens, h, slice(None)), mask, (c, value_dim))
         rhs_u = (v.astype(jnp.float32) * beta[:, None]).astype(compute_dtype)
+        if inverse_slabs:
+            for t_d, rows_d in zip(t_slabs, slab_rows, strict=True):
+                w_ref[b, rows_d, h, :] = _dot(t_d.astype(compute_dtype), rhs_w, exact=exact).astype(w_ref.dtype)
+                u_ref[b, rows_d, h, :] = _dot(t_d.astype(compute_dtype), rhs_u, exact=exact).astype(u_ref.dtype)
+            return
+        t = _unit_lower_inverse(a, exact, inv_dtype).astype(compute_dtype)
         w_ref[b, rows, h, :] = _dot(t, rhs_w, exact=exact).astype(w_ref.dtype)
         u_ref[b, rows, h, :] = _dot(t, rhs_u, exact=exact).astype(u_ref.dtype)
 
@@ -854,7 +909,7 @@ def _output_kernel(
 
 def _prepare(
     q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None,
-    valid_rows=None, chunk_offset=0, num_chunks=None,
+    valid_rows=None, chunk_offset=0, num_chunks=None, decay_factors=False,
 ):
     """Stage 1: W [b, t, v_heads, key_dim], U [b, t, v_heads, value_dim] (compute dtype), gamma
     [b, v_heads, t] f32, and with `block_sizes.fuse_output` P [b, t, v_heads, chunk_size] (compute dtype;
@@ -865,7 +920,10 @@ def _prepare(
     and the second the chunk-aligned copy of v with token_rows (else a dummy) in place of U. valid_rows
     (dense prepare, no token_rows): q, k hold that many tokens, t rounded down; the rest read as zeros.
     chunk_offset, num_chunks (dense prepare, no token_rows, static): the outputs cover that many chunks (t =
-    num_chunks * chunk_size) of q, k, v, g, bt from chunk chunk_offset on; None: all of g's chunks."""
+    num_chunks * chunk_size) of q, k, v, g, bt from chunk chunk_offset on; None: all of g's chunks.
+    decay_factors (dense prepare with wy_in_state, no token_rows): the third output is e^gamma and the second
+    e^(gamma_last - gamma) [b, v_heads, t] f32 (gamma_last: the chunk's last), the Mosaic GPU walk's decay
+    factors (`pallas_mosaic.decay_factors`), so that no XLA kernel forms them between the prepare and the walk."""
     batch, _, k_heads, key_dim = k.shape
     piece = chunk_offset != 0 or num_chunks is not None
     padded = g.shape[2] if num_chunks is None else num_chunks * chunk_size
@@ -886,6 +944,11 @@ def _prepare(
         token_rows = tuple(jnp.concatenate([x, jnp.repeat(x[-1:], span)]) for x in token_rows)
     w_shape = (batch, padded, v_heads, chunk_size if wy_in_state else key_dim)
     u_shape = (1,) if wy_in_state and token_rows is None else (batch, padded, v_heads, value_dim)
+    u_dtype = compute_dtype
+    if decay_factors:
+        if not (wy_in_state and token_rows is None and block_sizes.prepare_kernel == "dense"):
+            raise ValueError("_prepare: decay_factors needs the dense prepare with wy_in_state and no token_rows")
+        u_shape, u_dtype = (batch, v_heads, padded), jnp.float32
     with_p = block_sizes.fuse_output
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
     kernels = {"sub_blocks": _prepare_kernel, "dense": _prepare_dense_kernel}
@@ -896,7 +959,8 @@ def _prepare(
         "dense": {"inverse_bf16": block_sizes.inverse_bf16, "wy_in_state": wy_in_state,
                   "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p,
                   "prefetch_rows": prefetch_rows, "heads_fastest": heads_fastest,
-                  "valid_rows": valid_rows},
+                  "valid_rows": valid_rows, "decay_factors": decay_factors,
+                  "inverse_slabs": block_sizes.inverse_slabs and not fold_t_into_p},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
@@ -924,7 +988,7 @@ def _prepare(
         ),
         out_shape=(
             jax.ShapeDtypeStruct(w_shape, compute_dtype),
-            jax.ShapeDtypeStruct(u_shape, compute_dtype),
+            jax.ShapeDtypeStruct(u_shape, u_dtype),
             jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
             jax.ShapeDtypeStruct(p_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
@@ -1060,8 +1124,11 @@ def _run_stages(
     pieces = _walk_pipeline_pieces(block_sizes, g.shape[2] // common["chunk_size"]) if mosaic and not packed else 1
     if pieces > 1 and valid_rows is None:
         return _pipelined_walk(q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common)
+    # batch rows, Mosaic GPU walk: the prepare writes the walk's decay factors in place of gamma (and U)
+    decay_factors = mosaic and not packed
     w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
-                                                    valid_rows=valid_rows, **common)
+                                                    valid_rows=valid_rows, decay_factors=decay_factors, **common)
+    decays = (gamma, u) if decay_factors else None
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
         u = v
     final_state = None
@@ -1077,8 +1144,8 @@ def _run_stages(
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
     if mosaic:
         out, last = pallas_mosaic.state_pass(
-            q, k, u, w, p, gamma, initial_state, cu_seqlens, chunk_bounds, scale=scale,
-            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages)
+            q, k, u, w, p, None if decays else gamma, initial_state, cu_seqlens, chunk_bounds, scale=scale,
+            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages, decays=decays)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
@@ -1102,24 +1169,25 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
     `BlockSizes.walk_pipeline`; 1 <= pieces <= chunks): prepare i reads q, k, g, beta from its first chunk on
     (no copies) and waits for prepare i - 1 (an optimization barrier on g: without it a concurrent graph would
     start every prepare at once, ahead of the first walk); walk i reads q, k, v the same way, takes walk
-    i - 1's final state and writes its rows of one output buffer (a `jax.Ref`). Returns (output [b, t,
-    v_heads, value_dim] bf16, final state)."""
+    i - 1's final state (as h^T, the walk's own layout: no transposes between walks) and writes its rows of
+    one output buffer (a `jax.Ref`). Returns (output [b, t, v_heads, value_dim] bf16, final state)."""
     num_chunks = g.shape[2] // chunk_size
     edges = [num_chunks * i // pieces for i in range(pieces + 1)]
     prepared, before = [], None
     for first, end in itertools.pairwise(edges):
         g_in = g if before is None else jax.lax.optimization_barrier((g, before))[0]
-        t_beta, _, gamma, p, _, _ = _prepare(q, k, v, g_in, bt, scale=scale, chunk_size=chunk_size,
-                                             block_sizes=block_sizes, chunk_offset=first, num_chunks=end - first,
-                                             **common)
-        prepared.append((first, t_beta, p, gamma))
-        before = gamma
+        t_beta, exp_to_last, exp_gamma, p, _, _ = _prepare(
+            q, k, v, g_in, bt, scale=scale, chunk_size=chunk_size, block_sizes=block_sizes, chunk_offset=first,
+            num_chunks=end - first, decay_factors=True, **common)
+        prepared.append((first, t_beta, p, (exp_gamma, exp_to_last)))
+        before = exp_gamma
     out = jax.empty_ref(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16))
-    state = initial_state
-    for first, t_beta, p, gamma in prepared:
-        _, state = pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, state, scale=scale, chunk_offset=first,
-                                            out=out, max_concurrent_steps=block_sizes.mosaic_stages)
-    return jax.freeze(out), state
+    state_t = jnp.swapaxes(initial_state, 2, 3)  # h^T, handed from walk to walk as the walk keeps it
+    for first, t_beta, p, decays in prepared:
+        _, state_t = pallas_mosaic.state_pass(q, k, v, t_beta, p, None, state_t, scale=scale, chunk_offset=first,
+                                              out=out, max_concurrent_steps=block_sizes.mosaic_stages,
+                                              state_transposed=True, decays=decays)
+    return jax.freeze(out), jnp.swapaxes(state_t, 2, 3)
 
 
 def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:

@@ -256,6 +256,11 @@ VARIANTS = [
     ),
     ("dense-prepare-c64-f32", {"prepare_kernel": "dense"}, jnp.float32, 64, 150, None, 1),
     ("dense-prepare-c32-tf32-inverse", {"inverse_bf16": False}, jnp.bfloat16, 32, 150, None, 1),
+    ("whole-tile-inverse-f32", {"inverse_slabs": False}, jnp.float32, 64, 150, None, 2),
+    ("whole-tile-inverse-packed-in-place", {"inverse_slabs": False}, jnp.bfloat16, 64, None, (67, 0, 130), 1),
+    ("inverse-slabs-c32-w-u-bf16", {"wy_in_state": False}, jnp.bfloat16, 32, 150, None, 1),
+    ("inverse-slabs-c128-f32", {}, jnp.float32, 128, 300, None, 1),
+    ("inverse-slabs-packed-in-place", {}, jnp.bfloat16, 64, None, (67, 0, 130), 1),
     (
         "sub-blocks-prepare-c64-solve32",
         {"prepare_kernel": "sub_blocks", "solve_block": 32},
@@ -446,17 +451,21 @@ def correlated_inputs(dtype, key_cosine, seq=150):
     return workloads.hard_gates(workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=4, key_cosine=key_cosine))
 
 
-@pytest.mark.parametrize("prepare_kernel", ["dense", "sub_blocks", "chunked"])
+@pytest.mark.parametrize("prepare_kernel", ["dense", "dense_slabs", "sub_blocks", "chunked"])
 @pytest.mark.parametrize("key_cosine", [0.9, 0.99])
 def test_pallas_correlated_keys(prepare_kernel, key_cosine):
     """Repeated-squaring inverses of 16-row blocks cancel powers of ~6 000 here (the dense prepare before
     2026-11-23 gave relative error 0.76 at cosine 0.9 even in f32); the 4-row blocks stay exact. "chunked":
-    the pure-JAX implementation (a triangular solve) on the same inputs."""
+    the pure-JAX implementation (a triangular solve) on the same inputs. "dense_slabs": the inverse by 16-row
+    slabs (`BlockSizes.inverse_slabs`)."""
     inputs = correlated_inputs(jnp.float32, key_cosine)
     if prepare_kernel == "chunked":
         check(inputs, "chunked", jnp.float32, chunk_size=64)
         return
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), prepare_kernel=prepare_kernel)
+    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), prepare_kernel="dense",
+                                      inverse_slabs=prepare_kernel == "dense_slabs")
+    if prepare_kernel == "sub_blocks":
+        block_sizes = dataclasses.replace(block_sizes, prepare_kernel="sub_blocks")
     got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=block_sizes)
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, jnp.float32)
@@ -493,6 +502,25 @@ def test_pallas_tf32_inverse_products(monkeypatch):
         assert np.isfinite(e).all(), name
         err_e, err_p = (np.abs(x - w).max() / np.abs(w).max() for x in (e, p))
         assert err_e <= max(TOLERANCE[jnp.bfloat16], 1.25 * err_p), (name, err_e, err_p)
+
+
+def test_slab_inverse_in_bf16_as_close_as_the_whole_tile_inverse():
+    """bf16 inputs, keys at cosine 0.9 (the hard case): the inverse by 16-row slabs with bf16 operands
+    (`inverse_slabs`) is as close to the f32 reference as the default whole-tile inverse; and it is the
+    inverse (T (I + A) = I) of a random strictly lower A in f32."""
+    inputs = correlated_inputs(jnp.bfloat16, 0.9)
+    want = expected(inputs)
+    default = pallas_triton.BlockSizes.get_default()
+    runs = [pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=dataclasses.replace(
+        default, inverse_slabs=slabs)) for slabs in (False, True)]
+    for i, name in enumerate(("output", "final_state")):
+        w = np.asarray(want[i], np.float32)
+        err_whole, err_slabs = (np.abs(np.asarray(r[i], np.float32) - w).max() / np.abs(w).max() for r in runs)
+        assert np.isfinite(np.asarray(runs[1][i], np.float32)).all(), name
+        assert err_slabs <= max(TOLERANCE[jnp.bfloat16], 1.25 * err_whole), (name, err_slabs, err_whole)
+    a = np.tril(np.random.default_rng(0).normal(size=(64, 64)), -1).astype(np.float32) * 0.3
+    t = np.concatenate(pallas_triton._slab_inverse(jnp.asarray(a), exact=True), axis=0)
+    np.testing.assert_allclose(t @ (np.eye(64) + a), np.eye(64), atol=1e-4)
 
 
 def test_state_stages_fit_the_device_shared_memory():

@@ -85,6 +85,11 @@ def test_kernel_lowers_for_cuda():
         return pallas_mosaic.state_pass.trace(*a, scale=k**-0.5, **kw).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "mosaic_gpu" in lowered(*args(2, 2))
+    a = args(2, 2)  # the decay factors formed by the prepare, the state as h^T both ways: no XLA exp, no transpose
+    text = lowered(*a[:5], None, a[6], decays=(a[5], a[5]), state_transposed=True)
+    assert "mosaic_gpu" in text and "stablehlo.exponential" not in text and "stablehlo.transpose" not in text
+    with pytest.raises(ValueError, match="gamma or .batch rows. decays, one of the two"):
+        lowered(*a[:5], None, a[6])
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
     qkv, chunked, state = args(1, 3)[:3], args(1, 3)[3:6], args(1, 3)[6]
     packed = (jax.ShapeDtypeStruct((1, 250) + x.shape[2:], bf16) for x in qkv)  # 250 tokens, 4 chunks
@@ -179,15 +184,21 @@ def test_matches_reference_on_hopper(seq, batch, seqlens):
         assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
 
 
+def prepare_inputs(chunks, seed):
+    """(q, k, v), g and beta [b, v_heads, t] f32, and the other `_prepare` arguments (interpreter, T diag(beta))
+    for two rows of `chunks` 64-token chunks."""
+    workload = dataclasses.replace(DIM128, seq=chunks * 64, batch=2, key_dim=64, value_dim=64)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=seed)
+    g, bt = (jnp.swapaxes(jnp.asarray(inputs[n], jnp.float32), 1, 2) for n in ("log_decay", "beta"))
+    common = {"scale": 0.125, "chunk_size": 64, "group": 2, "compute_dtype": jnp.bfloat16, "interpret": True,
+              "block_sizes": dataclasses.replace(DEFAULT, wy_in_state=True)}
+    return (inputs["query"], inputs["key"], inputs["value"]), g, bt, common
+
+
 def test_prepare_of_a_piece_is_that_piece_of_the_whole_prepare():
     """The pipelined walk's prepare of one piece (chunk_offset, num_chunks; interpreter) writes what the prepare
     of the whole sequence writes for those chunks, reading q, k, v, g, beta in place."""
-    workload = dataclasses.replace(DIM128, seq=5 * 64, batch=2, key_dim=64, value_dim=64)
-    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=8)
-    g, bt = (jnp.swapaxes(jnp.asarray(inputs[n], jnp.float32), 1, 2) for n in ("log_decay", "beta"))
-    qkv = (inputs["query"], inputs["key"], inputs["value"])
-    common = {"scale": 0.125, "chunk_size": 64, "group": 2, "compute_dtype": jnp.bfloat16, "interpret": True,
-              "block_sizes": dataclasses.replace(DEFAULT, wy_in_state=True)}
+    qkv, g, bt, common = prepare_inputs(chunks=5, seed=8)
     whole = pallas_triton._prepare(*qkv, g, bt, **common)
     piece = pallas_triton._prepare(*qkv, g, bt, chunk_offset=2, num_chunks=2, **common)
     rows = slice(2 * 64, 4 * 64)
@@ -212,6 +223,24 @@ def test_pipelined_walk_lowers_for_cuda():
                                     block_sizes=block_sizes, group=2, compute_dtype=bf16, interpret=False)
     assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
     assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
+    # the prepares write the walks' decay factors; the state goes from walk to walk as h^T (two transposes)
+    assert "stablehlo.exponential" not in text and text.count("stablehlo.transpose") == 2
+
+
+def test_prepare_writes_the_walks_decay_factors():
+    """With decay_factors the prepare (interpreter) writes e^gamma and e^(gamma_last - gamma), what
+    `pallas_mosaic.decay_factors` forms from the gamma it otherwise writes, and the same T diag(beta) and P."""
+    qkv, g, bt, common = prepare_inputs(chunks=3, seed=9)
+    plain = pallas_triton._prepare(*qkv, g, bt, **common)
+    factors = pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **common)
+    want = pallas_mosaic.decay_factors(plain[2])
+    for name, got, w in (("e^gamma", factors[2], want[0]), ("e^(gamma_last - gamma)", factors[1], want[1])):
+        assert got.shape == w.shape and np.isfinite(np.asarray(got)).all(), name
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-6, atol=0, err_msg=name)
+    for name, i in (("T diag(beta)", 0), ("P", 3)):
+        np.testing.assert_array_equal(np.asarray(factors[i], np.float32), np.asarray(plain[i], np.float32), name)
+    with pytest.raises(ValueError, match="decay_factors needs"):
+        pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **{**common, "block_sizes": DEFAULT})
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
