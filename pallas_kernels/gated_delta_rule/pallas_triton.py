@@ -23,8 +23,8 @@ XLA, or the `_segment_combine_kernel`) combines them into each segment's start s
 walks its chunks at the same time. Packed sequences too: a segment restarts at each sequence's first chunk
 (M = 0 from there on), and finals are stored as the walk closes each sequence.
 Stage 1 comes in two kernels (`BlockSizes.prepare_kernel`): "dense" (the default, `_prepare_dense_kernel`:
-one [c, c] K K^T product, the inverse from whole-chunk products, W and U as two products) and "sub_blocks"
-(16-row tiles). Off-by-default options, timed on an H100 and slower there (docs/benchmarks_gdn.md):
+one [c, c] K K^T product, the inverse by 16-row slabs of that tile, W and U as two products or T itself) and
+"sub_blocks" (16-row tiles). Off-by-default options, timed on an H100 and slower there (docs/benchmarks_gdn.md):
 `state_prefetch` (the sequential walks load chunk n+1's tiles during chunk n), `segments` > 1,
 `segment_combine="pallas"`.
 Packed sequences (cu_seqlens) are regathered so each starts a chunk (g, beta by XLA; q, k, v read where they
@@ -36,7 +36,8 @@ Grouped heads: v-head h reads q/k head h // (v_heads // k_heads) straight from t
 Matrix products take the input dtype (bf16 -> tensor cores) and accumulate in f32; g, beta, gamma, A, T and
 the carried state are f32 (f32 inputs: every product in IEEE f32, precision=HIGHEST; bf16 inputs: the
 inverse's products take bf16 operands of the f32 tiles (`BlockSizes.inverse_bf16`; else TF32), and T is
-rounded to bf16 before W and U). The inverse is blocked for stability (`_unit_lower_inverse`).
+rounded to bf16 before W and U). The inverse is blocked for stability (`_unit_lower_inverse` on 16x16
+diagonal blocks, then forward block substitution: `_slab_inverse`).
 """
 
 import dataclasses
@@ -138,10 +139,11 @@ class BlockSizes:
     inverse_bf16: bool = True
     # Dense prepare: the triangular inverse by 16-row slabs (`_slab_inverse`: the 16x16 diagonal blocks'
     # inverses, then forward block substitution, ~1/10 of the multiply-adds) instead of the ten whole-chunk
-    # products of `_unit_lower_inverse` (which fold_t_into_p keeps: P T needs T whole). The default since 2026-11-25 (H100,
-    # docs/benchmarks.md): prepare alone T=16384 0.186 -> 0.178 ms, packed 8 x 8192 0.690 -> 0.654; error
-    # against the f32 recurrence the same (keys at cosine 0.9: 0.030 -> 0.027). Far less than the saved
-    # multiply-adds: the slabs' products are small and chained (the prepare without any inverse took 0.123).
+    # products of `_unit_lower_inverse` (which fold_t_into_p keeps: P T needs T whole). The default since
+    # 2026-11-25 (H100, docs/benchmarks.md): prepare alone T=16384 0.186 -> 0.178 ms, packed 8 x 8192 0.690
+    # -> 0.654; error against the f32 recurrence the same (keys at cosine 0.9: 0.030 -> 0.027). Far less than
+    # the saved multiply-adds: the slabs' products are small and chained (the prepare without any inverse
+    # took 0.123).
     inverse_slabs: bool = True
     # State pass: the chunk's decays scale the [chunk, block_v] products (Q h after the product, V' before
     # K^T V') instead of the [chunk, key_dim] tiles Q and K before them, so Q and K go to the tensor cores as
