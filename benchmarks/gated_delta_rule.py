@@ -40,16 +40,17 @@ from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
 
 START = time.monotonic()
-# Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products
-# by 16-row slabs, the pipelined Mosaic GPU walk on an H100, state_block_v 32 and 3 pipeline stages, one
-# sequential walk, output fused into the state pass, the decays scaling the products, the WY factors formed
-# in the state pass from T except for packed sequences read in place), then the options. Measured on an H100
-# (docs/benchmarks.md, docs/benchmarks_gdn.md): W and U written by the prepare (wy_in_state=0, the default until 2026-11-24) 12% slower at T=16384; TF32 inverse products
-# 15-17% slower, 2 stages 10-20% slower (both the defaults until 2026-11-23; 2 stages 30% slower with T too);
-# sub_blocks prepare 12-19% slower in stage 1; the separate output kernel (unfused) 10-12% slower; prefetch no
-# gain on one sequence, 20% loss packed; segments slower; chunk=128 exceeds shared memory, and so do 4 stages
-# and state_block_v 64 with T; chunk=32, prepare_warps=8 (also with T), state_warps=8 slower; one prepare
-# program per chunk 4-11% slower in the prepare than 8 chunks per program.
+# Today's default first (the reference for the *_vs_first errors: dense prepare with bf16 inverse products by
+# 16-row slabs, the pipelined Mosaic GPU walk on an H100, state_block_v 32 and 3 pipeline stages, one sequential
+# walk, output fused into the state pass, the decays scaling the products, the WY factors formed in the state
+# pass from T except for packed sequences read in place), then the options. Measured on an H100
+# (docs/benchmarks.md, docs/benchmarks_gdn.md): W and U written by the prepare (wy_in_state=0, the default until
+# 2026-11-24) 12% slower at T=16384; TF32 inverse products 15-17% slower, 2 stages 10-20% slower (both the
+# defaults until 2026-11-23; 2 stages 30% slower with T too); sub_blocks prepare 12-19% slower in stage 1; the
+# separate output kernel (unfused) 10-12% slower; prefetch no gain on one sequence, 20% loss packed; segments
+# slower; chunk=128 exceeds shared memory, and so do 4 stages and state_block_v 64 with T; chunk=32,
+# prepare_warps=8 (also with T), state_warps=8 slower; one prepare program per chunk 4-11% slower in the prepare
+# than 8 chunks per program.
 DEFAULT_VARIANTS = [
     "fused:32",
     "fused:32:inverse_slabs=0",   # the whole-tile triangular inverse (the default before 2026-11-25 11:00 UTC)
