@@ -143,8 +143,9 @@ class GatedDeltaNet(nnx.Module):
         k = jnp.where(valid[..., None, None], k, 0.0)
 
         if seq == 1:
-            # decode: the fused Pallas step only where the config asks for "pallas" (its speed is not measured
-            # yet); else the pure-JAX step (the chunked form has no single-token variant)
+            # decode: the fused Pallas step only where the config asks for "pallas" (on an H100 it beats the
+            # JAX step at batch 1-8 but not at 32-128, docs/benchmarks.md); else the pure-JAX step (the chunked
+            # form has no single-token variant)
             step = "pallas" if self.config.gdn_implementation == "pallas" else "reference"
             o, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0],
                                                  state.recurrent, implementation=step)
