@@ -79,7 +79,7 @@ def schedule_rows(ms: list[int]) -> list[dict]:
     for m in ms:
         w = workloads.Workload(name=f"gate_up_{m}", m=m, k=HIDDEN, n=FFN, groups=GROUPS)
         lhs, rhs, gs = workloads.make_inputs(w, weights="int8", swiglu=True, on_device_rng=True)
-        block_m = BlockSizes.get_default(m, HIDDEN, FFN, GROUPS, bits=8, swiglu=True).block_m
+        block_m = BlockSizes.get_default(m, HIDDEN, FFN, GROUPS, bits=8, swiglu=True, k_major=True).block_m
         want, default = None, pallas_triton.SCHEDULE_SEARCH
         for method in ("scan", "scan_unrolled", "compare_all", "sort"):
             pallas_triton.SCHEDULE_SEARCH = method      # read when gmm_swiglu_pallas is traced
@@ -133,6 +133,8 @@ def main():
                         "32x128x64w4s4swp) instead of the candidate lists")
     p.add_argument("--schedule", action="store_true",
                    help="also time make_schedule alone, per searchsorted method")
+    p.add_argument("--kn", action="store_true",
+                   help="quantized codes stored [groups, k, n] (the layout before 2026-11-25) instead of k-major")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
@@ -151,6 +153,8 @@ def main():
             flops = w.flops * (2 if swiglu else 1)
             for kind in ["float"] + [f for f in args.formats if f != "float"]:
                 lhs, rhs, gs = workloads.make_inputs(w, weights=kind, swiglu=swiglu, on_device_rng=True)
+                if args.kn and kind != "float":
+                    rhs = jax.block_until_ready(rhs.with_k_major(False))
                 want = None
                 if kind not in args.formats:
                     configs = [None]
@@ -166,6 +170,7 @@ def main():
                         t = timeit(f, lhs, rhs, gs)
                         nbytes = rhs.nbytes
                         row = {"product": product, "m": m, "weights": kind, "config": config_name(bs),
+                               "k_major": kind != "float" and not args.kn,
                                "ms": round(t * 1e3, 4), "tflops": round(flops / t / 1e12, 1),
                                "weight_GBps": round(nbytes / t / 1e9, 1),
                                "rel_err_vs_default": round(rel_err(out, want), 6)}

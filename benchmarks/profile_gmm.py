@@ -28,7 +28,7 @@ HIDDEN, FFN, GROUPS = 2048, 512, 256   # Qwen3.5/3.6-35B-A3B experts
 def save(path, lhs, rhs, gs):
     arrays = {"lhs": lhs.astype(jnp.float32), "gs": gs}
     if isinstance(rhs, QuantizedWeights):
-        arrays.update(values=rhs.values, scales=rhs.scales, bits=rhs.bits)
+        arrays.update(values=rhs.values, scales=rhs.scales, bits=rhs.bits, k_major=rhs.k_major)
         if rhs.offsets is not None:
             arrays["offsets"] = rhs.offsets
     else:
@@ -42,7 +42,8 @@ def load(path):
     if "rhs" in z:
         return lhs, jnp.asarray(z["rhs"], jnp.bfloat16), gs
     rhs = QuantizedWeights(values=jnp.asarray(z["values"]), scales=jnp.asarray(z["scales"]),
-                           offsets=jnp.asarray(z["offsets"]) if "offsets" in z else None, bits=int(z["bits"]))
+                           offsets=jnp.asarray(z["offsets"]) if "offsets" in z else None, bits=int(z["bits"]),
+                           k_major=bool(z["k_major"]))
     return lhs, rhs, gs
 
 
@@ -57,6 +58,8 @@ def main():
     p.add_argument("--cache", default=None,
                    help="directory: save the inputs there on the first run, load them on later runs (so that a "
                         "profiled run only copies arrays to the device; ncu crashed in quantize_int8's program)")
+    p.add_argument("--kn", action="store_true",
+                   help="quantized codes stored [groups, k, n] (the layout before 2026-11-25) instead of k-major")
     a = p.parse_args()
     swiglu = a.product == "gate_up"
     w = workloads.Workload(name=a.product, m=a.m, k=HIDDEN if swiglu else FFN, n=FFN if swiglu else HIDDEN,
@@ -70,6 +73,8 @@ def main():
             save(path, lhs, rhs, gs)
             print("saved", path)
             return
+    if a.kn and isinstance(rhs, QuantizedWeights):
+        rhs = rhs.with_k_major(False)
     bs = parse_config(a.config)
     fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
     f = jax.jit(lambda x, r, g: fn(x, r, g, block_sizes=bs))

@@ -14,6 +14,13 @@ along the input dim. Per block and output column there is one scale (and, for 4 
   Requires k % (2 * block_size) == 0, so that both halves split into whole blocks.
 
 `scales` and `offsets` are `[groups, k // block_size, n]` in float16, bfloat16 or float32.
+
+With `k_major=True` (what `quantize_int8`, `quantize_int4` and the GGUF loader produce) `values` is stored
+transposed, `[groups, n, k]` (bits=8) or `[groups, n, k // 2]` (bits=4, the same split-half bytes): each
+output column's codes are contiguous along k, as in GGUF's own rows. The grouped-matmul kernel then reads
+four consecutive k-codes per 32-bit shared-memory load in the tensor-core operand layout (rather than one
+byte per load) and dequantizes them by one PTX block (H100, 2026-11-25, docs/benchmarks_gmm.md: weight-read
+bound 1.1-1.2x faster, prefill sizes 1.0-1.2x).
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ class QuantizedWeights:
 
     Attributes:
       values: bits=8: int8 `[groups, k, n]`; bits=4: uint8 `[groups, k // 2, n]`, split-half packed
-        (low nibble = k-row r, high nibble = k-row r + k/2), codes in [0, 15].
+        (low nibble = k-row r, high nibble = k-row r + k/2), codes in [0, 15]; the last two dims swapped
+        when `k_major`.
       scales: `[groups, k // block_size, n]`, float16/bfloat16/float32.
       offsets: None for bits=8; `[groups, k // block_size, n]` like `scales` for bits=4.
       bits: 8 or 4 (static pytree metadata).
       block_size: elements per quantization block along k (static; 32 in GGUF).
+      k_major: `values` stored `[groups, n, rows]` instead of `[groups, rows, n]` (static; see the module
+        docstring).
     """
 
     values: jax.Array
@@ -46,12 +56,23 @@ class QuantizedWeights:
     offsets: jax.Array | None = None
     bits: int = dataclasses.field(default=8, metadata={"static": True})
     block_size: int = dataclasses.field(default=32, metadata={"static": True})
+    k_major: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """`(groups, k, n)` of the float array this stands for."""
-        groups, rows, n = self.values.shape
+        groups, a, b = self.values.shape
+        rows, n = (b, a) if self.k_major else (a, b)
         return (groups, rows * 2 if self.bits == 4 else rows, n)
+
+    def _values_kn(self) -> jax.Array:
+        return jnp.swapaxes(self.values, 1, 2) if self.k_major else self.values
+
+    def with_k_major(self, k_major: bool = True) -> QuantizedWeights:
+        """The same weights with `values` stored `[groups, n, rows]` (k_major) or `[groups, rows, n]`."""
+        if k_major == self.k_major:
+            return self
+        return dataclasses.replace(self, values=jnp.swapaxes(self.values, 1, 2), k_major=k_major)
 
     @property
     def ndim(self) -> int:
@@ -98,8 +119,8 @@ class QuantizedWeights:
     def codes(self) -> jax.Array:
         """Unpacked integer codes `[groups, k, n]` int32 (int8 range, or [0, 15] for bits=4)."""
         if self.bits == 8:
-            return self.values.astype(jnp.int32)
-        v = self.values.astype(jnp.int32)
+            return self._values_kn().astype(jnp.int32)
+        v = self._values_kn().astype(jnp.int32)
         return jnp.concatenate([v & 0xF, v >> 4], axis=1)  # split-half: rows [0, k/2) then [k/2, k)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
@@ -123,14 +144,16 @@ def _blocks(w: jax.Array, block_size: int) -> jax.Array:
     return w.astype(jnp.float32).reshape(groups, k // block_size, block_size, n)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype"))
-def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16) -> QuantizedWeights:
+@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype", "k_major"))
+def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True
+                  ) -> QuantizedWeights:
     """Symmetric 8-bit quantization along k (GGUF Q8_0: scale = max|w| / 127 per block).
 
     Args:
       w: float `[groups, k, n]`, k a multiple of `block_size`.
       block_size: elements per block along k.
       scale_dtype: dtype of the stored scales (GGUF stores float16).
+      k_major: store `values` `[groups, n, k]` (the kernel's fast layout) rather than `[groups, k, n]`.
 
     Returns:
       QuantizedWeights with bits=8.
@@ -140,17 +163,19 @@ def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16) -
     s = scale.astype(jnp.float32)[:, :, None, :]
     q = jnp.clip(jnp.round(wb / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8)
     return QuantizedWeights(values=q.reshape(w.shape), scales=scale, offsets=None, bits=8,
-                            block_size=block_size)
+                            block_size=block_size).with_k_major(k_major)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype"))
-def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16) -> QuantizedWeights:
+@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype", "k_major"))
+def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True
+                  ) -> QuantizedWeights:
     """Asymmetric 4-bit quantization along k (GGUF Q4_1 style: value = scale * q + offset, q in [0, 15]).
 
     Args:
       w: float `[groups, k, n]`, k a multiple of 2 * `block_size`.
       block_size: elements per block along k.
       scale_dtype: dtype of the stored scales and offsets.
+      k_major: store `values` `[groups, n, k // 2]` (the kernel's fast layout) rather than `[groups, k // 2, n]`.
 
     Returns:
       QuantizedWeights with bits=4, values packed split-half (see module docstring).
@@ -169,4 +194,5 @@ def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16) -
     q = jnp.round((wb - offset.astype(jnp.float32)[:, :, None, :]) / jnp.where(s == 0, 1.0, s))
     q = jnp.clip(q, 0, 15).astype(jnp.uint8).reshape(groups, k, n)
     packed = q[:, : k // 2] | (q[:, k // 2:] << 4)                   # [g, k/2, n]
-    return QuantizedWeights(values=packed, scales=scale, offsets=offset, bits=4, block_size=block_size)
+    return QuantizedWeights(values=packed, scales=scale, offsets=offset, bits=4,
+                            block_size=block_size).with_k_major(k_major)

@@ -134,7 +134,7 @@ def can_keep(qtype: GGMLQuantizationType, k: int) -> bool:
 
 
 def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) -> QuantizedWeights:
-    """GGUF expert tensors (raw uint8 [experts, out, bytes], numpy order) -> one `QuantizedWeights`
+    """GGUF expert tensors (raw uint8 [experts, out, bytes], numpy order) -> one k-major `QuantizedWeights`
     [experts, k, sum(out)] (the tensors concatenated along the output dim, e.g. gate then up).
 
     Q8_0 -> bits=8 with its float16 scales (exact, 1.0625 bytes/param); Q4_0 / Q4_1 -> bits=4 with float16
@@ -148,14 +148,15 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
     bits = bits.pop()
     scale_dtype = np.result_type(*[p[1].dtype for p in parts])
     t = lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))          # [e, out, k] -> [e, k, out]
-    codes = np.concatenate([t(p[0]) for p in parts], axis=2)           # [e, k, n]
+    codes = np.concatenate([p[0] for p in parts], axis=1)              # [e, n, k]: k_major, as GGUF stores them
     scales = np.concatenate([t(p[1]).astype(scale_dtype) for p in parts], axis=2)
     offsets = None
     if bits == 4:
         offsets = np.concatenate([t(p[2]).astype(scale_dtype) for p in parts], axis=2)
-        half = codes.shape[1] // 2
-        codes = codes[:, :half] | (codes[:, half:] << 4)              # split-half packing along k
+        half = codes.shape[2] // 2
+        codes = codes[:, :, :half] | (codes[:, :, half:] << 4)        # split-half packing along k
     qw = QuantizedWeights(values=jnp.asarray(codes), scales=jnp.asarray(scales),
-                          offsets=None if offsets is None else jnp.asarray(offsets), bits=bits, block_size=32)
+                          offsets=None if offsets is None else jnp.asarray(offsets), bits=bits, block_size=32,
+                          k_major=True)
     qw.check()
     return qw

@@ -17,7 +17,10 @@ Quantized weights (`QuantizedWeights`) are dequantized in registers inside the k
 [+ offset], scales broadcast over each 32-row block, cast to the lhs dtype) and fed to the same
 tensor-core dot: bf16 weights never exist in HBM. For 4 bits one packed byte tile feeds two dots:
 lhs[:, kk:] with the low nibbles and lhs[:, k/2 + kk:] with the high nibbles (the split-half layout of
-`QuantizedWeights`). Other orders of dequantization are selectable by `BlockSizes.quant_mode`.
+`QuantizedWeights`). Other orders of dequantization are selectable by `BlockSizes.quant_mode`. Codes stored
+k-major (`QuantizedWeights.k_major`, the default layout) reach the tensor-core operand layout four to a 32-bit
+load, and their defaults dequantize them by inline PTX (`_dequantize_asm`); codes stored `[groups, k, n]` are
+read one byte per load (H100 timings of both in docs/benchmarks_gmm.md).
 
 With `lhs_index` the rows of the product are gathered inside the kernel: each program loads its chunk's
 indices once and reads lhs[index, kk:kk + block_k] through them (clamped into range), so the MoE dispatch's
@@ -57,6 +60,36 @@ MAX_OPERAND_ELEMENTS = 2**31
 SCHEDULE_SEARCH = "compare_all"
 
 
+# Four codes per PTX block (`BlockSizes.int_to_float="asm"`): each code's byte is permuted into the low byte of
+# 2**23 (prmt with 0x4B000000), 2**23 (+ 128 for int8, whose bytes are first offset by 128 with an XOR) is
+# subtracted, exactly, then the scale is applied in f32 (int8: code * scale; 4 bits: code * scale + offset) and
+# pairs are rounded to bf16 by one cvt.rn.bf16x2. Operands: $0, $1 the two bf16x2 results, $2 four
+# codes (bytes), then four f32 scales (and four f32 offsets).
+_ASM_CODES = {
+    8: "xor.b32 t, $2, 0x80808080;",
+    "lo": "and.b32 t, $2, 0x0F0F0F0F;",
+    "hi": "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;",
+}
+
+
+def _dequantize_asm(codes, scale, offset=None, *, part):
+    """bf16 weights from codes `[rows, cols]` (int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
+    and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only)."""
+    bias = "0f4B000080" if part == 8 else "0f4B000000"   # 2**23 + 128 and 2**23
+    lines = [".reg .b32 t, m, f<4>;", _ASM_CODES[part], "mov.b32 m, 0x4B000000;"]
+    for i in range(4):
+        lines.append(f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; sub.rn.f32 f{i}, f{i}, {bias};")
+        lines.append(f"mul.rn.f32 f{i}, f{i}, ${3 + i};")
+        if offset is not None:   # not one fma: the same roundings as the other conversions (bitwise equal)
+            lines.append(f"add.rn.f32 f{i}, f{i}, ${7 + i};")
+    lines += ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
+    args = [codes, scale] + ([] if offset is None else [offset])
+    constraints = "=r,=r,r," + ",".join(["f"] * 4 * (len(args) - 1))
+    [w] = plgpu.elementwise_inline_asm("{" + " ".join(lines) + "}", args=args, constraints=constraints, pack=4,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)])
+    return w
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """Tile shape and Triton launch parameters.
@@ -73,7 +106,11 @@ class BlockSizes:
     skipping a shared-memory round trip) and the few rows of x are its second. int_to_float ("tile" modes):
     "convert" turns codes into float32 with the int-to-float instruction (quarter rate on Hopper); "magic" ORs
     the code's byte into the mantissa of 2**23 and subtracts 2**23 (+ 128 for int8, whose byte is first offset
-    by 128 with an XOR): integer and float instructions only, exact for 8-bit codes.
+    by 128 with an XOR): integer and float instructions only, exact for 8-bit codes; "asm" (bf16 lhs, compiled
+    kernels) dequantizes four codes per PTX block (`_dequantize_asm`: the same 2**23 construction by byte
+    permutes, the scale multiply and a paired f32 -> bf16 rounding); it pays with k-major codes, which reach
+    it four to a 32-bit load (with [groups, k, n] codes Triton loads bytes one at a time and packs them for
+    it, slower than "convert"); the interpreter and f32 lhs run "magic" instead (the same arithmetic).
     """
 
     block_m: int = 128
@@ -82,17 +119,40 @@ class BlockSizes:
     num_warps: int = 8
     num_stages: int = 3
     quant_mode: Literal["tile", "tile_swapped", "block", "scale_after_dot"] = "tile"
-    int_to_float: Literal["convert", "magic"] = "convert"
+    int_to_float: Literal["convert", "magic", "asm"] = "convert"
 
     @classmethod
     def get_default(cls, m: int, k: int, n: int, groups: int, *, bits: int | None = None,
-                    swiglu: bool = False) -> BlockSizes:
-        """A tile shape for this problem; the figures behind it are in docs/benchmarks_gmm.md."""
+                    swiglu: bool = False, k_major: bool = False) -> BlockSizes:
+        """A tile shape for this problem; the figures behind it are in docs/benchmarks_gmm.md.
+
+        k_major: quantized weights stored k-contiguous (`QuantizedWeights.k_major`, what the quantizers and the
+        GGUF loader produce); those get the "asm" dequantization and their own tiles.
+        """
         rows_per_group = m / max(groups, 1)
+        if bits is not None and k_major:
+            return cls._get_default_k_major(rows_per_group, bits, swiglu)
         if bits == 4:   # 2**23 conversion: 4-bit weight-read bound 5-14% faster, prefill sizes within 1% (11-25)
             return dataclasses.replace(cls._get_default(m, k, n, groups, rows_per_group, bits, swiglu),
                                        int_to_float="magic")
         return cls._get_default(m, k, n, groups, rows_per_group, bits, swiglu)
+
+    @classmethod
+    def _get_default_k_major(cls, rows_per_group, bits, swiglu) -> BlockSizes:
+        # H100 sweeps of 2026-11-25 (benchmarks/gmm_tiles.py, k-major codes; docs/benchmarks_gmm.md), ms.
+        # Weight-read bound (m = 4096, 16 rows per group): int8 gate_up 32x64x128 0.249 (32x128x128 0.264,
+        # 32x128x64 0.344), int8 down 32x128x128 0.138, 4-bit gate_up 32x128x64 0.275, 4-bit down 32x128x64
+        # 0.155 (32x128x128 s4 0.152). Prefill (m = 65536, 256 rows per group): 64x128x64 with 4 warps the best
+        # of eight for all four (int8 gate_up 1.011, down 0.552; 4-bit 1.106, 0.657). m = 262144 (~1 000 rows
+        # per group): the same, except the int8 down product, 128x128x64 1.647 against 1.960.
+        if rows_per_group <= 32:
+            if bits == 8:
+                return cls(block_m=32, block_n=64 if swiglu else 128, block_k=128, num_warps=4, num_stages=3,
+                           int_to_float="asm")
+            return cls(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3, int_to_float="asm")
+        if bits == 8 and not swiglu and rows_per_group >= 512:
+            return cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3, int_to_float="asm")
+        return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, int_to_float="asm")
 
     @classmethod
     def _get_default(cls, m, k, n, groups, rows_per_group, bits, swiglu) -> BlockSizes:
@@ -160,7 +220,7 @@ def make_schedule(group_sizes: jax.Array, m: int, block_m: int, search: str | No
 
 def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, n_tiles,
             bs: BlockSizes, swiglu: bool, bits: int | None, quant_block: int, dot_dtype, precision,
-            gather: bool):
+            gather: bool, asm: bool, k_major: bool):
     if gather:                                 # rows of the product are lhs rows index_ref[r]
         index_ref, *rest = rest
     if bits is None:
@@ -200,10 +260,11 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
             mask = mask & ((kk + jnp.arange(width)) < k)[:, None]
         return plgpu.load(rhs_ref.at[g, pl.ds(kk, width), pl.ds(col0, bn)], mask=mask, other=0)
 
-    def load_codes(col0, qrow0):
-        # [quant_block, bn] raw `values` rows qrow0 + [0, quant_block) of group g (int8, or packed uint8).
-        return plgpu.load(rhs_ref.at[g, pl.ds(qrow0, quant_block), pl.ds(col0, bn)], mask=col_in[None, :],
-                          other=0)
+    def load_codes(col0, qrow0, rows):
+        # [rows, bn] raw `values` rows qrow0 + [0, rows) of group g (int8, or packed uint8).
+        if k_major:   # stored [bn, rows], k contiguous
+            return plgpu.load(rhs_ref.at[g, pl.ds(col0, bn), pl.ds(qrow0, rows)], mask=col_in[:, None], other=0).T
+        return plgpu.load(rhs_ref.at[g, pl.ds(qrow0, rows), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
 
     def load_per_block(ref, col0, kb):
         # [1, bn] float32 row kb of scales / offsets.
@@ -233,20 +294,28 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
                            other=0).astype(jnp.float32)
             return jnp.broadcast_to(v[:, None, :], (nb, quant_block, bn)).reshape(bk, bn)
 
-        codes = plgpu.load(rhs_ref.at[g, pl.ds(kk, bk), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
+        codes = load_codes(col0, kk, bk)
         if bits == 8:
-            w = to_float(codes, signed=True) * expand(scale_ref, kk // quant_block)
-            return acc + mul(load_lhs(kk, bk), w.astype(dot_dtype))
+            scale = expand(scale_ref, kk // quant_block)
+            w = _dequantize_asm(codes, scale, part=8) if asm else (to_float(codes, signed=True) * scale).astype(
+                dot_dtype)
+            return acc + mul(load_lhs(kk, bk), w)
         half = k // 2
-        for x_row0, q in ((kk, codes & 0xF), (half + kk, codes >> 4)):
+        for x_row0, part in ((kk, "lo"), (half + kk, "hi")):
             kb = x_row0 // quant_block
-            w = to_float(q, signed=False) * expand(scale_ref, kb) + expand(offset_ref, kb)
-            acc = acc + mul(load_lhs(x_row0, bk), w.astype(dot_dtype))
+            scale, offset = expand(scale_ref, kb), expand(offset_ref, kb)
+            if asm:
+                w = _dequantize_asm(codes, scale, offset, part=part)
+            else:
+                q = codes & 0xF if part == "lo" else codes >> 4
+                w = (to_float(q, signed=False) * scale + offset).astype(dot_dtype)
+            acc = acc + mul(load_lhs(x_row0, bk), w)
         return acc
 
     def to_float(q, signed: bool):   # integer codes (int8, or uint8 in [0, 15]) -> exact float32
         if bs.int_to_float == "convert":
             return q.astype(jnp.float32)
+        # "magic", and "asm" where the PTX does not apply (interpreter, f32 lhs):
         u = q.astype(jnp.int32) & 0xFF                       # the code's byte
         if signed:
             u = u ^ 0x80                                     # q + 128, in [0, 255]
@@ -279,11 +348,11 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
             if bits == 8:
                 x = load_lhs(r, quant_block)
                 for a, c in enumerate(col_bases):
-                    accs[a] = quant_dot(accs[a], x, load_codes(c, r), c, r // quant_block)
+                    accs[a] = quant_dot(accs[a], x, load_codes(c, r, quant_block), c, r // quant_block)
             else:   # r counts packed rows: low nibble = k-row r, high nibble = k-row half + r
                 x_lo, x_hi = load_lhs(r, quant_block), load_lhs(half + r, quant_block)
                 for a, c in enumerate(col_bases):
-                    packed = load_codes(c, r).astype(jnp.int32)
+                    packed = load_codes(c, r, quant_block).astype(jnp.int32)
                     accs[a] = quant_dot(accs[a], x_lo, packed & 0xF, c, r // quant_block)
                     accs[a] = quant_dot(accs[a], x_hi, (packed >> 4) & 0xF, c, (half + r) // quant_block)
         return tuple(accs)
@@ -350,7 +419,8 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
         raise ValueError(f"w_gate_up has {n_rhs} columns; expected 2 * ffn")
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
-    bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu)
+    bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu,
+                                               k_major=quantized and rhs.k_major)
     # Triton blocks are powers of two; do not use blocks far larger than the problem.
     bs = dataclasses.replace(bs, block_m=min(bs.block_m, max(16, pl.next_power_of_2(m))),
                              block_n=min(bs.block_n, max(16, pl.next_power_of_2(n_out))))
@@ -370,6 +440,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     dot_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+    asm = quantized and bs.int_to_float == "asm" and not interpret and dot_dtype == jnp.bfloat16
 
     schedule = make_schedule(group_sizes, m, bs.block_m)       # (group, row_start, row_end)
     n_tiles = pl.cdiv(n_out, bs.block_n)
@@ -386,7 +457,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     kernel = functools.partial(
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
-        gather=lhs_index is not None)
+        gather=lhs_index is not None, asm=asm, k_major=quantized and rhs.k_major)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),

@@ -4,6 +4,7 @@ The Pallas kernel runs in the Pallas interpreter on CPU (interpret=None picks it
 """
 
 import dataclasses
+import itertools
 
 import hypothesis
 import hypothesis.strategies as st
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import support
 
 from pallas_kernels.grouped_matmul import api, gmm, gmm_swiglu, pallas_triton, reference, workloads
 from pallas_kernels.quantized import QuantizedWeights
@@ -222,13 +224,17 @@ def test_lhs_index_must_be_integer_vector():
 
 
 # Long groups (prefill chunks of 32k tokens: ~1 000 rows per expert) get 256-row chunks by default for the int8
-# down product and the 4-bit gate_up; m not a multiple of 256, one group ends mid-chunk.
+# down product and the 4-bit gate_up in the [groups, k, n] layout, 128 (int8 down) and 64-row chunks k-major; m
+# not a multiple of any, one group ends mid-chunk.
+@pytest.mark.parametrize("k_major", [False, True], ids=["kn", "k_major"])
 @pytest.mark.parametrize("bits,swiglu", [(8, False), (4, True)], ids=["int8-gmm", "int4-swiglu"])
-def test_quantized_default_tiles_for_long_groups(bits, swiglu):
+def test_quantized_default_tiles_for_long_groups(bits, swiglu, k_major):
     w = workloads.Workload(name="long_groups", m=600, k=64, n=64, groups=1)
     lhs, q, _ = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", swiglu=swiglu, seed=5)
+    q = q.with_k_major(k_major)
     gs = jnp.asarray([600], jnp.int32)
-    assert pallas_triton.BlockSizes.get_default(600, 64, 64, 1, bits=bits, swiglu=swiglu).block_m == 256
+    bs = pallas_triton.BlockSizes.get_default(600, 64, 64, 1, bits=bits, swiglu=swiglu, k_major=k_major)
+    assert bs.block_m == ((128 if bits == 8 else 64) if k_major else 256) and (bs.int_to_float == "asm") == k_major
     out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation="pallas")
     expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
     assert_close(out, expected, jnp.bfloat16, f"bits={bits} swiglu={swiglu}")
@@ -241,11 +247,11 @@ def test_default_tiles_fit_shared_memory():
     bad = pallas_triton.BlockSizes(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
     assert pallas_triton.shared_memory_bytes(bad, swiglu=True, lhs_bytes=2, bits=None) == 245760
     h100, ada = 232448, 101376
-    for bits in (None, 8, 4):
+    for bits, k_major in itertools.product((None, 8, 4), (False, True)):
         for swiglu in (False, True):
             for m in (8, 512, 4096, 65536, 262144):
                 k, n = (2048, 512) if swiglu else (512, 2048)
-                bs = pallas_triton.BlockSizes.get_default(m, k, n, 256, bits=bits, swiglu=swiglu)
+                bs = pallas_triton.BlockSizes.get_default(m, k, n, 256, bits=bits, swiglu=swiglu, k_major=k_major)
                 sizes = {"swiglu": swiglu, "bits": bits, "lhs_bytes": 2}
                 assert pallas_triton.within_shared_memory(bs, h100, **sizes) == bs, (bits, swiglu, m, bs)
                 small = pallas_triton.within_shared_memory(bs, ada, **sizes)
@@ -253,8 +259,9 @@ def test_default_tiles_fit_shared_memory():
     assert pallas_triton.within_shared_memory(bad, None, swiglu=True, bits=None, lhs_bytes=2) == bad
 
 
-# The 2**23 int-to-float conversion gives the same float32 weights as the conversion instruction, bit for bit,
-# over every code (int8 from -128, which GGUF Q8_0 can hold though our quantizer never writes it, to 127).
+# The 2**23 int-to-float conversions (in jnp, and in inline PTX on the GPU) give the same weights as the
+# conversion instruction, bit for bit, over every code (int8 from -128, which GGUF Q8_0 can hold though our
+# quantizer never writes it, to 127). Off the GPU "asm" runs the jnp arithmetic; its PTX is checked by lowering.
 @pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
 @pytest.mark.parametrize("quant_mode", ["tile", "tile_swapped"])
 def test_magic_int_to_float_is_exact(bits, quant_mode):
@@ -269,14 +276,45 @@ def test_magic_int_to_float_is_exact(bits, quant_mode):
         codes.reshape(-1)[:256] = np.arange(256)
     q = dataclasses.replace(q, values=jnp.asarray(codes))
     outs = []
-    for int_to_float in ("convert", "magic"):
+    for int_to_float in ("convert", "magic", "asm"):
         bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=quant_mode,
                                       int_to_float=int_to_float)
         outs.append(np.asarray(pallas_triton.gmm_pallas(lhs, q, gs, block_sizes=bs, preferred_element_type=jnp.float32)))
     np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
     assert np.isfinite(outs[1]).all()
     expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs)
     assert_close(outs[1], expected, jnp.bfloat16, "magic")
+
+
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+def test_asm_dequantization_lowers_to_ptx(bits):
+    # Lowered for an H100 (not compiled here): the kernel carries the PTX block, once per weight tile (int8) or
+    # per nibble half (4 bits), and the interpreter-only fallback is not taken.
+    w = workloads.WORKLOADS["tiny_partial"]
+    lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", seed=5)
+    text = support.lowered_for_h100(pallas_triton.gmm_pallas, lhs, q, gs, interpret=False,
+                                    block_sizes=pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64,
+                                                                         int_to_float="asm"))
+    assert text.count("cvt.rn.bf16x2.f32 $0, f1, f0") == (1 if bits == 8 else 2)
+    assert "0x4B000000" in text
+
+
+# Both storage orders of the codes ([groups, n, k] k-major, the default, and [groups, k, n]) give the same
+# product in every dequantization order: the same bf16 weights, so equal up to the f32 summation order (the
+# interpreter's CPU dot sums a transposed operand in another order).
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+@pytest.mark.parametrize("quant_mode", ["tile", "tile_swapped", "block", "scale_after_dot"])
+def test_k_major_and_kn_layouts_agree(bits, quant_mode):
+    w = workloads.WORKLOADS["tiny_partial"]
+    lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", swiglu=True, seed=7)
+    assert q.k_major
+    bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=quant_mode)
+    outs = [np.asarray(pallas_triton.gmm_swiglu_pallas(lhs, r, gs, block_sizes=bs, preferred_element_type=jnp.float32))
+            for r in (q, q.with_k_major(False))]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=True)
+    assert_close(outs[0], expected, jnp.bfloat16, quant_mode)
 
 
 # The other dequantization orders, on the 4-bit layout (its branches contain the 8-bit ones' steps).

@@ -15,22 +15,28 @@ def random_weights(shape=(3, 128, 24), seed=0):
 def test_int8_is_q8_0():
     w = random_weights()
     q = quantize_int8(w)
-    assert q.values.dtype == jnp.int8 and q.values.shape == w.shape
-    assert q.scales.shape == (3, 128 // 32, 24) and q.offsets is None
+    assert q.k_major and q.values.dtype == jnp.int8 and q.values.shape == (3, 24, 128)   # [groups, n, k]
+    assert q.shape == w.shape and q.scales.shape == (3, 128 // 32, 24) and q.offsets is None
+    values = np.asarray(q.with_k_major(False).values)                                    # [groups, k, n]
+    np.testing.assert_array_equal(values, np.swapaxes(np.asarray(q.values), 1, 2))
     # value = scale * q, with one scale per 32 consecutive k-rows of each column
     s = np.repeat(np.asarray(q.scales, np.float32), 32, axis=1)
-    np.testing.assert_array_equal(np.asarray(q.dequantize()), s * np.asarray(q.values, np.float32))
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), s * values.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(q.with_k_major(False).dequantize()), np.asarray(q.dequantize()))
     err = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
     assert (err <= s / 2 * 1.01 + 1e-7).all(), "rounding error above half a step"
-    assert np.abs(np.asarray(q.values)).max() == 127
+    assert np.abs(values).max() == 127
 
 
 def test_int4_split_half_packing():
     w = random_weights()
     q = quantize_int4(w)
     groups, k, n = w.shape
-    assert q.values.dtype == jnp.uint8 and q.values.shape == (groups, k // 2, n)
-    packed = np.asarray(q.values)
+    assert q.k_major and q.values.dtype == jnp.uint8 and q.values.shape == (groups, n, k // 2)
+    kn = quantize_int4(w, k_major=False)
+    assert not kn.k_major and kn.values.shape == (groups, k // 2, n)
+    np.testing.assert_array_equal(np.asarray(q.with_k_major(False).values), np.asarray(kn.values))
+    packed = np.asarray(kn.values)
     codes = np.asarray(q.codes())
     np.testing.assert_array_equal(codes[:, : k // 2], packed & 0xF)     # low nibble: rows [0, k/2)
     np.testing.assert_array_equal(codes[:, k // 2:], packed >> 4)       # high nibble: rows [k/2, k)
@@ -77,7 +83,9 @@ def test_pytree_and_jit():
 
 
 def test_check_rejects_bad_layouts():
-    q = quantize_int8(random_weights())
+    q = quantize_int8(random_weights(), k_major=False)
+    with pytest.raises(ValueError, match="k=24 must be a multiple of 32"):   # k-major values read as [g, k, n]
+        QuantizedWeights(values=quantize_int8(random_weights()).values, scales=q.scales, bits=8).check()
     with pytest.raises(ValueError, match="scales.shape"):
         QuantizedWeights(values=q.values, scales=q.scales[:, :2], bits=8).check()
     with pytest.raises(ValueError, match="offsets"):
