@@ -12,6 +12,15 @@ from support import FIXTURES, HF_FIXTURES, assert_finite  # noqa: F401  (re-expo
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drops JAX's compiled programs after each test module. XLA's CPU JIT keeps memory maps per executable;
+    the whole suite in one process climbed to ~58 000 of the kernel's 65 530 (`vm.max_map_count`) by
+    tests/test_experiments.py, and past it an XLA compile died with a segfault (2026-11-25)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     import hybridlm
