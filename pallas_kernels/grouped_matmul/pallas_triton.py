@@ -419,8 +419,9 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
         raise ValueError(f"w_gate_up has {n_rhs} columns; expected 2 * ffn")
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
+    k_major = quantized and rhs.k_major
     bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu,
-                                               k_major=quantized and rhs.k_major)
+                                               k_major=k_major)
     # Triton blocks are powers of two; do not use blocks far larger than the problem.
     bs = dataclasses.replace(bs, block_m=min(bs.block_m, max(16, pl.next_power_of_2(m))),
                              block_n=min(bs.block_n, max(16, pl.next_power_of_2(n_out))))
@@ -457,7 +458,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     kernel = functools.partial(
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
-        gather=lhs_index is not None, asm=asm, k_major=quantized and rhs.k_major)
+        gather=lhs_index is not None, asm=asm, k_major=k_major)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),

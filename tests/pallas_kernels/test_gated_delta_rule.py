@@ -462,10 +462,9 @@ def test_pallas_correlated_keys(prepare_kernel, key_cosine):
     if prepare_kernel == "chunked":
         check(inputs, "chunked", jnp.float32, chunk_size=64)
         return
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), prepare_kernel="dense",
+    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(),
+                                      prepare_kernel="sub_blocks" if prepare_kernel == "sub_blocks" else "dense",
                                       inverse_slabs=prepare_kernel == "dense_slabs")
-    if prepare_kernel == "sub_blocks":
-        block_sizes = dataclasses.replace(block_sizes, prepare_kernel="sub_blocks")
     got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=block_sizes)
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, jnp.float32)
