@@ -20,7 +20,7 @@ transposed, `[groups, n, k]` (bits=8) or `[groups, n, k // 2]` (bits=4, the same
 output column's codes are contiguous along k, as in GGUF's own rows. The grouped-matmul kernel then reads
 four consecutive k-codes per 32-bit shared-memory load in the tensor-core operand layout (rather than one
 byte per load) and dequantizes them by one PTX block (H100, 2026-11-25, docs/benchmarks_gmm.md: weight-read
-bound 1.1-1.2x faster, prefill sizes 1.0-1.2x).
+bound 1.1-1.2x faster, prefill sizes 0.98-1.2x).
 """
 
 from __future__ import annotations
