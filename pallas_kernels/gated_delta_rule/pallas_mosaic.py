@@ -43,6 +43,15 @@ from pallas_kernels.gated_delta_rule import _common
 
 CHUNK = 64  # tokens per chunk; also the walk's rows of h^T (block_v): one warpgroup's wgmma M
 BLOCK_V = 64
+# Registers per thread where the kernel forms P (`state_pass` with p=None), 504 or 512 in all (the register
+# file over 3 or 4 warpgroups of 128 threads). p_in_walk="memory", the TMA warpgroup forms it: the launch
+# gives each of the three warpgroups 168; the walk takes 232, the output warpgroup keeps 168 and this one 104.
+# p_in_walk="own", a fourth warpgroup: 128 each at launch; walk 232, output 144, TMA 40, P 96. H100, 2026-11-25,
+# packed 8 x 8192 ms (output / P registers): 176 / 64 1.407, 168 / 72 1.347, 160 / 80 1.347, 152 / 88 1.325,
+# 144 / 96 1.322, 136 / 104 1.327, 128 / 112 1.312 (docs/results/2026-11-25_h100_gdn_p_in_walk_register_split.json).
+MEMORY_REGISTERS_P = 104
+OWN_P_OUTPUT_REGISTERS = 144
+OWN_P_REGISTERS = 96
 
 
 def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype) -> str | None:
@@ -66,7 +75,8 @@ def _walk_kernel(
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
-    *, group, scale, stages, packed, chunk_offset=0,
+    *p_scratch,  # p_in_walk: gamma [stages, 64] f32 twice (SMEM: rows, columns) and their barrier with Q's
+    group, scale, stages, packed, chunk_offset=0, p_in_walk=None,
 ):
     # Three warpgroups: 0 walks (h^T, V'^T: the critical path), 1 forms the output from the h^T and V'^T that
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
@@ -77,6 +87,9 @@ def _walk_kernel(
     # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
     # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles (T diag(beta),
     # P, the decays) one piece of it starting at that chunk (`pallas_triton._pipelined_walk`)
+    # p_in_walk ("memory" or "own"): p_ref holds gamma [b, v_heads, t] f32 instead of P, and warpgroup 2 (TMA)
+    # or a fourth one forms each chunk's P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and
+    # K tiles warpgroup 2 streams, into p_smem
     b = 0 if packed else row
     start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
     if packed == "own_grid":
@@ -101,9 +114,51 @@ def _walk_kernel(
     def lc(x):  # layout annotations: Mosaic GPU's layout inference runs out of search steps without them
         return plgpu.layout_cast(x, layout)
 
+    if p_in_walk:
+        gm_rows_smem, gm_cols_smem, qg_loaded = p_scratch
+
+    def form_p(n):  # chunk n's P from its Q, K and gamma tiles, into p_smem; then P counts as loaded
+        s = lax.rem(n - lo, stages)
+        plgpu.barrier_wait(loaded0.at[s])  # K (with the walk's other tiles)
+        plgpu.barrier_wait(qg_loaded.at[s])  # Q, gamma
+        shape = (CHUNK, CHUNK)
+
+        def scores(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem.at[s], k_smem.at[s].transpose((1, 0)))  # Q K^T
+            # (one SMEM copy per layout: two loads of one ref in two layouts defeat layout inference)
+            gamma_i = lc(lax.broadcast_in_dim(plgpu.load(gm_rows_smem.at[s], layout=layout.reduce(1)), shape, [0]))
+            gamma_j = lc(lax.broadcast_in_dim(plgpu.load(gm_cols_smem.at[s], layout=layout.reduce(0)), shape, [1]))
+            i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+            j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+            keep = lc(i >= j)
+            zero = lc(jnp.zeros(shape, f32))
+            diff = lc(jnp.where(keep, lc(gamma_i - gamma_j), zero))  # <= 0 on and below the diagonal
+            decay = lc(jnp.where(keep, lc(lc(jnp.exp(diff)) * scale), zero))
+            return lc(lc(acc_ref[...]) * decay)
+
+        p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
+        if p_in_walk == "own":  # done with K (the TMA warpgroup refills its stage once the walk is done too)
+            plgpu.barrier_arrive(free0.at[s])
+        p_smem[s] = p
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(loaded1.at[s])
+
+    if p_in_walk == "own":
+
+        @pl.when(wg == 3)
+        def _p():
+            plgpu.set_max_registers(OWN_P_REGISTERS, action="decrease")
+
+            @pl.loop(lo, hi)
+            def _(n):
+                s = lax.rem(n - lo, stages)
+                pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free1.at[s]))  # P's buffer
+                form_p(n)
+
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        # p_in_walk="memory": registers for the Q K^T accumulator and its mask, from the output warpgroup's share
+        plgpu.set_max_registers(MEMORY_REGISTERS_P if p_in_walk == "memory" else 40, action="decrease")
 
         @pl.loop(lo, hi)
         def _(n):
@@ -115,16 +170,25 @@ def _walk_kernel(
                 (tb_ref.at[b, rows, h, :], tb_smem), (eg_ref.at[b, h, rows], eg0_smem),
                 (ed_ref.at[b, h, rows], ed_smem),
             )
-            output_tiles = (  # warpgroup 1's: Q, P, e^gamma
-                (q_ref.at[b, tokens, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
-                (eg_ref.at[b, h, rows], eg1_smem),
-            )
-            for tiles, free, loaded in ((walk_tiles, free0, loaded0), (output_tiles, free1, loaded1)):
-
-                pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free.at[s]))
-
+            if p_in_walk:  # warpgroup 1's: Q and gamma (for P, formed here), e^gamma
+                gamma_tiles = ((p_ref.at[b, h, rows], gm_rows_smem), (p_ref.at[b, h, rows], gm_cols_smem))
+                output_tiles = (((q_ref.at[b, tokens, kh, :], q_smem), *gamma_tiles), qg_loaded), (
+                    ((eg_ref.at[b, h, rows], eg1_smem),), loaded1)
+            else:  # warpgroup 1's: Q, P, e^gamma
+                output_tiles = (((q_ref.at[b, tokens, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
+                                 (eg_ref.at[b, h, rows], eg1_smem)), loaded1),
+            pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free0.at[s]))
+            for src, dst in walk_tiles:
+                plgpu.copy_gmem_to_smem(src, dst.at[s], loaded0.at[s])
+            if p_in_walk == "memory":  # the last chunk's P while the output warpgroup still works on the one before
+                pl.when(n > lo)(lambda: form_p(n - 1))
+            pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free1.at[s]))
+            for tiles, loaded in output_tiles:
                 for src, dst in tiles:
                     plgpu.copy_gmem_to_smem(src, dst.at[s], loaded.at[s])
+
+        if p_in_walk == "memory":
+            pl.when(hi > lo)(lambda: form_p(hi - 1))
 
     @pl.when(wg == 0)
     def _walk():
@@ -189,13 +253,16 @@ def _walk_kernel(
 
     @pl.when(wg == 1)
     def _output():
-        plgpu.set_max_registers(232, action="increase")
+        if p_in_walk != "memory":  # else it keeps the launch's 168, giving warpgroup 2 its 64 more
+            plgpu.set_max_registers(OWN_P_OUTPUT_REGISTERS if p_in_walk == "own" else 232, action="increase")
         shape = (CHUNK, BLOCK_V)
 
         @pl.loop(lo, hi)
         def _(n):
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded1.at[s])
+            if p_in_walk:
+                plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's barrier above: formed by warpgroup 2)
             plgpu.barrier_wait(h_ready.at[hb])
             exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
 
@@ -287,10 +354,10 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset",
-                                               "state_transposed"))
+                                               "state_transposed", "p_warpgroup"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
-    max_concurrent_steps=2, chunk_offset=0, out=None, state_transposed=False, decays=None,
+    max_concurrent_steps=2, chunk_offset=0, out=None, state_transposed=False, decays=None, p_warpgroup="memory",
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -308,9 +375,11 @@ def state_pass(
         [64 n, 64 n + 64), whatever sequences they belong to), from the log decay of `break_sequences` (T
         block-diagonal over the chunk's sequences), and zero columns past seq (beta = 0 there).
       p: [batch, t, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma) (own grid:
-        block-diagonal like T).
+        block-diagonal like T); None: the kernel's TMA warpgroup forms it from the Q and K tiles it streams
+        and gamma (which must then be given, with or without `decays`), so that the prepare neither reads Q
+        nor writes P.
       gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (own grid: of
-        `break_sequences`); None with `decays`.
+        `break_sequences`); None with `decays` (and p given).
       initial_state: [batch, v_heads, key_dim, value_dim] f32, or packed [num_seqs, ...].
       cu_seqlens: None, or packed sequences (batch == 1): int32 [num_seqs + 1] token offsets in the packed
         output (and own grid: in q, k, v), cu[-1] == the packed length. One walk per sequence over its chunks
@@ -328,7 +397,9 @@ def state_pass(
         key_dim] (the walk's own layout), so that pieces hand it on without two transposes each.
       decays: batch rows only: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as `decay_factors`
         returns them, formed elsewhere (the prepare writes them: no XLA kernel between it and the walk);
-        gamma is then None. None: formed here from gamma.
+        gamma is then None (unless p is None). None: formed here from gamma.
+      p_warpgroup: with p None, who forms P: "memory" (the TMA warpgroup, between its copies) or "own" (a
+        fourth warpgroup).
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
@@ -352,13 +423,20 @@ def state_pass(
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
     if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
-    if (decays is None) == (gamma is None) or (decays is not None and packed):
+    if p_warpgroup not in ("memory", "own"):
+        raise ValueError(f"state_pass: p_warpgroup={p_warpgroup!r}; choose 'memory' or 'own'")
+    p_in_walk = None if p is not None else p_warpgroup
+    own_p = p_in_walk == "own"
+    if p_in_walk and gamma is None:
+        raise ValueError("state_pass: p=None (P formed in the walk) needs gamma")
+    if (not p_in_walk and (decays is None) == (gamma is None)) or (decays is not None and packed):
         raise ValueError("state_pass: pass gamma or (batch rows) decays, one of the two")
     gamma_shape = gamma.shape if decays is None else decays[0].shape
-    if t_beta.shape[1] != t or p.shape[1] != t or gamma_shape[2] != t or (
-            decays is not None and decays[1].shape != gamma_shape):
-        raise ValueError(f"t_beta {t_beta.shape}, p {p.shape}, gamma/decays {gamma_shape}: need {t} tokens (seq "
-                         f"{seq} rounded up to chunks)")
+    if t_beta.shape[1] != t or (not p_in_walk and p.shape[1] != t) or gamma_shape[2] != t or (
+            decays is not None and decays[1].shape != gamma_shape) or (
+            gamma is not None and gamma.shape != gamma_shape):
+        raise ValueError(f"t_beta {t_beta.shape}, p {None if p_in_walk else p.shape}, gamma/decays {gamma_shape}: "
+                         f"need {t} tokens (seq {seq} rounded up to chunks)")
     rows = (initial_state.shape[0] + 1,)
     if packed and (batch != 1 or cu_seqlens.shape != rows or (chunk_bounds is not None and (
             chunk_bounds.shape != rows or out_seq is None))):
@@ -377,7 +455,7 @@ def state_pass(
 
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles (the output ref the 11th either way)
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed,
-                     chunk_offset=chunk_offset)
+                     chunk_offset=chunk_offset, p_in_walk=p_in_walk)
 
     tile, st = _bf16_tile(), max_concurrent_steps
     final_type = jax.ShapeDtypeStruct(init_t.shape, jnp.float32)
@@ -400,18 +478,21 @@ def state_pass(
             plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if packed else tile),  # O staging
             plgpu.SMEM((BLOCK_V, key_dim), jnp.float32),  # h^T in and out
             plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
-            plgpu.Barrier(num_barriers=st, num_arrivals=3),  # loaded1: Q, P, e^gamma
-            plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free0: the walk is done with a stage
+            plgpu.Barrier(num_barriers=st, num_arrivals=2 if p_in_walk else 3),  # loaded1: (Q,) P, e^gamma
+            plgpu.Barrier(num_barriers=st, num_arrivals=1 + own_p),  # free0: the walk (and P's) done with a stage
             plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free1: the output is done with a stage
             plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_ready
             plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_free
             plgpu.Barrier(num_barriers=1, num_arrivals=1),  # state
+            *((plgpu.SMEM((st, CHUNK), jnp.float32), plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
+               plgpu.Barrier(num_barriers=st, num_arrivals=3)) if p_in_walk else ()),  # Q, gamma twice
         ),
         grid=(init_t.shape[0], v_heads, value_dim // BLOCK_V),
         grid_names=("rows", "heads", "vblocks"),
-        num_threads=3,
+        num_threads=4 if own_p else 3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, t_beta, p, exp_gamma, exp_to_last, init_t, cu, bounds, *(() if out is None else (out,)))
+    )(q, k, v, t_beta, gamma if p_in_walk else p, exp_gamma, exp_to_last, init_t, cu, bounds,
+      *(() if out is None else (out,)))
     out_array, final_t = (None, *outs) if out is not None else outs
     return out_array, final_t if state_transposed else jnp.swapaxes(final_t, 2, 3)

@@ -205,6 +205,16 @@ class BlockSizes:
     # pieces: T=16384 0.495 / 0.467 / 0.445 / 0.459 / 0.458 (3, 6 and 8 with half-length end pieces; 4 with
     # them 0.480); T=4096 0.145 / 0.154 / 0.149 / 0.155 / 0.174; shrinking pieces (0.85^i) 0.452 at 16384.
     walk_pipeline: int | None = None
+    # Mosaic GPU walk (batch rows and packed sequences on their own chunk grid): the walk kernel's TMA warpgroup
+    # forms each chunk's P = scale lower_incl(Q K^T * Gamma) from the Q and K tiles it streams anyway (one
+    # [64, 64, key_dim] wgmma and the decay mask), so the prepare neither reads Q nor writes P, and the walk
+    # does not read P: per token and v-head 4 * chunk bytes of P and 2 * key_dim / group of Q less.
+    # 0: off (the prepare writes P); 1: the walk kernel's TMA warpgroup forms P between its copies; 2: a fourth
+    # warpgroup forms it. None (the default): 2 for packed sequences on their own chunk grid, else 0. H100,
+    # 2026-11-25 (docs/benchmarks.md), ms off / 1 / 2: packed 8 x 8192 1.463 / 1.429 / 1.336 (prepare 0.638 ->
+    # 0.442, walk 0.764 -> 0.823); T=4096 0.141 / 0.162 / 0.161 and T=16384 0.446 / 0.529 / 0.532, where the
+    # latency-bound walk (0.075 -> 0.101 ms at 4096) loses more than the prepare gains.
+    p_in_walk: int | None = None
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -431,6 +441,7 @@ def _prepare_dense_kernel(
     chunk_offset=0,
     decay_factors=False,
     inverse_slabs=False,
+    gamma_in_p=False,
 ):
     # Same refs and outputs as `_prepare_kernel`, but on whole-chunk tiles (no 16-row slicing):
     #   A = strict_lower(diag(beta) K K^T * Gamma)            one [c, c, key_dim] product (tensor cores)
@@ -449,7 +460,7 @@ def _prepare_dense_kernel(
     # not in_place): gamma_ref takes e^gamma and u_ref [b, v_heads, t] f32 e^(gamma_last - gamma), the Mosaic
     # walk's decay factors (`pallas_mosaic.decay_factors`), in place of gamma. inverse_slabs: T by
     # `_slab_inverse` (16-row slabs) instead of `_unit_lower_inverse`, and T's rows written (or multiplied) slab
-    # by slab.
+    # by slab. gamma_in_p (decay_factors, no with_p): p_ref [b, v_heads, t] f32 takes gamma (the walk forms P).
     exact = compute_dtype == jnp.float32
     inv_dtype = jnp.bfloat16 if inverse_bf16 and not exact else None
     c = chunk_size
@@ -471,6 +482,8 @@ def _prepare_dense_kernel(
             last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1, gamma, 0.0))
             gamma_ref[b, h, rows] = jnp.exp(gamma)
             u_ref[b, h, rows] = jnp.exp(last - gamma)
+            if gamma_in_p:
+                p_ref[b, h, rows] = gamma
         else:
             gamma_ref[b, h, rows] = gamma
         i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -925,7 +938,9 @@ def _prepare(
     num_chunks * chunk_size) of q, k, v, g, bt from chunk chunk_offset on; None: all of g's chunks.
     decay_factors (dense prepare with wy_in_state, no token_rows): the third output is e^gamma and the second
     e^(gamma_last - gamma) [b, v_heads, t] f32 (gamma_last: the chunk's last), the Mosaic GPU walk's decay
-    factors (`pallas_mosaic.decay_factors`), so that no XLA kernel forms them between the prepare and the walk."""
+    factors (`pallas_mosaic.decay_factors`), so that no XLA kernel forms them between the prepare and the walk.
+    With `_p_in_walk` there is no P: the fourth output is gamma [b, v_heads, t] f32 with decay_factors (the
+    third holding e^gamma), else a dummy."""
     batch, _, k_heads, key_dim = k.shape
     piece = chunk_offset != 0 or num_chunks is not None
     padded = g.shape[2] if num_chunks is None else num_chunks * chunk_size
@@ -951,8 +966,12 @@ def _prepare(
         if not (wy_in_state and token_rows is None and block_sizes.prepare_kernel == "dense"):
             raise ValueError("_prepare: decay_factors needs the dense prepare with wy_in_state and no token_rows")
         u_shape, u_dtype = (batch, v_heads, padded), jnp.float32
-    with_p = block_sizes.fuse_output
+    p_in_walk = _p_in_walk(block_sizes, token_rows)
+    with_p = block_sizes.fuse_output and not p_in_walk
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
+    p_dtype = compute_dtype
+    if p_in_walk and decay_factors:  # the walk's P mask needs gamma itself (e^gamma underflows)
+        p_shape, p_dtype = (batch, v_heads, padded), jnp.float32
     kernels = {"sub_blocks": _prepare_kernel, "dense": _prepare_dense_kernel}
     if block_sizes.prepare_kernel not in kernels:
         raise ValueError(f"prepare_kernel={block_sizes.prepare_kernel!r}; choose from {sorted(kernels)}")
@@ -962,7 +981,8 @@ def _prepare(
                   "chunks_per_program": chunks_per_program, "fold_t_into_p": fold_t_into_p,
                   "prefetch_rows": prefetch_rows, "heads_fastest": heads_fastest,
                   "valid_rows": valid_rows, "decay_factors": decay_factors,
-                  "inverse_slabs": block_sizes.inverse_slabs and not fold_t_into_p},
+                  "inverse_slabs": block_sizes.inverse_slabs and not fold_t_into_p,
+                  "gamma_in_p": p_in_walk and decay_factors},
     }[block_sizes.prepare_kernel]
     if wy_in_state and block_sizes.prepare_kernel != "dense":
         raise ValueError("BlockSizes.wy_in_state needs prepare_kernel='dense'")
@@ -992,7 +1012,7 @@ def _prepare(
             jax.ShapeDtypeStruct(w_shape, compute_dtype),
             jax.ShapeDtypeStruct(u_shape, u_dtype),
             jax.ShapeDtypeStruct((batch, v_heads, padded), jnp.float32),
-            jax.ShapeDtypeStruct(p_shape, compute_dtype),
+            jax.ShapeDtypeStruct(p_shape, p_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
             jax.ShapeDtypeStruct(qk_shape, compute_dtype),
         ),
@@ -1131,6 +1151,9 @@ def _run_stages(
     w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
                                                     valid_rows=valid_rows, decay_factors=decay_factors, **common)
     decays = (gamma, u) if decay_factors else None
+    p_in_walk = mosaic and _p_in_walk(block_sizes, token_rows)
+    if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
+        gamma, p = (p if decay_factors else gamma), None
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
         u = v
     final_state = None
@@ -1146,14 +1169,29 @@ def _run_stages(
         kwargs["starts"], _ = _segment_starts(k, w, u, gamma, zeros, packed_inputs=packed_inputs, **common)
     if mosaic:
         out, last = pallas_mosaic.state_pass(
-            q, k, u, w, p, None if decays else gamma, initial_state, cu_seqlens, chunk_bounds, scale=scale,
-            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages, decays=decays)
+            q, k, u, w, p, None if decays and not p_in_walk else gamma, initial_state, cu_seqlens, chunk_bounds,
+            scale=scale,
+            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages, decays=decays,
+            p_warpgroup=_p_warpgroup(block_sizes))
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
         states, v_new, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
         out = _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common)
     return out, last if final_state is None else final_state
+
+
+def _p_in_walk(block_sizes, token_rows=None) -> bool:
+    """Whether the Mosaic GPU walk forms P (`BlockSizes.p_in_walk`): not for packed sequences regathered
+    chunk-aligned (token_rows), whose prepare writes the walk's chunk-aligned Q."""
+    if block_sizes.p_in_walk not in (None, 0, 1, 2):
+        raise ValueError(f"BlockSizes.p_in_walk={block_sizes.p_in_walk}; choose None, 0, 1 or 2")
+    return bool(block_sizes.p_in_walk) and block_sizes.state_kernel == "mosaic" and token_rows is None
+
+
+def _p_warpgroup(block_sizes) -> str:
+    """`pallas_mosaic.state_pass`'s p_warpgroup for `BlockSizes.p_in_walk`."""
+    return "own" if block_sizes.p_in_walk == 2 else "memory"
 
 
 def _walk_pipeline_pieces(block_sizes, num_chunks: int) -> int:
@@ -1181,14 +1219,17 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
         t_beta, exp_to_last, exp_gamma, p, _, _ = _prepare(
             q, k, v, g_in, bt, scale=scale, chunk_size=chunk_size, block_sizes=block_sizes, chunk_offset=first,
             num_chunks=end - first, decay_factors=True, **common)
-        prepared.append((first, t_beta, p, (exp_gamma, exp_to_last)))
+        # with _p_in_walk, p is gamma (for the walk's P mask) and there is no P
+        gamma, p = (p, None) if _p_in_walk(block_sizes) else (None, p)
+        prepared.append((first, t_beta, p, gamma, (exp_gamma, exp_to_last)))
         before = exp_gamma
     out = jax.empty_ref(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16))
     state_t = jnp.swapaxes(initial_state, 2, 3)  # h^T, handed from walk to walk as the walk keeps it
-    for first, t_beta, p, decays in prepared:
-        _, state_t = pallas_mosaic.state_pass(q, k, v, t_beta, p, None, state_t, scale=scale, chunk_offset=first,
+    for first, t_beta, p, gamma, decays in prepared:
+        _, state_t = pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, state_t, scale=scale, chunk_offset=first,
                                               out=out, max_concurrent_steps=block_sizes.mosaic_stages,
-                                              state_transposed=True, decays=decays)
+                                              state_transposed=True, decays=decays,
+                                              p_warpgroup=_p_warpgroup(block_sizes))
     return jax.freeze(out), jnp.swapaxes(state_t, 2, 3)
 
 
@@ -1329,6 +1370,8 @@ def gated_delta_rule_pallas(
     # 2.31 ms, regathered 2.19.
     own_grid = packed and block_sizes.state_kernel == "mosaic" and seq % 8 == 0 and seq > 0
     in_place = in_place and not own_grid
+    if block_sizes.p_in_walk is None:
+        block_sizes = dataclasses.replace(block_sizes, p_in_walk=2 if own_grid else 0)
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed and not own_grid else None
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)

@@ -5,7 +5,7 @@ Pallas' GPU interpreter cannot run it (its wgmma takes no register operands), so
 kernel is lowered for CUDA (Mosaic GPU's layout inference and shape checks run) but not executed; the
 numerical checks run on an H100 / H200 (and in `benchmarks/gated_delta_rule.py --check`):
   JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/pallas_kernels/test_gated_delta_rule_mosaic.py
-(all 10 passed on an H100 on 2026-11-25; tests/conftest.py otherwise pins JAX to the CPU)."""
+(all passed on an H100 on 2026-11-25; tests/conftest.py otherwise pins JAX to the CPU)."""
 
 import dataclasses
 
@@ -103,6 +103,15 @@ def test_kernel_lowers_for_cuda():
         lowered(*args(1, 3), cu, cu)
     with pytest.raises(ValueError, match="need 192 tokens"):
         lowered(*args(1, 3, seq=192)[:3], *chunked, state, cu)
+    # P formed by the kernel's TMA warpgroup (p=None) from Q, K and gamma: batch rows with and without the
+    # prepare's decay factors, and packed on the own grid; it needs gamma
+    assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6])
+    assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], p_warpgroup="own")
+    assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]), state_transposed=True)
+    assert "mosaic_gpu" in lowered(*(jax.ShapeDtypeStruct((1, 256) + x.shape[2:], bf16) for x in qkv),
+                                   chunked[0], None, chunked[2], state, cu)
+    with pytest.raises(ValueError, match="p=None .* needs gamma"):
+        lowered(*a[:4], None, None, a[6], decays=(a[5], a[5]))
 
 
 def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scale):
@@ -169,15 +178,17 @@ def test_own_grid_prepare_and_walk_math(seqlens):
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
+@pytest.mark.parametrize("p_in_walk", [None, 0, 2])
 @pytest.mark.parametrize("seq,batch,seqlens", [(200, 2, None), (64, 1, None), (1000, 1, None),
                                                (330, 1, (70, 0, 64, 196)), (336, 1, (70, 0, 5, 3, 64, 194)),
                                                (192, 1, (64, 128))])
-def test_matches_reference_on_hopper(seq, batch, seqlens):
+def test_matches_reference_on_hopper(seq, batch, seqlens, p_in_walk):
     workload = dataclasses.replace(DIM128, seq=seq, batch=batch)
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=5, seqlens=seqlens)
     as_f32 = {n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
     want = reference.gated_delta_rule_reference(**as_f32)
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, block_sizes=MOSAIC)
+    got = pallas_triton.gated_delta_rule_pallas(
+        **inputs, block_sizes=dataclasses.replace(MOSAIC, p_in_walk=p_in_walk))
     for name, g, w in zip(("output", "final_state"), got, want, strict=True):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
@@ -219,12 +230,15 @@ def test_pipelined_walk_lowers_for_cuda():
             jax.ShapeDtypeStruct((1, t, vh, v), bf16), jax.ShapeDtypeStruct((1, vh, t), f32),
             jax.ShapeDtypeStruct((1, vh, t), f32), jax.ShapeDtypeStruct((1, vh, k, v), f32))
     block_sizes = dataclasses.replace(MOSAIC, wy_in_state=True, walk_pipeline=4)
-    text = support.lowered_for_h100(pallas_triton._pipelined_walk, *args, pieces=4, scale=k**-0.5, chunk_size=64,
-                                    block_sizes=block_sizes, group=2, compute_dtype=bf16, interpret=False)
-    assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
-    assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
-    # the prepares write the walks' decay factors; the state goes from walk to walk as h^T (two transposes)
-    assert "stablehlo.exponential" not in text and text.count("stablehlo.transpose") == 2
+    for p_in_walk in (0, 1, 2):  # 1, 2: the walks form P, the prepares write gamma in its place
+        text = support.lowered_for_h100(
+            pallas_triton._pipelined_walk, *args, pieces=4, scale=k**-0.5, chunk_size=64,
+            block_sizes=dataclasses.replace(block_sizes, p_in_walk=p_in_walk), group=2, compute_dtype=bf16,
+            interpret=False)
+        assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
+        assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
+        # the prepares write the walks' decay factors; the state goes from walk to walk as h^T (two transposes)
+        assert "stablehlo.exponential" not in text and text.count("stablehlo.transpose") == 2
 
 
 def test_prepare_writes_the_walks_decay_factors():
@@ -243,9 +257,24 @@ def test_prepare_writes_the_walks_decay_factors():
         pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **{**common, "block_sizes": DEFAULT})
 
 
+def test_prepare_for_a_walk_that_forms_p():
+    """With `p_in_walk` (Mosaic walk) the prepare (interpreter) writes no P: with decay_factors gamma itself in
+    its place (the walk's P mask), without them nothing; T diag(beta) and the decays are unchanged."""
+    qkv, g, bt, common = prepare_inputs(chunks=3, seed=10)
+    plain = pallas_triton._prepare(*qkv, g, bt, **common)
+    walk_p = {**common, "block_sizes": dataclasses.replace(common["block_sizes"], p_in_walk=1,
+                                                           state_kernel="mosaic")}
+    factors = pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **walk_p)
+    np.testing.assert_array_equal(np.asarray(factors[3]), np.asarray(plain[2]), "gamma in place of P")
+    np.testing.assert_array_equal(np.asarray(factors[0], np.float32), np.asarray(plain[0], np.float32))
+    no_factors = pallas_triton._prepare(*qkv, g, bt, **walk_p)
+    assert no_factors[3].shape == (1,)  # no P
+    np.testing.assert_array_equal(np.asarray(no_factors[2]), np.asarray(plain[2]), "gamma")
+
+
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
-@pytest.mark.parametrize("pieces", [2, 3, 16])
-def test_pipelined_walk_matches_one_walk_on_hopper(pieces):
+@pytest.mark.parametrize("pieces,p_in_walk", [(2, 0), (3, 0), (16, 0), (3, 1), (3, 2)])
+def test_pipelined_walk_matches_one_walk_on_hopper(pieces, p_in_walk):
     """The chunks cut into pieces (uneven: 16 chunks in 3), each prepared and walked by its own launches: the
     same as one walk over all chunks, and near the f32 reference."""
     workload = dataclasses.replace(DIM128, seq=1000, batch=2)
@@ -254,7 +283,7 @@ def test_pipelined_walk_matches_one_walk_on_hopper(pieces):
     want = reference.gated_delta_rule_reference(**as_f32)
     one = pallas_triton.gated_delta_rule_pallas(**inputs, block_sizes=dataclasses.replace(MOSAIC, walk_pipeline=1))
     got = pallas_triton.gated_delta_rule_pallas(
-        **inputs, block_sizes=dataclasses.replace(MOSAIC, walk_pipeline=pieces))
+        **inputs, block_sizes=dataclasses.replace(MOSAIC, walk_pipeline=pieces, p_in_walk=p_in_walk))
     for name, g, o, w in zip(("output", "final_state"), got, one, want, strict=True):
         g, o, w = (np.asarray(x, np.float32) for x in (g, o, w))
         assert np.isfinite(g).all(), name
