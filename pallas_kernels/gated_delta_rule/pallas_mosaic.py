@@ -13,13 +13,16 @@ registers. Per chunk (c = 64 tokens):
     h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K       [block_v, key_dim]
     O    = diag(e^gamma) scale Q h + P V'                   [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
 
-with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`). Packed sequences either on the
+with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`), or P formed in this kernel from
+the Q and K tiles it streams (`state_pass` with p=None; the default for packed sequences on their own grid,
+where it saves the prepare's P write and this kernel's P read). Packed sequences either on the
 packed array's own chunks (a chunk may hold several sequences: T and P block-diagonal over them by
 `break_sequences`, and each sequence's walk masks the others' columns out of its state update and writes
 only its own rows) or regathered chunk-aligned (see `state_pass`). Three warpgroups per program
 (batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
 and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
-compute warpgroup's tiles on their own barriers). Source of the algorithm: arXiv:2412.06464 (gated delta
+compute warpgroup's tiles on their own barriers); with p=None the TMA warpgroup or a fourth one also forms P.
+Source of the algorithm: arXiv:2412.06464 (gated delta
 rule), the WY / UT representation as in flash-linear-attention; the warp-specialised structure as in JAX's
 `pallas/ops/gpu/attention_mgpu.py` (FlashAttention-3).
 
