@@ -63,8 +63,9 @@ SCHEDULE_SEARCH = "compare_all"
 # Four codes per PTX block (`BlockSizes.int_to_float="asm"`): each code's byte is permuted into the low byte of
 # 2**23 (prmt with 0x4B000000), 2**23 (+ 128 for int8, whose bytes are first offset by 128 with an XOR) is
 # subtracted, exactly, then the scale is applied in f32 (int8: code * scale; 4 bits: code * scale + offset) and
-# pairs are rounded to bf16 by one cvt.rn.bf16x2. Operands: $0, $1 the two bf16x2 results, $2 four
-# codes (bytes), then four f32 scales (and four f32 offsets).
+# pairs are rounded to bf16 by one cvt.rn.bf16x2. For 4 bits the subtraction and the scale are one fma,
+# (2**23 + code) * scale - 2**23 * scale: its one rounding is that of code * scale (2**23 * scale is exact).
+# Operands: $0, $1 the two bf16x2 results, $2 four codes (bytes), then four f32 scales (and four f32 offsets).
 _ASM_CODES = {
     8: "xor.b32 t, $2, 0x80808080;",
     "lo": "and.b32 t, $2, 0x0F0F0F0F;",
@@ -75,17 +76,42 @@ _ASM_CODES = {
 def _dequantize_asm(codes, scale, offset=None, *, part):
     """bf16 weights from codes `[rows, cols]` (int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
     and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only)."""
-    bias = "0f4B000080" if part == 8 else "0f4B000000"   # 2**23 + 128 and 2**23
-    lines = [".reg .b32 t, m, f<4>;", _ASM_CODES[part], "mov.b32 m, 0x4B000000;"]
+    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], "mov.b32 m, 0x4B000000;"]
     for i in range(4):
-        lines.append(f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; sub.rn.f32 f{i}, f{i}, {bias};")
-        lines.append(f"mul.rn.f32 f{i}, f{i}, ${3 + i};")
+        lines.append(f"prmt.b32 f{i}, t, m, {0x7540 + i:#x};")
+        if part == 8:   # 2**23 + 128 + code: the int8 bias times the scale is not exact, so two steps
+            lines.append(f"sub.rn.f32 f{i}, f{i}, 0f4B000080; mul.rn.f32 f{i}, f{i}, ${3 + i};")
+        else:   # (the four scales are usually one register: ptxas keeps one product by -2**23)
+            lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fCB000000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
         if offset is not None:   # not one fma: the same roundings as the other conversions (bitwise equal)
             lines.append(f"add.rn.f32 f{i}, f{i}, ${7 + i};")
     lines += ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
     args = [codes, scale] + ([] if offset is None else [offset])
     constraints = "=r,=r,r," + ",".join(["f"] * 4 * (len(args) - 1))
     [w] = plgpu.elementwise_inline_asm("{" + " ".join(lines) + "}", args=args, constraints=constraints, pack=4,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)])
+    return w
+
+
+# 4-bit codes in bf16 arithmetic (`BlockSizes.int_to_float="asm_bf16"`), four codes per PTX block: the high
+# nibbles are first shifted down (a bf16 mantissa has 7 bits, too few for a nibble at bits 4-7), two bytes at a
+# time are permuted into the low bytes of a bf16 pair, the nibbles are masked into the mantissa of 128 (one
+# lop3: and, or 0x4300), one bf16x2 fma takes the code out exactly ((128 + q) - 128), and one bf16x2 fma
+# applies the scale and offset. The last rounds once, in bf16, with the scale and offset themselves rounded to
+# bf16 first: not the "convert" weights bit for bit (see BlockSizes). Operands: $0, $1 the two bf16x2 results,
+# $2 four packed bytes, $3, $4 the scales and $5, $6 the offsets as bf16 pairs.
+
+
+def _dequantize_asm_bf16(codes, scale, offset, *, part):
+    """bf16 weights from packed 4-bit codes `[rows, cols]` uint8 ("lo" / "hi" nibbles) and bf16 `scale`,
+    `offset` of the same shape, in bf16x2 arithmetic by inline PTX (sm_80+; compiled kernels only)."""
+    lines = [".reg .b32 t, p, x, u, c, z;", "mov.b32 u, 0x3F803F80; mov.b32 c, 0xC300C300; mov.b32 z, 0;",
+             "shr.b32 t, $2, 4;" if part == "hi" else "mov.b32 t, $2;"]   # u = (1, 1), c = (-128, -128)
+    for i, selector in enumerate(("0x4140", "0x4342")):   # bytes 0, 1 (then 2, 3) into the two halves
+        lines.append(f"prmt.b32 p, t, z, {selector}; and.b32 x, p, 0x000F000F; or.b32 x, x, 0x43004300;")
+        lines.append(f"fma.rn.bf16x2 x, x, u, c; fma.rn.bf16x2 ${i}, x, ${3 + i}, ${5 + i};")
+    [w] = plgpu.elementwise_inline_asm("{" + " ".join(lines) + "}", args=[codes, scale, offset],
+                                       constraints="=r,=r,r,r,r,r,r", pack=4,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)])
     return w
 
@@ -111,6 +137,11 @@ class BlockSizes:
     permutes, the scale multiply and a paired f32 -> bf16 rounding); it pays with k-major codes, which reach
     it four to a 32-bit load (with [groups, k, n] codes Triton loads bytes one at a time and packs them for
     it, slower than "convert"); the interpreter and f32 lhs run "magic" instead (the same arithmetic).
+    "asm_bf16" (4-bit codes; int8 takes "asm"): the PTX works in bf16 pairs (`_dequantize_asm_bf16`: a
+    permute, a lop3 and two bf16x2 fmas per two codes), with the scale and offset rounded to bf16 first and
+    the weight rounded once in bf16: each weight within (15 |scale| + |offset| + |weight|) 2**-9 of the exact
+    value, against |weight| 2**-9 for the other modes (for Q4_0's offset -8 scale at most ~6% of the
+    quantization step), so not their weights bit for bit; the interpreter runs the same arithmetic in jnp.
     """
 
     block_m: int = 128
@@ -119,7 +150,7 @@ class BlockSizes:
     num_warps: int = 8
     num_stages: int = 3
     quant_mode: Literal["tile", "tile_swapped", "block", "scale_after_dot"] = "tile"
-    int_to_float: Literal["convert", "magic", "asm"] = "convert"
+    int_to_float: Literal["convert", "magic", "asm", "asm_bf16"] = "convert"
 
     @classmethod
     def get_default(cls, m: int, k: int, n: int, groups: int, *, bits: int | None = None,
@@ -304,7 +335,15 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         for x_row0, part in ((kk, "lo"), (half + kk, "hi")):
             kb = x_row0 // quant_block
             scale, offset = expand(scale_ref, kb), expand(offset_ref, kb)
-            if asm:
+            if bs.int_to_float == "asm_bf16":   # the bf16 pair arithmetic (in jnp where the PTX does not apply)
+                scale, offset = scale.astype(jnp.bfloat16), offset.astype(jnp.bfloat16)
+                if asm:
+                    w = _dequantize_asm_bf16(codes, scale, offset, part=part)
+                else:   # q * scale exact in f32 (4 x 8 bits), then one rounding to f32 and one to bf16
+                    q = codes & 0xF if part == "lo" else codes >> 4
+                    w = (q.astype(jnp.float32) * scale.astype(jnp.float32) + offset.astype(jnp.float32)).astype(
+                        dot_dtype)
+            elif asm:
                 w = _dequantize_asm(codes, scale, offset, part=part)
             else:
                 q = codes & 0xF if part == "lo" else codes >> 4
@@ -441,7 +480,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     dot_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-    asm = quantized and bs.int_to_float == "asm" and not interpret and dot_dtype == jnp.bfloat16
+    asm = quantized and bs.int_to_float in ("asm", "asm_bf16") and not interpret and dot_dtype == jnp.bfloat16
 
     schedule = make_schedule(group_sizes, m, bs.block_m)       # (group, row_start, row_end)
     n_tiles = pl.cdiv(n_out, bs.block_n)

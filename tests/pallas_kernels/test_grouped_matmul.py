@@ -298,6 +298,33 @@ def test_asm_dequantization_lowers_to_ptx(bits):
                                                                          int_to_float="asm"))
     assert text.count("cvt.rn.bf16x2.f32 $0, f1, f0") == (1 if bits == 8 else 2)
     assert "0x4B000000" in text
+    # 4 bits: the 2**23 subtraction and the scale as one fma; "asm_bf16": the bf16-pair PTX (int8 keeps "asm")
+    assert ("fma.rn.f32" in text) == (bits == 4)
+    text = support.lowered_for_h100(pallas_triton.gmm_pallas, lhs, q, gs, interpret=False,
+                                    block_sizes=pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64,
+                                                                         int_to_float="asm_bf16"))
+    assert ("fma.rn.bf16x2 $0, x, $3, $5" in text) == (bits == 4)
+    assert ("0x4B000000" in text) == (bits == 8)
+
+
+# The bf16-pair dequantization of 4-bit codes ("asm_bf16"): its PTX (compiled, on a GPU) and its jnp form (the
+# interpreter) agree over every byte value, and the product is within bf16 tolerance of dequantize-then-matmul
+# (its weights are not the other modes' bit for bit: the scale and offset are rounded to bf16 first).
+@pytest.mark.parametrize("quant_mode", ["tile", "tile_swapped"])
+def test_asm_bf16_dequantization(quant_mode):
+    w = workloads.WORKLOADS["tiny_partial"]
+    lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights="int4", seed=5)
+    codes = np.random.default_rng(5).integers(0, 256, q.values.shape).astype(np.uint8)
+    codes.reshape(-1)[:256] = np.arange(256)
+    q = dataclasses.replace(q, values=jnp.asarray(codes))
+    bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, quant_mode=quant_mode, int_to_float="asm_bf16")
+    got = np.asarray(pallas_triton.gmm_pallas(lhs, q, gs, block_sizes=bs, preferred_element_type=jnp.float32))
+    emulated = np.asarray(pallas_triton.gmm_pallas(lhs, q, gs, block_sizes=bs, preferred_element_type=jnp.float32,
+                                                   interpret=True))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, emulated, rtol=1e-5, atol=1e-5 * np.abs(emulated).max())
+    expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs)
+    assert_close(got, expected, jnp.bfloat16, "asm_bf16")
 
 
 # Both storage orders of the codes ([groups, n, k] k-major, the default, and [groups, k, n]) give the same
