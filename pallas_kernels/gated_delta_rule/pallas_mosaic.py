@@ -21,7 +21,7 @@ packed array's own chunks (a chunk may hold several sequences: T and P block-dia
 only its own rows) or regathered chunk-aligned (see `state_pass`). Three warpgroups per program
 (batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
 and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
-compute warpgroup's tiles on their own barriers); with p=None the TMA warpgroup or a fourth one also forms P.
+compute warpgroup's tiles on their own barriers); with p=None a fourth warpgroup forms P.
 Source of the algorithm: arXiv:2412.06464 (gated delta
 rule), the WY / UT representation as in flash-linear-attention; the warp-specialised structure as in JAX's
 `pallas/ops/gpu/attention_mgpu.py` (FlashAttention-3).
@@ -46,15 +46,13 @@ from pallas_kernels.gated_delta_rule import _common
 
 CHUNK = 64  # tokens per chunk; also the walk's rows of h^T (block_v): one warpgroup's wgmma M
 BLOCK_V = 64
-# Registers per thread where the kernel forms P (`state_pass` with p=None), 504 or 512 in all (the register
-# file over 3 or 4 warpgroups of 128 threads). p_in_walk="memory", the TMA warpgroup forms it: the launch
-# gives each of the three warpgroups 168; the walk takes 232, the output warpgroup keeps 168 and this one 104.
-# p_in_walk="own", a fourth warpgroup: 128 each at launch; walk 232, output 144, TMA 40, P 96. H100, 2026-11-25,
-# packed 8 x 8192 ms (output / P registers): 176 / 64 1.407, 168 / 72 1.347, 160 / 80 1.347, 152 / 88 1.325,
-# 144 / 96 1.322, 136 / 104 1.327, 128 / 112 1.312 (docs/results/2026-11-25_h100_gdn_p_in_walk_register_split.json).
-MEMORY_REGISTERS_P = 104
-OWN_P_OUTPUT_REGISTERS = 144
-OWN_P_REGISTERS = 96
+# Registers per thread where a fourth warpgroup forms P (`state_pass` with p=None): 512 in all (the register
+# file over four warpgroups of 128 threads, 128 each at launch): walk 232, output 144, TMA 40, P 96. H100,
+# 2026-11-25, packed 8 x 8192 ms (output / P registers): 176 / 64 1.407, 168 / 72 1.347, 160 / 80 1.347, 152 / 88
+# 1.325, 144 / 96 1.322, 136 / 104 1.327, 128 / 112 1.312 (docs/results/2026-11-25_h100_gdn_p_in_walk_*.json;
+# P formed by the TMA warpgroup between its copies instead was slower, 1.429).
+P_OUTPUT_REGISTERS = 144
+P_REGISTERS = 96
 
 
 def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype) -> str | None:
@@ -79,7 +77,7 @@ def _walk_kernel(
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
     *p_scratch,  # p_in_walk: gamma [stages, 64] f32 twice (SMEM: rows, columns) and their barrier with Q's
-    group, scale, stages, packed, chunk_offset=0, p_in_walk=None,
+    group, scale, stages, packed, chunk_offset=0, p_in_walk=False,
 ):
     # Three warpgroups: 0 walks (h^T, V'^T: the critical path), 1 forms the output from the h^T and V'^T that
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
@@ -90,9 +88,8 @@ def _walk_kernel(
     # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
     # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles (T diag(beta),
     # P, the decays) one piece of it starting at that chunk (`pallas_triton._pipelined_walk`)
-    # p_in_walk ("memory" or "own"): p_ref holds gamma [b, v_heads, t] f32 instead of P, and warpgroup 2 (TMA)
-    # or a fourth one forms each chunk's P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and
-    # K tiles warpgroup 2 streams, into p_smem
+    # p_in_walk: p_ref holds gamma [b, v_heads, t] f32 instead of P, and a fourth warpgroup forms each chunk's
+    # P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and K tiles warpgroup 2 streams, into p_smem
     b = 0 if packed else row
     start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
     if packed == "own_grid":
@@ -140,17 +137,16 @@ def _walk_kernel(
             return lc(lc(acc_ref[...]) * decay)
 
         p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
-        if p_in_walk == "own":  # done with K (the TMA warpgroup refills its stage once the walk is done too)
-            plgpu.barrier_arrive(free0.at[s])
+        plgpu.barrier_arrive(free0.at[s])  # done with K (the TMA warpgroup refills its stage once the walk is too)
         p_smem[s] = p
         plgpu.commit_smem()
         plgpu.barrier_arrive(loaded1.at[s])
 
-    if p_in_walk == "own":
+    if p_in_walk:
 
         @pl.when(wg == 3)
         def _p():
-            plgpu.set_max_registers(OWN_P_REGISTERS, action="decrease")
+            plgpu.set_max_registers(P_REGISTERS, action="decrease")
 
             @pl.loop(lo, hi)
             def _(n):
@@ -160,8 +156,7 @@ def _walk_kernel(
 
     @pl.when(wg == 2)
     def _memory():
-        # p_in_walk="memory": registers for the Q K^T accumulator and its mask, from the output warpgroup's share
-        plgpu.set_max_registers(MEMORY_REGISTERS_P if p_in_walk == "memory" else 40, action="decrease")
+        plgpu.set_max_registers(40, action="decrease")
 
         @pl.loop(lo, hi)
         def _(n):
@@ -183,15 +178,10 @@ def _walk_kernel(
             pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free0.at[s]))
             for src, dst in walk_tiles:
                 plgpu.copy_gmem_to_smem(src, dst.at[s], loaded0.at[s])
-            if p_in_walk == "memory":  # the last chunk's P while the output warpgroup still works on the one before
-                pl.when(n > lo)(lambda: form_p(n - 1))
             pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free1.at[s]))
             for tiles, loaded in output_tiles:
                 for src, dst in tiles:
                     plgpu.copy_gmem_to_smem(src, dst.at[s], loaded.at[s])
-
-        if p_in_walk == "memory":
-            pl.when(hi > lo)(lambda: form_p(hi - 1))
 
     @pl.when(wg == 0)
     def _walk():
@@ -256,8 +246,7 @@ def _walk_kernel(
 
     @pl.when(wg == 1)
     def _output():
-        if p_in_walk != "memory":  # else it keeps the launch's 168, giving warpgroup 2 its 64 more
-            plgpu.set_max_registers(OWN_P_OUTPUT_REGISTERS if p_in_walk == "own" else 232, action="increase")
+        plgpu.set_max_registers(P_OUTPUT_REGISTERS if p_in_walk else 232, action="increase")
         shape = (CHUNK, BLOCK_V)
 
         @pl.loop(lo, hi)
@@ -357,10 +346,10 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset",
-                                               "state_transposed", "p_warpgroup"))
+                                               "state_transposed"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
-    max_concurrent_steps=2, chunk_offset=0, out=None, state_transposed=False, decays=None, p_warpgroup="memory",
+    max_concurrent_steps=2, chunk_offset=0, out=None, state_transposed=False, decays=None,
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -378,9 +367,9 @@ def state_pass(
         [64 n, 64 n + 64), whatever sequences they belong to), from the log decay of `break_sequences` (T
         block-diagonal over the chunk's sequences), and zero columns past seq (beta = 0 there).
       p: [batch, t, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma) (own grid:
-        block-diagonal like T); None: the kernel's TMA warpgroup forms it from the Q and K tiles it streams
-        and gamma (which must then be given, with or without `decays`), so that the prepare neither reads Q
-        nor writes P.
+        block-diagonal like T); None: a fourth warpgroup of the kernel forms it from the Q and K tiles the
+        kernel streams and gamma (which must then be given, with or without `decays`), so that the prepare
+        neither reads Q nor writes P.
       gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (own grid: of
         `break_sequences`); None with `decays` (and p given).
       initial_state: [batch, v_heads, key_dim, value_dim] f32, or packed [num_seqs, ...].
@@ -401,8 +390,6 @@ def state_pass(
       decays: batch rows only: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as `decay_factors`
         returns them, formed elsewhere (the prepare writes them: no XLA kernel between it and the walk);
         gamma is then None (unless p is None). None: formed here from gamma.
-      p_warpgroup: with p None, who forms P: "memory" (the TMA warpgroup, between its copies) or "own" (a
-        fourth warpgroup).
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
@@ -426,10 +413,7 @@ def state_pass(
     reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
     if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
-    if p_warpgroup not in ("memory", "own"):
-        raise ValueError(f"state_pass: p_warpgroup={p_warpgroup!r}; choose 'memory' or 'own'")
-    p_in_walk = None if p is not None else p_warpgroup
-    own_p = p_in_walk == "own"
+    p_in_walk = p is None
     if p_in_walk and gamma is None:
         raise ValueError("state_pass: p=None (P formed in the walk) needs gamma")
     if (not p_in_walk and (decays is None) == (gamma is None)) or (decays is not None and packed):
@@ -482,7 +466,7 @@ def state_pass(
             plgpu.SMEM((BLOCK_V, key_dim), jnp.float32),  # h^T in and out
             plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
             plgpu.Barrier(num_barriers=st, num_arrivals=2 if p_in_walk else 3),  # loaded1: (Q,) P, e^gamma
-            plgpu.Barrier(num_barriers=st, num_arrivals=1 + own_p),  # free0: the walk (and P's) done with a stage
+            plgpu.Barrier(num_barriers=st, num_arrivals=1 + p_in_walk),  # free0: the walk (and P's) done with a stage
             plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free1: the output is done with a stage
             plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_ready
             plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_free
@@ -492,7 +476,7 @@ def state_pass(
         ),
         grid=(init_t.shape[0], v_heads, value_dim // BLOCK_V),
         grid_names=("rows", "heads", "vblocks"),
-        num_threads=4 if own_p else 3,
+        num_threads=4 if p_in_walk else 3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, t_beta, gamma if p_in_walk else p, exp_gamma, exp_to_last, init_t, cu, bounds,

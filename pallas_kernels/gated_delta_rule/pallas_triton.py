@@ -209,12 +209,12 @@ class BlockSizes:
     # forms each chunk's P = scale lower_incl(Q K^T * Gamma) from the Q and K tiles it streams anyway (one
     # [64, 64, key_dim] wgmma and the decay mask), so the prepare neither reads Q nor writes P, and the walk
     # does not read P: per token and v-head 4 * chunk bytes of P and 2 * key_dim / group of Q less.
-    # 0: off (the prepare writes P); 1: the walk kernel's TMA warpgroup forms P between its copies; 2: a fourth
-    # warpgroup forms it. None (the default): 2 for packed sequences on their own chunk grid, else 0. H100,
-    # 2026-11-25 (docs/benchmarks.md), ms off / 1 / 2: packed 8 x 8192 1.463 / 1.429 / 1.336 (prepare 0.638 ->
-    # 0.442, walk 0.764 -> 0.823); T=4096 0.141 / 0.162 / 0.161 and T=16384 0.446 / 0.529 / 0.532, where the
-    # latency-bound walk (0.075 -> 0.101 ms at 4096) loses more than the prepare gains.
-    p_in_walk: int | None = None
+    # A fourth warpgroup of the walk kernel forms P. None (the default): on for packed sequences on their own
+    # chunk grid, else off. H100, 2026-11-25 (docs/benchmarks.md), ms off / on: packed 8 x 8192 1.462 / 1.303
+    # (prepare 0.641 -> 0.449, walk 0.763 -> 0.799); T=4096 0.141 / 0.161 and T=16384 0.446 / 0.532 (15:02, with
+    # fewer registers for P), where the latency-bound walk (0.075 -> 0.093 ms at 4096) loses more than the
+    # prepare gains. P formed by the TMA warpgroup between its copies instead: packed 1.429.
+    p_in_walk: bool | None = None
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -1171,8 +1171,7 @@ def _run_stages(
         out, last = pallas_mosaic.state_pass(
             q, k, u, w, p, None if decays and not p_in_walk else gamma, initial_state, cu_seqlens, chunk_bounds,
             scale=scale,
-            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages, decays=decays,
-            p_warpgroup=_p_warpgroup(block_sizes))
+            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages, decays=decays)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:
@@ -1184,14 +1183,7 @@ def _run_stages(
 def _p_in_walk(block_sizes, token_rows=None) -> bool:
     """Whether the Mosaic GPU walk forms P (`BlockSizes.p_in_walk`): not for packed sequences regathered
     chunk-aligned (token_rows), whose prepare writes the walk's chunk-aligned Q."""
-    if block_sizes.p_in_walk not in (None, 0, 1, 2):
-        raise ValueError(f"BlockSizes.p_in_walk={block_sizes.p_in_walk}; choose None, 0, 1 or 2")
     return bool(block_sizes.p_in_walk) and block_sizes.state_kernel == "mosaic" and token_rows is None
-
-
-def _p_warpgroup(block_sizes) -> str:
-    """`pallas_mosaic.state_pass`'s p_warpgroup for `BlockSizes.p_in_walk`."""
-    return "own" if block_sizes.p_in_walk == 2 else "memory"
 
 
 def _walk_pipeline_pieces(block_sizes, num_chunks: int) -> int:
@@ -1228,8 +1220,7 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
     for first, t_beta, p, gamma, decays in prepared:
         _, state_t = pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, state_t, scale=scale, chunk_offset=first,
                                               out=out, max_concurrent_steps=block_sizes.mosaic_stages,
-                                              state_transposed=True, decays=decays,
-                                              p_warpgroup=_p_warpgroup(block_sizes))
+                                              state_transposed=True, decays=decays)
     return jax.freeze(out), jnp.swapaxes(state_t, 2, 3)
 
 
@@ -1371,7 +1362,7 @@ def gated_delta_rule_pallas(
     own_grid = packed and block_sizes.state_kernel == "mosaic" and seq % 8 == 0 and seq > 0
     in_place = in_place and not own_grid
     if block_sizes.p_in_walk is None:
-        block_sizes = dataclasses.replace(block_sizes, p_in_walk=2 if own_grid else 0)
+        block_sizes = dataclasses.replace(block_sizes, p_in_walk=own_grid)
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed and not own_grid else None
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)

@@ -106,7 +106,6 @@ def test_kernel_lowers_for_cuda():
     # P formed by the kernel's TMA warpgroup (p=None) from Q, K and gamma: batch rows with and without the
     # prepare's decay factors, and packed on the own grid; it needs gamma
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6])
-    assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], p_warpgroup="own")
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]), state_transposed=True)
     assert "mosaic_gpu" in lowered(*(jax.ShapeDtypeStruct((1, 256) + x.shape[2:], bf16) for x in qkv),
                                    chunked[0], None, chunked[2], state, cu)
@@ -178,7 +177,7 @@ def test_own_grid_prepare_and_walk_math(seqlens):
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
-@pytest.mark.parametrize("p_in_walk", [None, 0, 2])
+@pytest.mark.parametrize("p_in_walk", [None, False, True])
 @pytest.mark.parametrize("seq,batch,seqlens", [(200, 2, None), (64, 1, None), (1000, 1, None),
                                                (330, 1, (70, 0, 64, 196)), (336, 1, (70, 0, 5, 3, 64, 194)),
                                                (192, 1, (64, 128))])
@@ -230,7 +229,7 @@ def test_pipelined_walk_lowers_for_cuda():
             jax.ShapeDtypeStruct((1, t, vh, v), bf16), jax.ShapeDtypeStruct((1, vh, t), f32),
             jax.ShapeDtypeStruct((1, vh, t), f32), jax.ShapeDtypeStruct((1, vh, k, v), f32))
     block_sizes = dataclasses.replace(MOSAIC, wy_in_state=True, walk_pipeline=4)
-    for p_in_walk in (0, 1, 2):  # 1, 2: the walks form P, the prepares write gamma in its place
+    for p_in_walk in (False, True):  # True: the walks form P, the prepares write gamma in its place
         text = support.lowered_for_h100(
             pallas_triton._pipelined_walk, *args, pieces=4, scale=k**-0.5, chunk_size=64,
             block_sizes=dataclasses.replace(block_sizes, p_in_walk=p_in_walk), group=2, compute_dtype=bf16,
@@ -262,7 +261,7 @@ def test_prepare_for_a_walk_that_forms_p():
     its place (the walk's P mask), without them nothing; T diag(beta) and the decays are unchanged."""
     qkv, g, bt, common = prepare_inputs(chunks=3, seed=10)
     plain = pallas_triton._prepare(*qkv, g, bt, **common)
-    walk_p = {**common, "block_sizes": dataclasses.replace(common["block_sizes"], p_in_walk=1,
+    walk_p = {**common, "block_sizes": dataclasses.replace(common["block_sizes"], p_in_walk=True,
                                                            state_kernel="mosaic")}
     factors = pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **walk_p)
     np.testing.assert_array_equal(np.asarray(factors[3]), np.asarray(plain[2]), "gamma in place of P")
@@ -273,7 +272,7 @@ def test_prepare_for_a_walk_that_forms_p():
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
-@pytest.mark.parametrize("pieces,p_in_walk", [(2, 0), (3, 0), (16, 0), (3, 1), (3, 2)])
+@pytest.mark.parametrize("pieces,p_in_walk", [(2, False), (3, False), (16, False), (3, True)])
 def test_pipelined_walk_matches_one_walk_on_hopper(pieces, p_in_walk):
     """The chunks cut into pieces (uneven: 16 chunks in 3), each prepared and walked by its own launches: the
     same as one walk over all chunks, and near the f32 reference."""
