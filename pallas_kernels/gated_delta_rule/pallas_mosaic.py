@@ -21,10 +21,9 @@ packed array's own chunks (a chunk may hold several sequences: T and P block-dia
 only its own rows) or regathered chunk-aligned (see `state_pass`). Three warpgroups per program
 (batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
 and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
-compute warpgroup's tiles on their own barriers); with p=None a fourth warpgroup forms P.
-Source of the algorithm: arXiv:2412.06464 (gated delta
-rule), the WY / UT representation as in flash-linear-attention; the warp-specialised structure as in JAX's
-`pallas/ops/gpu/attention_mgpu.py` (FlashAttention-3).
+compute warpgroup's tiles on their own barriers); with p=None a fourth warpgroup forms P. Source of the
+algorithm: arXiv:2412.06464 (gated delta rule), the WY / UT representation as in flash-linear-attention; the
+warp-specialised structure as in JAX's `pallas/ops/gpu/attention_mgpu.py` (FlashAttention-3).
 
 Hopper (sm_90) only; bf16 operands, f32 state and accumulation; chunk_size = block_v = 64, key_dim and
 value_dim multiples of 64. Pallas' GPU interpreter cannot run it (its wgmma takes no register operands): the
@@ -254,7 +253,7 @@ def _walk_kernel(
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded1.at[s])
             if p_in_walk:
-                plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's barrier above: formed by warpgroup 2)
+                plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's is loaded1 above: formed by warpgroup 3)
             plgpu.barrier_wait(h_ready.at[hb])
             exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
 

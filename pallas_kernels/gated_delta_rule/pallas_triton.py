@@ -205,12 +205,11 @@ class BlockSizes:
     # pieces: T=16384 0.495 / 0.467 / 0.445 / 0.459 / 0.458 (3, 6 and 8 with half-length end pieces; 4 with
     # them 0.480); T=4096 0.145 / 0.154 / 0.149 / 0.155 / 0.174; shrinking pieces (0.85^i) 0.452 at 16384.
     walk_pipeline: int | None = None
-    # Mosaic GPU walk (batch rows and packed sequences on their own chunk grid): the walk kernel's TMA warpgroup
-    # forms each chunk's P = scale lower_incl(Q K^T * Gamma) from the Q and K tiles it streams anyway (one
-    # [64, 64, key_dim] wgmma and the decay mask), so the prepare neither reads Q nor writes P, and the walk
-    # does not read P: per token and v-head 4 * chunk bytes of P and 2 * key_dim / group of Q less.
-    # A fourth warpgroup of the walk kernel forms P. None (the default): on for packed sequences on their own
-    # chunk grid, else off. H100, 2026-11-25 (docs/benchmarks.md), ms off / on: packed 8 x 8192 1.462 / 1.303
+    # Mosaic GPU walk (batch rows and packed sequences on their own chunk grid): a fourth warpgroup of the walk
+    # kernel forms each chunk's P = scale lower_incl(Q K^T * Gamma) from the Q and K tiles the kernel streams
+    # anyway (one [64, 64, key_dim] wgmma and the decay mask), so the prepare neither reads Q nor writes P, and
+    # the walk does not read P: per token and v-head 4 * chunk bytes of P and 2 * key_dim / group of Q less.
+    # None (the default): on for packed sequences on their own chunk grid, else off. H100, 2026-11-25 (docs/benchmarks.md), ms off / on: packed 8 x 8192 1.462 / 1.303
     # (prepare 0.641 -> 0.449, walk 0.763 -> 0.799); T=4096 0.141 / 0.161 and T=16384 0.446 / 0.532 (15:02, with
     # fewer registers for P), where the latency-bound walk (0.075 -> 0.093 ms at 4096) loses more than the
     # prepare gains. P formed by the TMA warpgroup between its copies instead: packed 1.429.
@@ -1170,8 +1169,8 @@ def _run_stages(
     if mosaic:
         out, last = pallas_mosaic.state_pass(
             q, k, u, w, p, None if decays and not p_in_walk else gamma, initial_state, cu_seqlens, chunk_bounds,
-            scale=scale,
-            out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages, decays=decays)
+            scale=scale, out_seq=kwargs.get("out_seq"), max_concurrent_steps=block_sizes.mosaic_stages,
+            decays=decays)
     elif block_sizes.fuse_output:
         out, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
     else:

@@ -95,8 +95,8 @@ def _dequantize_asm(codes, scale, offset=None, *, part):
 
 # 4-bit codes in bf16 arithmetic (`BlockSizes.int_to_float="asm_bf16"`), four codes per PTX block: the high
 # nibbles are first shifted down (a bf16 mantissa has 7 bits, too few for a nibble at bits 4-7), two bytes at a
-# time are permuted into the low bytes of a bf16 pair, the nibbles are masked into the mantissa of 128 (one
-# lop3: and, or 0x4300), one bf16x2 fma takes the code out exactly ((128 + q) - 128), and one bf16x2 fma
+# time are permuted into the low bytes of a bf16 pair, the nibbles are masked into the mantissa of 128 (and,
+# or 0x4300), one bf16x2 fma takes the code out exactly ((128 + q) - 128), and one bf16x2 fma
 # applies the scale and offset. The last rounds once, in bf16, with the scale and offset themselves rounded to
 # bf16 first: not the "convert" weights bit for bit (see BlockSizes). Operands: $0, $1 the two bf16x2 results,
 # $2 four packed bytes, $3, $4 the scales and $5, $6 the offsets as bf16 pairs.
@@ -138,7 +138,7 @@ class BlockSizes:
     it four to a 32-bit load (with [groups, k, n] codes Triton loads bytes one at a time and packs them for
     it, slower than "convert"); the interpreter and f32 lhs run "magic" instead (the same arithmetic).
     "asm_bf16" (4-bit codes; int8 takes "asm"): the PTX works in bf16 pairs (`_dequantize_asm_bf16`: a
-    permute, a lop3 and two bf16x2 fmas per two codes), with the scale and offset rounded to bf16 first and
+    permute, a mask (and, or) and two bf16x2 fmas per two codes), with the scale and offset rounded to bf16 first and
     the weight rounded once in bf16: each weight within (15 |scale| + |offset| + |weight|) 2**-9 of the exact
     value, against |weight| 2**-9 for the other modes (for Q4_0's offset -8 scale at most ~6% of the
     quantization step), so not their weights bit for bit; the interpreter runs the same arithmetic in jnp.

@@ -103,7 +103,7 @@ def test_kernel_lowers_for_cuda():
         lowered(*args(1, 3), cu, cu)
     with pytest.raises(ValueError, match="need 192 tokens"):
         lowered(*args(1, 3, seq=192)[:3], *chunked, state, cu)
-    # P formed by the kernel's TMA warpgroup (p=None) from Q, K and gamma: batch rows with and without the
+    # P formed by a fourth warpgroup of the kernel (p=None) from Q, K and gamma: batch rows with and without the
     # prepare's decay factors, and packed on the own grid; it needs gamma
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6])
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]), state_transposed=True)
