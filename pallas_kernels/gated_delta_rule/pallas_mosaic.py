@@ -113,35 +113,33 @@ def _walk_kernel(
     def lc(x):  # layout annotations: Mosaic GPU's layout inference runs out of search steps without them
         return plgpu.layout_cast(x, layout)
 
-    if p_in_walk:
+    if p_in_walk:  # a fourth warpgroup forms P
         gm_rows_smem, gm_cols_smem, qg_loaded = p_scratch
 
-    def form_p(n):  # chunk n's P from its Q, K and gamma tiles, into p_smem; then P counts as loaded
-        s = lax.rem(n - lo, stages)
-        plgpu.barrier_wait(loaded0.at[s])  # K (with the walk's other tiles)
-        plgpu.barrier_wait(qg_loaded.at[s])  # Q, gamma
-        shape = (CHUNK, CHUNK)
+        def form_p(n):  # chunk n's P from its Q, K and gamma tiles, into p_smem; then P counts as loaded
+            s = lax.rem(n - lo, stages)
+            plgpu.barrier_wait(loaded0.at[s])  # K (with the walk's other tiles)
+            plgpu.barrier_wait(qg_loaded.at[s])  # Q, gamma
+            shape = (CHUNK, CHUNK)
 
-        def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem.at[s], k_smem.at[s].transpose((1, 0)))  # Q K^T
-            # (one SMEM copy per layout: two loads of one ref in two layouts defeat layout inference)
-            gamma_i = lc(lax.broadcast_in_dim(plgpu.load(gm_rows_smem.at[s], layout=layout.reduce(1)), shape, [0]))
-            gamma_j = lc(lax.broadcast_in_dim(plgpu.load(gm_cols_smem.at[s], layout=layout.reduce(0)), shape, [1]))
-            i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
-            j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
-            keep = lc(i >= j)
-            zero = lc(jnp.zeros(shape, f32))
-            diff = lc(jnp.where(keep, lc(gamma_i - gamma_j), zero))  # <= 0 on and below the diagonal
-            decay = lc(jnp.where(keep, lc(lc(jnp.exp(diff)) * scale), zero))
-            return lc(lc(acc_ref[...]) * decay)
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem.at[s], k_smem.at[s].transpose((1, 0)))  # Q K^T
+                # (one SMEM copy per layout: two loads of one ref in two layouts defeat layout inference)
+                gamma_i = lc(lax.broadcast_in_dim(plgpu.load(gm_rows_smem.at[s], layout=layout.reduce(1)), shape, [0]))
+                gamma_j = lc(lax.broadcast_in_dim(plgpu.load(gm_cols_smem.at[s], layout=layout.reduce(0)), shape, [1]))
+                i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+                j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+                keep = lc(i >= j)
+                zero = lc(jnp.zeros(shape, f32))
+                diff = lc(jnp.where(keep, lc(gamma_i - gamma_j), zero))  # <= 0 on and below the diagonal
+                decay = lc(jnp.where(keep, lc(lc(jnp.exp(diff)) * scale), zero))
+                return lc(lc(acc_ref[...]) * decay)
 
-        p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
-        plgpu.barrier_arrive(free0.at[s])  # done with K (the TMA warpgroup refills its stage once the walk is too)
-        p_smem[s] = p
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(loaded1.at[s])
-
-    if p_in_walk:
+            p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
+            plgpu.barrier_arrive(free0.at[s])  # done with K (the TMA warpgroup refills its stage once the walk is too)
+            p_smem[s] = p
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(loaded1.at[s])
 
         @pl.when(wg == 3)
         def _p():

@@ -1150,7 +1150,7 @@ def _run_stages(
     w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
                                                     valid_rows=valid_rows, decay_factors=decay_factors, **common)
     decays = (gamma, u) if decay_factors else None
-    p_in_walk = mosaic and _p_in_walk(block_sizes, token_rows)
+    p_in_walk = _p_in_walk(block_sizes, token_rows)  # (the Mosaic walk only)
     if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
         gamma, p = (p if decay_factors else gamma), None
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U

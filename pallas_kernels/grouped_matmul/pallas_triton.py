@@ -335,19 +335,15 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         for x_row0, part in ((kk, "lo"), (half + kk, "hi")):
             kb = x_row0 // quant_block
             scale, offset = expand(scale_ref, kb), expand(offset_ref, kb)
-            if bs.int_to_float == "asm_bf16":   # the bf16 pair arithmetic (in jnp where the PTX does not apply)
+            if bs.int_to_float == "asm_bf16":   # the PTX's operands (the jnp form below: q * scale exact in f32)
                 scale, offset = scale.astype(jnp.bfloat16), offset.astype(jnp.bfloat16)
-                if asm:
-                    w = _dequantize_asm_bf16(codes, scale, offset, part=part)
-                else:   # q * scale exact in f32 (4 x 8 bits), then one rounding to f32 and one to bf16
-                    q = codes & 0xF if part == "lo" else codes >> 4
-                    w = (q.astype(jnp.float32) * scale.astype(jnp.float32) + offset.astype(jnp.float32)).astype(
-                        dot_dtype)
-            elif asm:
-                w = _dequantize_asm(codes, scale, offset, part=part)
+            if asm:
+                dequantize = _dequantize_asm_bf16 if bs.int_to_float == "asm_bf16" else _dequantize_asm
+                w = dequantize(codes, scale, offset, part=part)
             else:
                 q = codes & 0xF if part == "lo" else codes >> 4
-                w = (to_float(q, signed=False) * scale + offset).astype(dot_dtype)
+                w = (to_float(q, signed=False) * scale.astype(jnp.float32) + offset.astype(jnp.float32)).astype(
+                    dot_dtype)
             acc = acc + mul(load_lhs(x_row0, bk), w)
         return acc
 
