@@ -1,0 +1,323 @@
+"""Quantized grouped matmul on Hopper (Pallas Mosaic GPU) with the weights as the register operand: an
+experiment for the weight-read-bound regime, correct but not yet faster than the Triton kernel.
+
+Where each expert sees a few rows (decode, small prefill chunks: ~16 rows per group at m = 4096, 256 groups),
+the grouped matmul is bound by reading the expert weights, and with 8- or 4-bit weights it should run faster
+in proportion to their bytes. The Triton kernel (`pallas_triton`, what `gmm` runs) does not (1.5-1.6x bf16 where
+int8 would be ~1.9x and 4-bit ~3.2x): it holds two programs of four warps per SM and is bound by latency (ncu,
+docs/benchmarks_gmm.md). This kernel computes the transposed product of each work item,
+
+    out^T [n, rows] = W^T [n, k] x^T [k, rows]        (W^T = the k-major codes, `QuantizedWeights.k_major`)
+
+so the dequantized weights are wgmma's *A* operand, taken from registers, and the item's rows are its N
+(ROWS = 32 rows read from a multiple of 8, of which the item owns at most 24: TMA into 8-row tiles needs
+8-aligned rows). Persistent programs (one per SM) loop over work units (item, 64 x `compute_wgs` output
+columns): one warpgroup streams codes, scales (and offsets) and the x rows with TMA through `stages`
+shared-memory buffers, continuously across units; each compute warpgroup dequantizes [64, 32] quantization
+blocks, w = q * scale (+ offset) in f32 rounded once to bf16 (the weights of `QuantizedWeights.dequantize`
+bit for bit), and issues the wgmma. Each unit's tile [64 columns, 32 rows] goes transposed to its own slot of
+a padded [items, n, 32] array (no masked stores: items never share an output tile) and one XLA gather
+(`rows_from_tiles`) puts the rows in place.
+
+Measured on an H100 (2026-11-25, benchmarks/gmm_mosaic.py, docs/benchmarks_gmm.md), m = 4096, 4 compute
+warpgroups, ms, Triton kernel in the same run: int8 gate_up 0.340 against 0.264, down 0.243 against 0.139;
+4-bit gate_up 0.388 against 0.269, down 0.267 against 0.148 (with 2 compute warpgroups the kernel alone took
+0.340 / 0.194 ms of int8's 0.371 / 0.274, the rest being the gather). So `gmm` does not use it; the next steps
+are in that document.
+
+Hopper (sm_90) only; bf16 lhs, k-major int8 or 4-bit codes, quantization blocks of 32, output columns a multiple
+of 64, no `lhs_index` (`supported`). Pallas' interpreter cannot run Mosaic GPU kernels with register operands:
+on the CPU the tests lower it for an abstract H100 and check `rows_from_tiles`; the numerical checks run on an
+H100 (`benchmarks/gmm_mosaic.py`). Source: the swapped-operand mixed-input GEMM of CUTLASS's Hopper examples
+(55_hopper_mixed_dtype_gemm) and JAX's `pallas/ops/gpu/hopper_mixed_type_matmul_mgpu.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul.pallas_triton import make_schedule
+from pallas_kernels.quantized import QuantizedWeights
+
+ROWS = 32  # rows of x per work item: the wgmma N, from a multiple of 8 (TMA into 8-row tiles)
+OWN_ROWS = ROWS - 8  # rows a work item owns: any start, rounded down to 8, plus 24 rows fit in ROWS
+COLS = 64  # output columns per program (per tile): one warpgroup's wgmma M
+QUANT_BLOCK = 32
+SHARED_MEMORY = 227 * 1024 - 4096   # per SM on Hopper, less room for barriers and alignment
+
+
+def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
+    """None where `gmm_mosaic` takes these operands, else the reason it does not."""
+    if not isinstance(rhs, QuantizedWeights) or not rhs.k_major:
+        return "float or [groups, k, n] weights (the Mosaic GPU kernel takes k-major quantized codes)"
+    if rhs.block_size != QUANT_BLOCK:
+        return f"quantization block {rhs.block_size} (needs {QUANT_BLOCK})"
+    if lhs.dtype != jnp.bfloat16:
+        return f"lhs dtype {lhs.dtype} (needs bfloat16)"
+    if lhs_index is not None:
+        return "lhs_index (the gather is not fused here)"
+    groups, k, n = rhs.shape
+    n_out = n // 2 if swiglu else n
+    if n_out % COLS:
+        return f"{n_out} output columns (needs a multiple of {COLS})"
+    if k % (2 * QUANT_BLOCK if rhs.bits == 4 else QUANT_BLOCK):
+        return f"k={k}"
+    return None
+
+
+def _kernel(group_ref, start_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, groups, bits, swiglu,
+            block_k, stages, compute_wgs, units, dequant):
+    if bits == 4:
+        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, loaded, free = rest
+    else:
+        out_ref, x_smem, c_smem, s_smem, o_smem, loaded, free = rest
+        offset_ref = o_smem_off = None
+    cta, ctas, wg = lax.axis_index("sm"), lax.axis_size("sm"), lax.axis_index("wg")
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    layout = plgpu.Layout.WGMMA
+    tiles = 2 if swiglu else 1
+    cta_cols = COLS * compute_wgs                          # output columns of one work unit
+    n_tiles = n_out // cta_cols
+    k_rows = k // 2 if bits == 4 else k                   # code columns (packed bytes for 4 bits)
+    steps = k_rows // block_k
+    nb = block_k // QUANT_BLOCK                           # quantization blocks per step (per part)
+    parts = ("lo", "hi") if bits == 4 else (8,)
+    my_units = lax.div(units - cta + ctas - 1, ctas)      # units cta, cta + ctas, ... (persistent CTAs)
+
+    def lc(x):
+        return plgpu.layout_cast(x, layout)
+
+    def unit_of(u):   # this CTA's u-th work unit: (work item, column tile, its group, its steps)
+        w = cta + u * ctas
+        item, j = lax.div(w, n_tiles), lax.rem(w, n_tiles)
+        g = group_ref[item]
+        return item, j, g, jnp.where(g < groups, steps, 0)
+
+    def col0(j, c, t):   # first code row (output column) of compute warpgroup c's tile t (gate, then up)
+        return j * cta_cols + c * COLS + t * n_out
+
+    @pl.when(wg == compute_wgs)
+    def _memory():
+        def unit(u, count):
+            item, j, g, n = unit_of(u)
+            row0 = pl.multiple_of(start_ref[item] - lax.rem(start_ref[item], 8), 8)   # down to 8 rows
+
+            def step(i, count):
+                s = lax.rem(count, stages)
+                pl.when(count >= stages)(functools.partial(plgpu.barrier_wait, free.at[s]))
+                for p, part in enumerate(parts):
+                    x0 = i * block_k + (k // 2 if part == "hi" else 0)   # k-row of this part's first column
+                    for b in range(nb):
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row0, ROWS), pl.ds(x0 + b * QUANT_BLOCK, QUANT_BLOCK)],
+                                                x_smem.at[s, p, b], loaded.at[s])
+                    kb = pl.ds(lax.div(x0, QUANT_BLOCK), nb)
+                    for c in range(compute_wgs):
+                        for t in range(tiles):
+                            cols = pl.ds(col0(j, c, t), COLS)
+                            plgpu.copy_gmem_to_smem(scale_ref.at[g, kb, cols], s_smem.at[s, c, t, p], loaded.at[s])
+                            if bits == 4:
+                                plgpu.copy_gmem_to_smem(offset_ref.at[g, kb, cols], o_smem_off.at[s, c, t, p],
+                                                        loaded.at[s])
+                for c in range(compute_wgs):
+                    for t in range(tiles):
+                        plgpu.copy_gmem_to_smem(codes_ref.at[g, pl.ds(col0(j, c, t), COLS), pl.ds(i * block_k, block_k)],
+                                                c_smem.at[s, c, t], loaded.at[s])
+                return count + 1
+
+            return lax.fori_loop(0, n, step, count)
+
+        lax.fori_loop(0, my_units, unit, jnp.int32(0))
+
+    @pl.when(wg < compute_wgs)
+    def _compute():
+        def weights(s, t, p, part, b):   # the [64 columns, 32 k] bf16 block: codes * scale (+ offset)
+            codes = plgpu.load(c_smem.at[s, wg, t, :, pl.ds(b * QUANT_BLOCK, QUANT_BLOCK)],
+                               layout=plgpu.Layout.WGMMA_UPCAST_2X)
+            codes = lc(codes)   # int8 (4 bits: the packed bytes, reinterpreted)
+            # Mosaic GPU does only bitwise arithmetic on 8-bit values: the low nibble is byte & 0x0F; the high
+            # one, 16 q, is (byte & 0xF0) ^ 0x80 (= 16 q - 128 as int8) + 128 in f32, times scale / 16 (exact,
+            # so the product rounds as q * scale does)
+            if part == "lo":
+                codes = lc(codes & jnp.int8(0x0F))
+            elif part == "hi":
+                codes = lc((codes & jnp.int8(-16)) ^ jnp.int8(-128))
+            wide = f32 if dequant == "f32" else bf16   # bf16: scale (and offset) applied in bf16, not exact
+            q = lc(codes.astype(bf16))
+            q = lc(q.astype(f32)) if wide == f32 else q
+            shape = (COLS, QUANT_BLOCK)
+            scale = plgpu.load(s_smem.at[s, wg, t, p, b], layout=layout.reduce(1)).astype(f32)
+            if part == "hi":
+                q, scale = lc(q + jnp.asarray(128.0, wide)), scale * (1.0 / 16.0)
+            w = lc(q * lc(lax.broadcast_in_dim(scale.astype(wide), shape, [0])))
+            if bits == 4:
+                offset = plgpu.load(o_smem_off.at[s, wg, t, p, b], layout=layout.reduce(1)).astype(wide)
+                w = lc(w + lc(lax.broadcast_in_dim(offset, shape, [0])))
+            return lc(w.astype(bf16))
+
+        def unit(u, count):
+            item, j, g, n = unit_of(u)
+
+            def body(*acc_refs):
+                def step(i, count):
+                    s = lax.rem(count, stages)
+                    plgpu.barrier_wait(loaded.at[s])
+                    for p, part in enumerate(parts):
+                        for b in range(nb):
+                            for t in range(tiles):
+                                plgpu.wgmma(acc_refs[t], weights(s, t, p, part, b),
+                                            x_smem.at[s, p, b].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)   # (the register operands hold each product to its end anyway)
+                    plgpu.barrier_arrive(free.at[s])
+                    return count + 1
+
+                count_out = lax.fori_loop(0, n, step, count)
+                return count_out, tuple(lc(acc[...]) for acc in acc_refs)
+
+            count, accs = pl.run_scoped(body, *(plgpu.ACC((COLS, ROWS), f32) for _ in range(tiles)))
+
+            @pl.when(n > 0)
+            def _store():
+                out = lc(jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]) if swiglu else accs[0]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last unit's copy out of o_smem
+                o_smem[wg] = lc(out.astype(o_smem.dtype))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[item, pl.ds(j * cta_cols + wg * COLS, COLS), :])
+
+            return count
+
+        lax.fori_loop(0, my_units, unit, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+
+def rows_from_tiles(out_t, group, start, end, *, m: int, groups: int):
+    """The product `[m, n]` from the kernel's padded transposed tiles, by one XLA gather.
+
+    Args:
+      out_t: `[items, n, ROWS]`: item i's tile holds rows base_i + [0, ROWS) of the product in its columns,
+        base_i = start_i rounded down to a multiple of 8 (only its own rows, start_i <= r < end_i, are read).
+      group, start, end: the work items of `pallas_triton.make_schedule(group_sizes, m, OWN_ROWS)`.
+      m: rows of the product.
+      groups: experts; items of group `groups` (rows past sum(group_sizes)) give zero rows.
+
+    Returns:
+      `[m, n]` in out_t's dtype.
+    """
+    items = group.shape[0]
+    has_rows = (group <= groups) & (end > start)   # items own consecutive row ranges, in item order
+    first_item = jnp.full((m,), -1, jnp.int32).at[jnp.where(has_rows, start, m)].max(
+        jnp.arange(items, dtype=jnp.int32), mode="drop")
+    item_of_row = jnp.maximum(lax.cummax(first_item), 0)
+    offset = jnp.arange(m, dtype=jnp.int32) - (start[item_of_row] - start[item_of_row] % 8)
+    out = out_t[item_of_row, :, offset]
+    return jnp.where((group[item_of_row] < groups)[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100 SXM; also where no GPU is present)."""
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
+
+
+def _tile(dtype_bytes: int, width: int):
+    swizzle = width * dtype_bytes
+    return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu", "block_k", "stages", "compute_wgs", "ctas_per_sm",
+                                               "preferred_element_type", "tiles_only", "dequant"))
+def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False, block_k: int = 128,
+               stages: int = 4, compute_wgs: int = 4, ctas_per_sm: int = 1, preferred_element_type=None,
+               tiles_only: bool = False, dequant: str = "f32"):
+    """Quantized grouped matmul (or the fused SwiGLU up-projection) for the weight-read-bound regime, Hopper.
+
+    Args:
+      lhs: `[m, k]` bf16, rows sorted by group.
+      rhs: `QuantizedWeights` `[groups, k, n]`, k-major codes (int8 or 4-bit), quantization blocks of 32.
+      group_sizes: `[groups]` int32 on device, sum <= m; rows past the sum come out zero.
+      swiglu: rhs is `[groups, k, 2 * ffn]` and the result silu(x W_gate) * (x W_up) `[m, ffn]`.
+      block_k: code columns per pipeline step (packed bytes for 4 bits); a multiple of 32 dividing them.
+      stages: shared-memory buffers of the TMA pipeline.
+      compute_wgs: warpgroups dequantizing and multiplying, 64 output columns each (a work unit's columns).
+      ctas_per_sm: persistent programs per SM (each loops over work units; the pipeline runs across them).
+      preferred_element_type: output dtype; None = bf16.
+      dequant: "f32": w = q * scale (+ offset) in f32, rounded once to bf16 (`QuantizedWeights.dequantize`'s
+        weights bit for bit); "bf16": the same in bf16 arithmetic (scale and offset rounded to bf16 first; fewer
+        instructions, weights within a few bf16 ulps).
+      tiles_only: return the kernel's padded transposed tiles `[items, n, 32]` (benchmarks: the kernel alone).
+
+    Returns:
+      `[m, n]` (or `[m, ffn]`), float32 accumulation.
+
+    Raises:
+      ValueError: operands `supported` refuses, or block_k not dividing the code columns.
+    """
+    reason = supported(lhs, rhs, swiglu=swiglu)
+    if reason:
+        raise ValueError(f"gmm_mosaic: {reason}")
+    m, k = lhs.shape
+    groups, _, n = rhs.shape
+    bits = rhs.bits
+    n_out = n // 2 if swiglu else n
+    k_rows = k // 2 if bits == 4 else k
+    while k_rows % block_k and block_k > QUANT_BLOCK:   # small k: fewer code columns per step
+        block_k //= 2
+    if block_k % QUANT_BLOCK or k_rows % block_k:
+        raise ValueError(f"gmm_mosaic: block_k={block_k} must be a multiple of {QUANT_BLOCK} dividing {k_rows}")
+    group, start, end = make_schedule(group_sizes, m, OWN_ROWS)
+    items = group.shape[0]
+    rows_pad = max(ROWS, -(-m // 8) * 8) - m   # TMA into 8-row tiles: whole tiles, and one box, in the array
+    if rows_pad:   # (the MoE's m = tokens x top-8 needs no copy)
+        lhs = jnp.pad(lhs, ((0, rows_pad), (0, 0)))
+    tiles = 2 if swiglu else 1
+    parts = 2 if bits == 4 else 1
+    nb = block_k // QUANT_BLOCK
+    scale_dtype = rhs.scales.dtype
+    if n_out % (COLS * compute_wgs):
+        compute_wgs = 1
+    cw = compute_wgs
+    stage_bytes = (parts * nb * ROWS * QUANT_BLOCK * 2 + cw * tiles * COLS * block_k
+                   + cw * tiles * parts * nb * COLS * 2 * (2 if bits == 4 else 1))
+    while stages > 2 and stages * stage_bytes + cw * COLS * ROWS * 2 > SHARED_MEMORY // ctas_per_sm:
+        stages -= 1   # fewer buffers rather than a kernel that cannot launch
+    per_stage_copies = parts * (nb + cw * tiles * (2 if bits == 4 else 1)) + cw * tiles
+    scratch = [
+        plgpu.SMEM((stages, parts, nb, ROWS, QUANT_BLOCK), jnp.bfloat16, transforms=_tile(2, QUANT_BLOCK)),  # x
+        plgpu.SMEM((stages, cw, tiles, COLS, block_k), jnp.int8),                                            # codes
+        plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), scale_dtype),                                       # scales
+    ]
+    if bits == 4:
+        scratch.append(plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), rhs.offsets.dtype))                 # offsets
+    scratch += [
+        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16),                                                          # out^T
+        plgpu.Barrier(num_barriers=stages, num_arrivals=per_stage_copies),
+        plgpu.Barrier(num_barriers=stages, num_arrivals=cw),
+    ]
+    units = items * (n_out // (COLS * cw))
+    num_ctas = _num_sms() * ctas_per_sm
+    codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)   # packed bytes as int8
+    weights = (codes, rhs.scales) + ((rhs.offsets,) if bits == 4 else ())
+
+    def gmm_quantized_mosaic(*refs):   # the kernel's name in profiles
+        _kernel(*refs, k=k, n_out=n_out, groups=groups, bits=bits, swiglu=swiglu, block_k=block_k, stages=stages,
+                compute_wgs=cw, units=units, dequant=dequant)
+
+    out_t = plgpu.kernel(
+        gmm_quantized_mosaic,
+        out_type=jax.ShapeDtypeStruct((items, n_out, ROWS), jnp.bfloat16),
+        scratch_types=tuple(scratch),
+        grid=(num_ctas,),
+        grid_names=("sm",),
+        num_threads=cw + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(group, start, lhs, *weights)
+    if tiles_only:
+        return out_t
+    out = rows_from_tiles(out_t, group, start, end, m=m, groups=groups)
+    return out.astype(preferred_element_type or jnp.bfloat16)
