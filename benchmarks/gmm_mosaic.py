@@ -51,15 +51,16 @@ def check_rows() -> list[dict]:
                 ref_fn = reference.gmm_swiglu_reference if swiglu else reference.gmm_reference
                 want = ref_fn(lhs.astype(jnp.float32), rhs.dequantize(jnp.bfloat16).astype(jnp.float32), gs)
                 tri = (pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas)(lhs, rhs, gs)
-                got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu)
-                finite = bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
-                row = {"check": w.name, "weights": kind, "swiglu": swiglu, "finite": finite,
-                       "rel_err_vs_reference": round(rel_err(got, want), 6),
-                       "triton_rel_err_vs_reference": round(rel_err(tri, want), 6),
-                       "rel_err_vs_triton": round(rel_err(got, tri), 6)}
-                row["ok"] = finite and row["rel_err_vs_reference"] <= 1e-2
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                for a_operand in ("registers", "smem"):
+                    got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu, a_operand=a_operand)
+                    finite = bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
+                    row = {"check": w.name, "weights": kind, "swiglu": swiglu, "a_operand": a_operand,
+                           "finite": finite, "rel_err_vs_reference": round(rel_err(got, want), 6),
+                           "triton_rel_err_vs_reference": round(rel_err(tri, want), 6),
+                           "rel_err_vs_triton": round(rel_err(got, tri), 6)}
+                    row["ok"] = finite and row["rel_err_vs_reference"] <= 1e-2
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     return rows
 
 
@@ -77,18 +78,15 @@ def time_rows(ms: list[int], configs: list[tuple]) -> list[dict]:
                 nbytes = rhs.nbytes if kind != "float" else rhs.size * 2
                 runs = [("triton_default", jax.jit(tri_fn))]
                 if kind != "float":
-                    for only in (False, True):   # the whole call, then the kernel alone (first config)
-                        runs += [(f"{'kernel_only' if only else 'mosaic'}_k{bk}_s{st}_wg{cw}_c{cps}_{dq}", jax.jit(
-                            lambda a, b, g, bk=bk, st=st, cw=cw, cps=cps, dq=dq, only=only: pallas_mosaic.gmm_mosaic(
-                                a, b, g, swiglu=swiglu, block_k=bk, stages=st, compute_wgs=cw, ctas_per_sm=cps,
-                                dequant=dq, tiles_only=only))) for bk, st, cw, cps, dq in (configs[:1] if only else configs)]
+                    runs += [(f"mosaic_k{bk}_s{st}_wg{cw}_c{cps}_{dq}_{store}_{ao}", jax.jit(
+                        lambda a, b, g, bk=bk, st=st, cw=cw, cps=cps, dq=dq, store=store, ao=ao: pallas_mosaic.gmm_mosaic(
+                            a, b, g, swiglu=swiglu, block_k=bk, stages=st, compute_wgs=cw, ctas_per_sm=cps,
+                            dequant=dq, store=store, a_operand=ao))) for bk, st, cw, cps, dq, store, ao in configs]
                 want = None
                 for name, f in runs:
                     try:
                         out = f(lhs, rhs, gs)
                         want = out if want is None else want
-                        if out.shape != want.shape:   # the kernel's padded tiles alone
-                            out = want
                         t = timeit(f, lhs, rhs, gs)
                         if kind == "float":
                             base = t
@@ -107,12 +105,14 @@ def time_rows(ms: list[int], configs: list[tuple]) -> list[dict]:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, nargs="+", default=[4096])
-    p.add_argument("--configs", nargs="+", default=["128,4,2,1,f32", "128,4,2,1,bf16", "128,4,4,1,f32", "64,4,2,2,f32"],
-                   help="block_k,stages,compute_wgs,ctas_per_sm,dequant for gmm_mosaic")
+    p.add_argument("--configs", nargs="+", default=[
+        "128,4,2,1,f32,rows,registers", "128,4,4,1,f32,rows,registers", "128,4,2,1,f32,rows,smem",
+        "128,4,4,1,f32,rows,smem", "64,4,4,1,f32,rows,smem", "128,4,4,1,bf16,rows,smem"],
+        help="block_k,stages,compute_wgs,ctas_per_sm,dequant,store,a_operand for gmm_mosaic")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    configs = [tuple(int(v) for v in c.split(",")[:4]) + (c.split(",")[4],) for c in args.configs]
+    configs = [tuple(int(v) for v in c.split(",")[:4]) + tuple(c.split(",")[4:]) for c in args.configs]
     rows = [] if args.no_check else check_rows()
     hbm = copy_bandwidth()
     print(json.dumps({"copy_GBps": round(hbm / 1e9, 1)}), flush=True)

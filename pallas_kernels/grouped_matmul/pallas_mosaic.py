@@ -49,7 +49,9 @@ ROWS = 32  # rows of x per work item: the wgmma N, from a multiple of 8 (TMA int
 OWN_ROWS = ROWS - 8  # rows a work item owns: any start, rounded down to 8, plus 24 rows fit in ROWS
 COLS = 64  # output columns per program (per tile): one warpgroup's wgmma M
 QUANT_BLOCK = 32
-SHARED_MEMORY = 227 * 1024 - 4096   # per SM on Hopper, less room for barriers and alignment
+# Shared memory per SM on Hopper (227 KiB) less what Mosaic GPU takes beyond our buffers: 41 KiB more than the
+# buffers' sum in the one failure seen (H100, 2026-11-25: 245 792 bytes asked for 204 800 of buffers)
+SHARED_MEMORY = 227 * 1024 - 44 * 1024
 
 
 def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
@@ -71,12 +73,12 @@ def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
     return None
 
 
-def _kernel(group_ref, start_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, groups, bits, swiglu,
-            block_k, stages, compute_wgs, units, dequant):
+def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, groups, bits, swiglu,
+            block_k, stages, compute_wgs, units, dequant, store, a_operand):
     if bits == 4:
-        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, loaded, free = rest
+        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, rows_smem, loaded, free, *a_smem = rest
     else:
-        out_ref, x_smem, c_smem, s_smem, o_smem, loaded, free = rest
+        out_ref, x_smem, c_smem, s_smem, o_smem, rows_smem, loaded, free, *a_smem = rest
         offset_ref = o_smem_off = None
     cta, ctas, wg = lax.axis_index("sm"), lax.axis_size("sm"), lax.axis_index("wg")
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -164,30 +166,87 @@ def _kernel(group_ref, start_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, 
             item, j, g, n = unit_of(u)
 
             def body(*acc_refs):
+                blocks = [(p, part, b) for p, part in enumerate(parts) for b in range(nb)]
+
                 def step(i, count):
                     s = lax.rem(count, stages)
                     plgpu.barrier_wait(loaded.at[s])
-                    for p, part in enumerate(parts):
-                        for b in range(nb):
+                    # every block of the step dequantized first (independent chains), then the products
+                    ws = [[weights(s, t, p, part, b) for t in range(tiles)] for p, part, b in blocks]
+                    if a_operand == "registers":
+                        for (p, _, b), w in zip(blocks, ws):
                             for t in range(tiles):
-                                plgpu.wgmma(acc_refs[t], weights(s, t, p, part, b),
-                                            x_smem.at[s, p, b].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)   # (the register operands hold each product to its end anyway)
-                    plgpu.barrier_arrive(free.at[s])
+                                plgpu.wgmma(acc_refs[t], w[t], x_smem.at[s, p, b].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)   # (the register operands hold each product to its end anyway)
+                        plgpu.barrier_arrive(free.at[s])
+                        return count + 1
+                    # "smem": the weights through shared memory (two buffers), so that the products run while the
+                    # next step is dequantized; step i - 1's products end before its stage is released
+                    buf = lax.rem(count, 2)
+                    for (p, _, b), w in zip(blocks, ws):
+                        for t in range(tiles):
+                            a_smem[0][wg, buf, t, p, b] = w[t]
+                    plgpu.commit_smem()
+                    for p, _, b in blocks:
+                        for t in range(tiles):
+                            plgpu.wgmma(acc_refs[t], a_smem[0].at[wg, buf, t, p, b],
+                                        x_smem.at[s, p, b].transpose((1, 0)))
+                    plgpu.wgmma_wait(len(blocks) * tiles)
+
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_arrive(free.at[lax.rem(count + stages - 1, stages)])
+
                     return count + 1
 
                 count_out = lax.fori_loop(0, n, step, count)
+                if a_operand == "smem":
+                    plgpu.wgmma_wait(0)
+
+                    @pl.when(n > 0)
+                    def _():
+                        plgpu.barrier_arrive(free.at[lax.rem(count_out + stages - 1, stages)])
+
                 return count_out, tuple(lc(acc[...]) for acc in acc_refs)
 
             count, accs = pl.run_scoped(body, *(plgpu.ACC((COLS, ROWS), f32) for _ in range(tiles)))
+            out = lc(lc(jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]) if swiglu else accs[0])
+            cols = pl.ds(j * cta_cols + wg * COLS, COLS)
 
-            @pl.when(n > 0)
-            def _store():
-                out = lc(jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]) if swiglu else accs[0]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last unit's copy out of o_smem
-                o_smem[wg] = lc(out.astype(o_smem.dtype))
+            if store == "tiles":
+                @pl.when(n > 0)
+                def _store_tile():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last unit's copy out of o_smem
+                    o_smem[wg] = lc(out.astype(o_smem.dtype))
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[item, cols, :])
+
+                return count
+
+            # store == "rows": the tile transposed by one more wgmma, [I_32; 0] [64, 32] times the tile^T [32, 64]
+            # from shared memory (exact: each output is one bf16 value times 1), then each own row straight to
+            # out[row, cols] (rows of the padding group: zeros, their accumulators never touched)
+            @pl.when(g <= groups)
+            def _store_rows():
+                o_smem[wg] = lc(out.astype(bf16))
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[item, pl.ds(j * cta_cols + wg * COLS, COLS), :])
+                eye = lc(jnp.where(plgpu.broadcasted_iota(jnp.int32, (COLS, ROWS), 0, layout=layout)
+                                   == plgpu.broadcasted_iota(jnp.int32, (COLS, ROWS), 1, layout=layout),
+                                   lc(jnp.ones((COLS, ROWS), bf16)), lc(jnp.zeros((COLS, ROWS), bf16))))
+
+                def transpose(acc_ref):
+                    plgpu.wgmma(acc_ref, eye, o_smem.at[wg].transpose((1, 0)))
+                    return lc(acc_ref[...])
+
+                rows = pl.run_scoped(transpose, plgpu.ACC((COLS, COLS), f32))   # rows [0, 32) of the tile^T
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last unit's copies out of rows_smem
+                rows_smem[wg] = lc(rows.astype(bf16))
+                plgpu.commit_smem()
+                first, last = start_ref[item], end_ref[item]
+                base = first - lax.rem(first, 8)
+                for r in range(ROWS):
+                    plgpu.copy_smem_to_gmem(rows_smem.at[wg, pl.ds(r, 1)], out_ref.at[pl.ds(base + r, 1), cols],
+                                            predicate=(base + r >= first) & (base + r < last))
 
             return count
 
@@ -230,10 +289,11 @@ def _tile(dtype_bytes: int, width: int):
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu", "block_k", "stages", "compute_wgs", "ctas_per_sm",
-                                               "preferred_element_type", "tiles_only", "dequant"))
+                                               "preferred_element_type", "tiles_only", "dequant", "store",
+                                               "a_operand"))
 def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False, block_k: int = 128,
                stages: int = 4, compute_wgs: int = 4, ctas_per_sm: int = 1, preferred_element_type=None,
-               tiles_only: bool = False, dequant: str = "f32"):
+               tiles_only: bool = False, dequant: str = "f32", store: str = "rows", a_operand: str = "registers"):
     """Quantized grouped matmul (or the fused SwiGLU up-projection) for the weight-read-bound regime, Hopper.
 
     Args:
@@ -249,7 +309,12 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
       dequant: "f32": w = q * scale (+ offset) in f32, rounded once to bf16 (`QuantizedWeights.dequantize`'s
         weights bit for bit); "bf16": the same in bf16 arithmetic (scale and offset rounded to bf16 first; fewer
         instructions, weights within a few bf16 ulps).
-      tiles_only: return the kernel's padded transposed tiles `[items, n, 32]` (benchmarks: the kernel alone).
+      store: "rows": each unit's tile transposed by a wgmma with the identity and its own rows written in place
+        by TMA; "tiles": written transposed to a padded `[items, n, 32]` array, then `rows_from_tiles`.
+      a_operand: "registers": the dequantized weights are the wgmma's register operand (each product ends before
+        the next step's dequantization); "smem": written to shared memory (two buffers) and read from there, so
+        that a step's products overlap the next step's dequantization.
+      tiles_only: with store="tiles", return the kernel's padded transposed tiles `[items, n, 32]` (benchmarks: the kernel alone).
 
     Returns:
       `[m, n]` (or `[m, ffn]`), float32 accumulation.
@@ -276,15 +341,30 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         lhs = jnp.pad(lhs, ((0, rows_pad), (0, 0)))
     tiles = 2 if swiglu else 1
     parts = 2 if bits == 4 else 1
-    nb = block_k // QUANT_BLOCK
     scale_dtype = rhs.scales.dtype
-    if n_out % (COLS * compute_wgs):
-        compute_wgs = 1
-    cw = compute_wgs
-    stage_bytes = (parts * nb * ROWS * QUANT_BLOCK * 2 + cw * tiles * COLS * block_k
-                   + cw * tiles * parts * nb * COLS * 2 * (2 if bits == 4 else 1))
-    while stages > 2 and stages * stage_bytes + cw * COLS * ROWS * 2 > SHARED_MEMORY // ctas_per_sm:
-        stages -= 1   # fewer buffers rather than a kernel that cannot launch
+    if store not in ("rows", "tiles") or a_operand not in ("registers", "smem"):
+        raise ValueError(f"gmm_mosaic: store={store!r} (rows or tiles), a_operand={a_operand!r} (registers or smem)")
+    cw = compute_wgs if n_out % (COLS * compute_wgs) == 0 else 1
+
+    def smem_bytes(stages, block_k, cw):
+        nb = block_k // QUANT_BLOCK
+        stage = (parts * nb * ROWS * QUANT_BLOCK * 2 + cw * tiles * COLS * block_k
+                 + cw * tiles * parts * nb * COLS * 2 * (2 if bits == 4 else 1))
+        a_bufs = cw * 2 * tiles * parts * nb * COLS * QUANT_BLOCK * 2 if a_operand == "smem" else 0
+        return stages * stage + cw * COLS * (ROWS + COLS) * 2 + a_bufs
+
+    while smem_bytes(stages, block_k, cw) > SHARED_MEMORY // ctas_per_sm:   # shrink rather than fail to launch
+        if stages > 3:
+            stages -= 1
+        elif block_k > 64:
+            block_k //= 2
+        elif stages > 2:
+            stages -= 1
+        elif cw > 1:
+            cw //= 2
+        else:
+            break
+    nb = block_k // QUANT_BLOCK
     per_stage_copies = parts * (nb + cw * tiles * (2 if bits == 4 else 1)) + cw * tiles
     scratch = [
         plgpu.SMEM((stages, parts, nb, ROWS, QUANT_BLOCK), jnp.bfloat16, transforms=_tile(2, QUANT_BLOCK)),  # x
@@ -294,10 +374,14 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
     if bits == 4:
         scratch.append(plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), rhs.offsets.dtype))                 # offsets
     scratch += [
-        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16),                                                          # out^T
+        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16, transforms=() if store == "tiles" else _tile(2, ROWS)),   # out^T
+        plgpu.SMEM((cw, COLS, COLS), jnp.bfloat16),                                                          # rows
         plgpu.Barrier(num_barriers=stages, num_arrivals=per_stage_copies),
         plgpu.Barrier(num_barriers=stages, num_arrivals=cw),
     ]
+    if a_operand == "smem":
+        scratch.append(plgpu.SMEM((cw, 2, tiles, parts, nb, COLS, QUANT_BLOCK), jnp.bfloat16,
+                                  transforms=_tile(2, QUANT_BLOCK)))                                         # weights
     units = items * (n_out // (COLS * cw))
     num_ctas = _num_sms() * ctas_per_sm
     codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)   # packed bytes as int8
@@ -305,18 +389,21 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
 
     def gmm_quantized_mosaic(*refs):   # the kernel's name in profiles
         _kernel(*refs, k=k, n_out=n_out, groups=groups, bits=bits, swiglu=swiglu, block_k=block_k, stages=stages,
-                compute_wgs=cw, units=units, dequant=dequant)
+                compute_wgs=cw, units=units, dequant=dequant, store=store, a_operand=a_operand)
 
+    out_shape = (items, n_out, ROWS) if store == "tiles" else (m, n_out)
     out_t = plgpu.kernel(
         gmm_quantized_mosaic,
-        out_type=jax.ShapeDtypeStruct((items, n_out, ROWS), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
         scratch_types=tuple(scratch),
         grid=(num_ctas,),
         grid_names=("sm",),
         num_threads=cw + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(group, start, lhs, *weights)
+    )(group, start, end, lhs, *weights)
+    if store == "rows":
+        return out_t.astype(preferred_element_type or jnp.bfloat16)
     if tiles_only:
         return out_t
     out = rows_from_tiles(out_t, group, start, end, m=m, groups=groups)
