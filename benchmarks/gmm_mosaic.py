@@ -4,8 +4,8 @@ One run on the GPU machine: (1) checks `gmm_mosaic` against the f32 reference on
 against the Triton kernel, on router-skewed and adversarial group layouts (empty groups, one group, rows of
 no group, 512 groups), int8 and 4-bit, gmm and gmm_swiglu; (2) times, at the MoE layer's weight-read-bound
 sizes (m = 4096 routed rows = 512 tokens x top-8, 256 experts, hidden 2048, ffn 512), the bf16 Triton kernel,
-the quantized Triton kernel (defaults) and `gmm_mosaic` per (block_k, stages), by the method of
-grouped_matmul.py (median of trials of back-to-back calls; the scatter back to [m, n] included).
+the quantized Triton kernel (defaults) and `gmm_mosaic` per configuration, by the method of
+grouped_matmul.py (median of trials of back-to-back calls).
 
 usage (GPU machine): python benchmarks/gmm_mosaic.py [--m 4096] [--out gmm_mosaic.json]
 """
@@ -51,10 +51,10 @@ def check_rows() -> list[dict]:
                 ref_fn = reference.gmm_swiglu_reference if swiglu else reference.gmm_reference
                 want = ref_fn(lhs.astype(jnp.float32), rhs.dequantize(jnp.bfloat16).astype(jnp.float32), gs)
                 tri = (pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas)(lhs, rhs, gs)
-                for a_operand in ("registers", "smem"):
-                    got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu, a_operand=a_operand)
+                for dequant in ("f32", "bf16"):
+                    got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu, dequant=dequant)
                     finite = bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
-                    row = {"check": w.name, "weights": kind, "swiglu": swiglu, "a_operand": a_operand,
+                    row = {"check": w.name, "weights": kind, "swiglu": swiglu, "dequant": dequant,
                            "finite": finite, "rel_err_vs_reference": round(rel_err(got, want), 6),
                            "triton_rel_err_vs_reference": round(rel_err(tri, want), 6),
                            "rel_err_vs_triton": round(rel_err(got, tri), 6)}
@@ -78,10 +78,10 @@ def time_rows(ms: list[int], configs: list[tuple]) -> list[dict]:
                 nbytes = rhs.nbytes if kind != "float" else rhs.size * 2
                 runs = [("triton_default", jax.jit(tri_fn))]
                 if kind != "float":
-                    runs += [(f"mosaic_k{bk}_s{st}_wg{cw}_c{cps}_{dq}_{store}_{ao}", jax.jit(
-                        lambda a, b, g, bk=bk, st=st, cw=cw, cps=cps, dq=dq, store=store, ao=ao: pallas_mosaic.gmm_mosaic(
-                            a, b, g, swiglu=swiglu, block_k=bk, stages=st, compute_wgs=cw, ctas_per_sm=cps,
-                            dequant=dq, store=store, a_operand=ao))) for bk, st, cw, cps, dq, store, ao in configs]
+                    runs += [(f"mosaic_k{bk}_s{st}_wg{cw}_c{cps}_{dq}", jax.jit(
+                        lambda a, b, g, bk=bk, st=st, cw=cw, cps=cps, dq=dq, sw=swiglu: pallas_mosaic.gmm_mosaic(
+                            a, b, g, swiglu=sw, block_k=bk, stages=st, compute_wgs=cw, ctas_per_sm=cps,
+                            dequant=dq))) for bk, st, cw, cps, dq in configs]
                 want = None
                 for name, f in runs:
                     try:
@@ -105,10 +105,8 @@ def time_rows(ms: list[int], configs: list[tuple]) -> list[dict]:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, nargs="+", default=[4096])
-    p.add_argument("--configs", nargs="+", default=[
-        "128,4,2,1,f32,rows,registers", "128,4,4,1,f32,rows,registers", "128,4,2,1,f32,rows,smem",
-        "128,4,4,1,f32,rows,smem", "64,4,4,1,f32,rows,smem", "128,4,4,1,bf16,rows,smem"],
-        help="block_k,stages,compute_wgs,ctas_per_sm,dequant,store,a_operand for gmm_mosaic")
+    p.add_argument("--configs", nargs="+", default=["128,4,2,1,f32", "128,4,4,1,f32", "128,4,4,1,bf16", "64,6,4,1,f32"],
+                   help="block_k,stages,compute_wgs,ctas_per_sm,dequant for gmm_mosaic")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()

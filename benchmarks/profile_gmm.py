@@ -2,6 +2,7 @@
 
 usage (GPU machine): ncu --kernel-name regex:gmm --launch-skip 2 --launch-count 1 \
     python benchmarks/profile_gmm.py --product gate_up --m 4096 --weights int8
+With --mosaic it runs `pallas_mosaic.gmm_mosaic` (Hopper, quantized weights) instead of the Triton kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from grouped_matmul import parse_config
 
-from pallas_kernels.grouped_matmul import pallas_triton, workloads
+from pallas_kernels.grouped_matmul import pallas_mosaic, pallas_triton, workloads
 from pallas_kernels.quantized import QuantizedWeights
 
 HIDDEN, FFN, GROUPS = 2048, 512, 256   # Qwen3.5/3.6-35B-A3B experts
@@ -58,6 +59,8 @@ def main():
     p.add_argument("--cache", default=None,
                    help="directory: save the inputs there on the first run, load them on later runs (so that a "
                         "profiled run only copies arrays to the device; ncu crashed in quantize_int8's program)")
+    p.add_argument("--mosaic", action="store_true", help="the Hopper Mosaic GPU kernel (quantized weights only)")
+    p.add_argument("--compute-wgs", type=int, default=None, help="with --mosaic: compute warpgroups")
     p.add_argument("--kn", action="store_true",
                    help="quantized codes stored [groups, k, n] (the layout before 2026-11-25) instead of k-major")
     a = p.parse_args()
@@ -78,6 +81,8 @@ def main():
     bs = parse_config(a.config)
     fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
     f = jax.jit(lambda x, r, g: fn(x, r, g, block_sizes=bs))
+    if a.mosaic:
+        f = jax.jit(lambda x, r, g: pallas_mosaic.gmm_mosaic(x, r, g, swiglu=swiglu, compute_wgs=a.compute_wgs))
     for _ in range(a.calls):
         jax.block_until_ready(f(lhs, rhs, gs))
     print("ran", a, flush=True)

@@ -13,23 +13,21 @@ so the dequantized weights are wgmma's *A* operand, taken from registers, and th
 (ROWS = 32 rows read from a multiple of 8, of which the item owns at most 24: TMA into 8-row tiles needs
 8-aligned rows). Persistent programs (one per SM) loop over work units (item, 64 x `compute_wgs` output
 columns): one warpgroup streams codes, scales (and offsets) and the x rows with TMA through `stages`
-shared-memory buffers, continuously across units; each compute warpgroup dequantizes [64, 32] quantization
-blocks, w = q * scale (+ offset) in f32 rounded once to bf16 (the weights of `QuantizedWeights.dequantize`
-bit for bit), and issues the wgmma. Each unit's tile [64 columns, 32 rows] goes transposed to its own slot of
-a padded [items, n, 32] array (no masked stores: items never share an output tile) and one XLA gather
-(`rows_from_tiles`) puts the rows in place.
+shared-memory buffers, continuously across units; each compute warpgroup dequantizes the step's [64, 32]
+quantization blocks, w = q * scale (+ offset) in f32 rounded once to bf16 (the weights of
+`QuantizedWeights.dequantize` bit for bit), then issues their wgmmas. At the end of a unit its [64 columns, 32
+rows] tile is transposed by one more wgmma, [I_32; 0] times the tile^T read from shared memory (exact), and its
+own rows go to out[row, columns] by TMA, one row each (no masked stores, no other item's rows touched).
 
-Measured on an H100 (2026-11-25, benchmarks/gmm_mosaic.py, docs/benchmarks_gmm.md), m = 4096, 4 compute
-warpgroups, ms, Triton kernel in the same run: int8 gate_up 0.340 against 0.264, down 0.243 against 0.139;
-4-bit gate_up 0.388 against 0.269, down 0.267 against 0.148 (with 2 compute warpgroups the kernel alone took
-0.340 / 0.194 ms of int8's 0.371 / 0.274, the rest being the gather). So `gmm` does not use it; the next steps
-are in that document.
+Measured on an H100 (2026-11-25, benchmarks/gmm_mosaic.py, docs/benchmarks_gmm.md), m = 4096, ms, Triton kernel in
+the same run: int8 gate_up 0.311 against 0.256, down 0.215 against 0.135; 4-bit gate_up 0.387 against 0.271, down
+0.238 against 0.145. So `gmm` does not use it; what was tried and the next steps are in that document.
 
 Hopper (sm_90) only; bf16 lhs, k-major int8 or 4-bit codes, quantization blocks of 32, output columns a multiple
 of 64, no `lhs_index` (`supported`). Pallas' interpreter cannot run Mosaic GPU kernels with register operands:
-on the CPU the tests lower it for an abstract H100 and check `rows_from_tiles`; the numerical checks run on an
-H100 (`benchmarks/gmm_mosaic.py`). Source: the swapped-operand mixed-input GEMM of CUTLASS's Hopper examples
-(55_hopper_mixed_dtype_gemm) and JAX's `pallas/ops/gpu/hopper_mixed_type_matmul_mgpu.py`.
+on the CPU the tests lower it for an abstract H100; the numerical checks run on an H100 (`benchmarks/gmm_mosaic.py`,
+tests/pallas_kernels/test_grouped_matmul_mosaic.py). Source: the swapped-operand mixed-input GEMM of CUTLASS's
+Hopper examples (55_hopper_mixed_dtype_gemm) and JAX's `pallas/ops/gpu/hopper_mixed_type_matmul_mgpu.py`.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
         return f"lhs dtype {lhs.dtype} (needs bfloat16)"
     if lhs_index is not None:
         return "lhs_index (the gather is not fused here)"
-    groups, k, n = rhs.shape
+    _, k, n = rhs.shape
     n_out = n // 2 if swiglu else n
     if n_out % COLS:
         return f"{n_out} output columns (needs a multiple of {COLS})"
@@ -74,11 +72,11 @@ def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
 
 
 def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, groups, bits, swiglu,
-            block_k, stages, compute_wgs, units, dequant, store, a_operand):
+            block_k, stages, compute_wgs, units, dequant):
     if bits == 4:
-        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, rows_smem, loaded, free, *a_smem = rest
+        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, rows_smem, loaded, free = rest
     else:
-        out_ref, x_smem, c_smem, s_smem, o_smem, rows_smem, loaded, free, *a_smem = rest
+        out_ref, x_smem, c_smem, s_smem, o_smem, rows_smem, loaded, free = rest
         offset_ref = o_smem_off = None
     cta, ctas, wg = lax.axis_index("sm"), lax.axis_size("sm"), lax.axis_index("wg")
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -173,57 +171,21 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
                     plgpu.barrier_wait(loaded.at[s])
                     # every block of the step dequantized first (independent chains), then the products
                     ws = [[weights(s, t, p, part, b) for t in range(tiles)] for p, part, b in blocks]
-                    if a_operand == "registers":
-                        for (p, _, b), w in zip(blocks, ws):
-                            for t in range(tiles):
-                                plgpu.wgmma(acc_refs[t], w[t], x_smem.at[s, p, b].transpose((1, 0)))
-                        plgpu.wgmma_wait(0)   # (the register operands hold each product to its end anyway)
-                        plgpu.barrier_arrive(free.at[s])
-                        return count + 1
-                    # "smem": the weights through shared memory (two buffers), so that the products run while the
-                    # next step is dequantized; step i - 1's products end before its stage is released
-                    buf = lax.rem(count, 2)
                     for (p, _, b), w in zip(blocks, ws):
                         for t in range(tiles):
-                            a_smem[0][wg, buf, t, p, b] = w[t]
-                    plgpu.commit_smem()
-                    for p, _, b in blocks:
-                        for t in range(tiles):
-                            plgpu.wgmma(acc_refs[t], a_smem[0].at[wg, buf, t, p, b],
-                                        x_smem.at[s, p, b].transpose((1, 0)))
-                    plgpu.wgmma_wait(len(blocks) * tiles)
-
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_arrive(free.at[lax.rem(count + stages - 1, stages)])
-
+                            plgpu.wgmma(acc_refs[t], w[t], x_smem.at[s, p, b].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)   # (the register operands hold each product to its end anyway)
+                    plgpu.barrier_arrive(free.at[s])
                     return count + 1
 
                 count_out = lax.fori_loop(0, n, step, count)
-                if a_operand == "smem":
-                    plgpu.wgmma_wait(0)
-
-                    @pl.when(n > 0)
-                    def _():
-                        plgpu.barrier_arrive(free.at[lax.rem(count_out + stages - 1, stages)])
-
                 return count_out, tuple(lc(acc[...]) for acc in acc_refs)
 
             count, accs = pl.run_scoped(body, *(plgpu.ACC((COLS, ROWS), f32) for _ in range(tiles)))
             out = lc(lc(jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]) if swiglu else accs[0])
             cols = pl.ds(j * cta_cols + wg * COLS, COLS)
 
-            if store == "tiles":
-                @pl.when(n > 0)
-                def _store_tile():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last unit's copy out of o_smem
-                    o_smem[wg] = lc(out.astype(o_smem.dtype))
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[item, cols, :])
-
-                return count
-
-            # store == "rows": the tile transposed by one more wgmma, [I_32; 0] [64, 32] times the tile^T [32, 64]
+            # the tile transposed by one more wgmma, [I_32; 0] [64, 32] times the tile^T [32, 64]
             # from shared memory (exact: each output is one bf16 value times 1), then each own row straight to
             # out[row, cols] (rows of the padding group: zeros, their accumulators never touched)
             @pl.when(g <= groups)
@@ -254,29 +216,6 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
         plgpu.wait_smem_to_gmem(0)
 
 
-def rows_from_tiles(out_t, group, start, end, *, m: int, groups: int):
-    """The product `[m, n]` from the kernel's padded transposed tiles, by one XLA gather.
-
-    Args:
-      out_t: `[items, n, ROWS]`: item i's tile holds rows base_i + [0, ROWS) of the product in its columns,
-        base_i = start_i rounded down to a multiple of 8 (only its own rows, start_i <= r < end_i, are read).
-      group, start, end: the work items of `pallas_triton.make_schedule(group_sizes, m, OWN_ROWS)`.
-      m: rows of the product.
-      groups: experts; items of group `groups` (rows past sum(group_sizes)) give zero rows.
-
-    Returns:
-      `[m, n]` in out_t's dtype.
-    """
-    items = group.shape[0]
-    has_rows = (group <= groups) & (end > start)   # items own consecutive row ranges, in item order
-    first_item = jnp.full((m,), -1, jnp.int32).at[jnp.where(has_rows, start, m)].max(
-        jnp.arange(items, dtype=jnp.int32), mode="drop")
-    item_of_row = jnp.maximum(lax.cummax(first_item), 0)
-    offset = jnp.arange(m, dtype=jnp.int32) - (start[item_of_row] - start[item_of_row] % 8)
-    out = out_t[item_of_row, :, offset]
-    return jnp.where((group[item_of_row] < groups)[:, None], out, jnp.zeros((), out.dtype))
-
-
 def _num_sms() -> int:
     """Streaming multiprocessors of the default device (132 on an H100 SXM; also where no GPU is present)."""
     device = jax.devices()[0]
@@ -289,11 +228,10 @@ def _tile(dtype_bytes: int, width: int):
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu", "block_k", "stages", "compute_wgs", "ctas_per_sm",
-                                               "preferred_element_type", "tiles_only", "dequant", "store",
-                                               "a_operand"))
+                                               "preferred_element_type", "dequant"))
 def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False, block_k: int = 128,
-               stages: int = 4, compute_wgs: int = 4, ctas_per_sm: int = 1, preferred_element_type=None,
-               tiles_only: bool = False, dequant: str = "f32", store: str = "rows", a_operand: str = "registers"):
+               stages: int = 4, compute_wgs: int | None = None, ctas_per_sm: int = 1, preferred_element_type=None,
+               dequant: str = "f32"):
     """Quantized grouped matmul (or the fused SwiGLU up-projection) for the weight-read-bound regime, Hopper.
 
     Args:
@@ -303,18 +241,13 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
       swiglu: rhs is `[groups, k, 2 * ffn]` and the result silu(x W_gate) * (x W_up) `[m, ffn]`.
       block_k: code columns per pipeline step (packed bytes for 4 bits); a multiple of 32 dividing them.
       stages: shared-memory buffers of the TMA pipeline.
-      compute_wgs: warpgroups dequantizing and multiplying, 64 output columns each (a work unit's columns).
+      compute_wgs: warpgroups dequantizing and multiplying, 64 output columns each (a work unit's columns);
+        None = 2 for gmm_swiglu, 4 for gmm (the faster of 2 and 4 on an H100, 2026-11-25).
       ctas_per_sm: persistent programs per SM (each loops over work units; the pipeline runs across them).
       preferred_element_type: output dtype; None = bf16.
       dequant: "f32": w = q * scale (+ offset) in f32, rounded once to bf16 (`QuantizedWeights.dequantize`'s
         weights bit for bit); "bf16": the same in bf16 arithmetic (scale and offset rounded to bf16 first; fewer
         instructions, weights within a few bf16 ulps).
-      store: "rows": each unit's tile transposed by a wgmma with the identity and its own rows written in place
-        by TMA; "tiles": written transposed to a padded `[items, n, 32]` array, then `rows_from_tiles`.
-      a_operand: "registers": the dequantized weights are the wgmma's register operand (each product ends before
-        the next step's dequantization); "smem": written to shared memory (two buffers) and read from there, so
-        that a step's products overlap the next step's dequantization.
-      tiles_only: with store="tiles", return the kernel's padded transposed tiles `[items, n, 32]` (benchmarks: the kernel alone).
 
     Returns:
       `[m, n]` (or `[m, ffn]`), float32 accumulation.
@@ -342,16 +275,16 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
     tiles = 2 if swiglu else 1
     parts = 2 if bits == 4 else 1
     scale_dtype = rhs.scales.dtype
-    if store not in ("rows", "tiles") or a_operand not in ("registers", "smem"):
-        raise ValueError(f"gmm_mosaic: store={store!r} (rows or tiles), a_operand={a_operand!r} (registers or smem)")
+    if dequant not in ("f32", "bf16"):
+        raise ValueError(f"gmm_mosaic: dequant={dequant!r}; choose f32 or bf16")
+    compute_wgs = compute_wgs or (2 if swiglu else 4)
     cw = compute_wgs if n_out % (COLS * compute_wgs) == 0 else 1
 
     def smem_bytes(stages, block_k, cw):
         nb = block_k // QUANT_BLOCK
         stage = (parts * nb * ROWS * QUANT_BLOCK * 2 + cw * tiles * COLS * block_k
                  + cw * tiles * parts * nb * COLS * 2 * (2 if bits == 4 else 1))
-        a_bufs = cw * 2 * tiles * parts * nb * COLS * QUANT_BLOCK * 2 if a_operand == "smem" else 0
-        return stages * stage + cw * COLS * (ROWS + COLS) * 2 + a_bufs
+        return stages * stage + cw * COLS * (ROWS + COLS) * 2
 
     while smem_bytes(stages, block_k, cw) > SHARED_MEMORY // ctas_per_sm:   # shrink rather than fail to launch
         if stages > 3:
@@ -374,14 +307,11 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
     if bits == 4:
         scratch.append(plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), rhs.offsets.dtype))                 # offsets
     scratch += [
-        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16, transforms=() if store == "tiles" else _tile(2, ROWS)),   # out^T
+        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16, transforms=_tile(2, ROWS)),                               # out^T
         plgpu.SMEM((cw, COLS, COLS), jnp.bfloat16),                                                          # rows
         plgpu.Barrier(num_barriers=stages, num_arrivals=per_stage_copies),
         plgpu.Barrier(num_barriers=stages, num_arrivals=cw),
     ]
-    if a_operand == "smem":
-        scratch.append(plgpu.SMEM((cw, 2, tiles, parts, nb, COLS, QUANT_BLOCK), jnp.bfloat16,
-                                  transforms=_tile(2, QUANT_BLOCK)))                                         # weights
     units = items * (n_out // (COLS * cw))
     num_ctas = _num_sms() * ctas_per_sm
     codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)   # packed bytes as int8
@@ -389,12 +319,11 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
 
     def gmm_quantized_mosaic(*refs):   # the kernel's name in profiles
         _kernel(*refs, k=k, n_out=n_out, groups=groups, bits=bits, swiglu=swiglu, block_k=block_k, stages=stages,
-                compute_wgs=cw, units=units, dequant=dequant, store=store, a_operand=a_operand)
+                compute_wgs=cw, units=units, dequant=dequant)
 
-    out_shape = (items, n_out, ROWS) if store == "tiles" else (m, n_out)
-    out_t = plgpu.kernel(
+    out = plgpu.kernel(
         gmm_quantized_mosaic,
-        out_type=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct((m, n_out), jnp.bfloat16),
         scratch_types=tuple(scratch),
         grid=(num_ctas,),
         grid_names=("sm",),
@@ -402,9 +331,4 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(group, start, end, lhs, *weights)
-    if store == "rows":
-        return out_t.astype(preferred_element_type or jnp.bfloat16)
-    if tiles_only:
-        return out_t
-    out = rows_from_tiles(out_t, group, start, end, m=m, groups=groups)
     return out.astype(preferred_element_type or jnp.bfloat16)
