@@ -20,8 +20,9 @@ rows] tile is transposed by one more wgmma, [I_32; 0] times the tile^T read from
 own rows go to out[row, columns] by TMA, one row each (no masked stores, no other item's rows touched).
 
 Measured on an H100 (2026-11-25, benchmarks/gmm_mosaic.py, docs/benchmarks_gmm.md), m = 4096, ms, Triton kernel in
-the same run: int8 gate_up 0.311 against 0.256, down 0.215 against 0.135; 4-bit gate_up 0.387 against 0.271, down
-0.238 against 0.145. So `gmm` does not use it; what was tried and the next steps are in that document.
+the same run: int8 gate_up 0.319 against 0.254, down 0.213 against 0.138; 4-bit gate_up 0.387 against 0.260, down
+0.243 against 0.144. ncu: it has the warps (5 per scheduler for down) but issues 1.4-1.8x the Triton kernel's
+instructions. So `gmm` does not use it; what was tried and the next steps are in that document.
 
 Hopper (sm_90) only; bf16 lhs, k-major int8 or 4-bit codes, quantization blocks of 32, output columns a multiple
 of 64, no `lhs_index` (`supported`). Pallas' interpreter cannot run Mosaic GPU kernels with register operands:
@@ -67,7 +68,7 @@ def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
     if n_out % COLS:
         return f"{n_out} output columns (needs a multiple of {COLS})"
     if k % (2 * QUANT_BLOCK if rhs.bits == 4 else QUANT_BLOCK):
-        return f"k={k}"
+        return f"k={k} (needs a multiple of {2 * QUANT_BLOCK if rhs.bits == 4 else QUANT_BLOCK})"
     return None
 
 
@@ -246,8 +247,9 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
       ctas_per_sm: persistent programs per SM (each loops over work units; the pipeline runs across them).
       preferred_element_type: output dtype; None = bf16.
       dequant: "f32": w = q * scale (+ offset) in f32, rounded once to bf16 (`QuantizedWeights.dequantize`'s
-        weights bit for bit); "bf16": the same in bf16 arithmetic (scale and offset rounded to bf16 first; fewer
-        instructions, weights within a few bf16 ulps).
+        weights bit for bit); "bf16": the same in bf16 arithmetic, scale and offset rounded to bf16 first and
+        each step rounded in bf16 (fewer instructions; not the exact weights: the products differed from the
+        exact ones by 0.3-0.65% relative on an H100, 2026-11-25).
 
     Returns:
       `[m, n]` (or `[m, ffn]`), float32 accumulation.
