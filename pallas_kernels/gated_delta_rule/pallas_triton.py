@@ -209,10 +209,11 @@ class BlockSizes:
     # kernel forms each chunk's P = scale lower_incl(Q K^T * Gamma) from the Q and K tiles the kernel streams
     # anyway (one [64, 64, key_dim] wgmma and the decay mask), so the prepare neither reads Q nor writes P, and
     # the walk does not read P: per token and v-head 4 * chunk bytes of P and 2 * key_dim / group of Q less.
-    # None (the default): on for packed sequences on their own chunk grid, else off. H100, 2026-11-25 (docs/benchmarks.md), ms off / on: packed 8 x 8192 1.462 / 1.303
-    # (prepare 0.641 -> 0.449, walk 0.763 -> 0.799); T=4096 0.141 / 0.161 and T=16384 0.446 / 0.532 (15:02, with
-    # fewer registers for P), where the latency-bound walk (0.075 -> 0.093 ms at 4096) loses more than the
-    # prepare gains. P formed by the TMA warpgroup between its copies instead: packed 1.429.
+    # None (the default): on for packed sequences on their own chunk grid, else off. H100, 2026-11-25
+    # (docs/benchmarks.md), ms off / on: packed 8 x 8192 1.462 / 1.303 (prepare 0.641 -> 0.449, walk 0.763 ->
+    # 0.799); T=4096 0.141 / 0.161 and T=16384 0.446 / 0.532 (15:02, with fewer registers for P), where the
+    # latency-bound walk (0.075 -> 0.093 ms at 4096) loses more than the prepare gains. P formed by the TMA
+    # warpgroup between its copies instead: packed 1.429.
     p_in_walk: bool | None = None
 
     @classmethod

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import gpu_limits
 from pallas_kernels.grouped_matmul.pallas_triton import make_schedule
 from pallas_kernels.quantized import QuantizedWeights
 
@@ -48,9 +49,9 @@ ROWS = 32  # rows of x per work item: the wgmma N, from a multiple of 8 (TMA int
 OWN_ROWS = ROWS - 8  # rows a work item owns: any start, rounded down to 8, plus 24 rows fit in ROWS
 COLS = 64  # output columns per program (per tile): one warpgroup's wgmma M
 QUANT_BLOCK = 32
-# Shared memory per SM on Hopper (227 KiB) less what Mosaic GPU takes beyond our buffers: 41 KiB more than the
-# buffers' sum in the one failure seen (H100, 2026-11-25: 245 792 bytes asked for 204 800 of buffers)
-SHARED_MEMORY = 227 * 1024 - 44 * 1024
+# Shared memory per block on Hopper (`gpu_limits`) less what Mosaic GPU takes beyond our buffers: 41 KiB more
+# than the buffers' sum in the one failure seen (H100, 2026-11-25: 245 792 bytes asked for 204 800 of buffers)
+SHARED_MEMORY = gpu_limits.SHARED_MEMORY_BY_ARCH["9.0"] - 44 * 1024
 
 
 def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
@@ -127,8 +128,8 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
                                                         loaded.at[s])
                 for c in range(compute_wgs):
                     for t in range(tiles):
-                        plgpu.copy_gmem_to_smem(codes_ref.at[g, pl.ds(col0(j, c, t), COLS), pl.ds(i * block_k, block_k)],
-                                                c_smem.at[s, c, t], loaded.at[s])
+                        codes = codes_ref.at[g, pl.ds(col0(j, c, t), COLS), pl.ds(i * block_k, block_k)]
+                        plgpu.copy_gmem_to_smem(codes, c_smem.at[s, c, t], loaded.at[s])
                 return count + 1
 
             return lax.fori_loop(0, n, step, count)
@@ -279,8 +280,9 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
     scale_dtype = rhs.scales.dtype
     if dequant not in ("f32", "bf16"):
         raise ValueError(f"gmm_mosaic: dequant={dequant!r}; choose f32 or bf16")
-    compute_wgs = compute_wgs or (2 if swiglu else 4)
-    cw = compute_wgs if n_out % (COLS * compute_wgs) == 0 else 1
+    cw = compute_wgs or (2 if swiglu else 4)
+    if n_out % (COLS * cw):
+        cw = 1
 
     def smem_bytes(stages, block_k, cw):
         nb = block_k // QUANT_BLOCK
