@@ -420,9 +420,14 @@ def main():
             split=not args.no_split,
         )
     result["total_s"] = round(time.monotonic() - START, 1)
+    emit(result, args.json)
+
+
+def emit(result: dict, path: str | None) -> None:
+    """Prints the JSON document (last, as the scripts promise) and also writes it to `path` if given."""
     text = json.dumps(result, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text)
     print(text)
 

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import _common, pallas_mosaic
+from pallas_kernels.gated_delta_rule import _common, pallas_mosaic, pallas_mosaic_prepare
 
 _PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
 _TRANS_A = (((0,), (0,)), ((), ()))  # dot_general dims for a^T b
@@ -215,6 +215,17 @@ class BlockSizes:
     # latency-bound walk (0.075 -> 0.093 ms at 4096) loses more than the prepare gains. P formed by the TMA
     # warpgroup between its copies instead: packed 1.429.
     p_in_walk: bool | None = None
+    # The prepare of the Mosaic GPU walk with P formed in the walk (packed sequences on their own chunk grid):
+    # `pallas_mosaic_prepare.prepare` (Hopper: K K^T and the whole-tile inverse as ten wgmmas per chunk, both
+    # v-heads of a k-head in one program from one K tile; gamma a chunk-local cumsum in XLA) instead of the
+    # Triton dense prepare. Off: on an H100 (2026-11-25, docs/benchmarks.md) it is correct (T bit for bit the
+    # Triton whole-tile inverse's) but slower, packed 8 x 8192 prepare 0.547 ms against 0.445 (latency-bound:
+    # 245 registers, one program of two warpgroups per SM; with two streams, 128 registers, 0.737).
+    # True where it does not apply raises ValueError. `mosaic_prepare_chunks`, `mosaic_prepare_streams`: chunks
+    # per program of that kernel, and its independent chains per program.
+    mosaic_prepare: bool = False
+    mosaic_prepare_chunks: int = 8
+    mosaic_prepare_streams: int = 1
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
@@ -1148,8 +1159,18 @@ def _run_stages(
         return _pipelined_walk(q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common)
     # batch rows, Mosaic GPU walk: the prepare writes the walk's decay factors in place of gamma (and U)
     decay_factors = mosaic and not packed
-    w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
-                                                    valid_rows=valid_rows, decay_factors=decay_factors, **common)
+    if _mosaic_prepare(block_sizes, packed, token_rows, chunk_size=common["chunk_size"], group=common["group"],
+                       key_dim=k.shape[3], compute_dtype=common["compute_dtype"]):
+        c = common["chunk_size"]  # T diag(beta) by the Mosaic GPU prepare; gamma a chunk-local cumsum (XLA)
+        gamma = jnp.cumsum(g.reshape(g.shape[:2] + (-1, c)), axis=3).reshape(g.shape)
+        w = pallas_mosaic_prepare.prepare(k, gamma, bt, group=common["group"],
+                                          chunks_per_program=block_sizes.mosaic_prepare_chunks,
+                                          streams=block_sizes.mosaic_prepare_streams)
+        u = p = q_aligned = k_aligned = None
+    else:
+        w, u, gamma, p, q_aligned, k_aligned = _prepare(q, k, v, g, bt, scale=scale, token_rows=token_rows,
+                                                        valid_rows=valid_rows, decay_factors=decay_factors,
+                                                        **common)
     decays = (gamma, u) if decay_factors else None
     p_in_walk = _p_in_walk(block_sizes, token_rows)  # (the Mosaic walk only)
     if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
@@ -1178,6 +1199,21 @@ def _run_stages(
         states, v_new, last = _state_pass(q, k, w, u, gamma, p, initial_state, chunk_flags, **kwargs)
         out = _output(q, k, gamma, states, v_new, scale=scale, out_dtype=out_dtype, **common)
     return out, last if final_state is None else final_state
+
+
+def _mosaic_prepare(block_sizes, packed, token_rows, *, chunk_size, group, key_dim, compute_dtype) -> bool:
+    """Whether `_run_stages` prepares with `pallas_mosaic_prepare.prepare` (`BlockSizes.mosaic_prepare`): only
+    for the Mosaic GPU walk on packed sequences on their own grid, with P formed in the walk, where the
+    kernel takes the shapes; True where it does not raises ValueError."""
+    if not block_sizes.mosaic_prepare:
+        return False
+    applies = packed and token_rows is None and _p_in_walk(block_sizes, token_rows)
+    reason = None if applies else "the Mosaic GPU walk on packed sequences on their own grid, with P in the walk"
+    reason = reason or pallas_mosaic_prepare.supported(chunk_size=chunk_size, key_dim=key_dim, group=group,
+                                                        dtype=compute_dtype)
+    if reason and block_sizes.mosaic_prepare:
+        raise ValueError(f"BlockSizes.mosaic_prepare=True needs {reason}")
+    return reason is None
 
 
 def _p_in_walk(block_sizes, token_rows=None) -> bool:
