@@ -17,8 +17,14 @@ rows), N = T L, T <- (I - N)(I + N^2) T. Every factor stays of order 1 (its erro
 was FLA's on an H100, 2026-11-23). Source of the algorithm: arXiv:2412.06464 (gated delta rule), the UT
 transform as in flash-linear-attention's `chunk_scaled_dot_kkt` + `solve_tril`.
 
+Measured on an H100 (2026-11-25, docs/benchmarks.md): T bit for bit the Triton whole-tile prepare's, but
+slower (packed 8 x 8192: 0.54-0.56 ms against 0.445-0.47 for the Triton prepare): each warpgroup's chunk is a
+chain of eleven dependent wgmmas, and at 245 registers a thread one program of two warpgroups fills an SM. So
+it is opt-in (`pallas_triton.BlockSizes.mosaic_prepare`), for packed sequences on their own grid.
+
 Hopper (sm_90) only; bf16 K, chunk_size 64, key_dim a multiple of 64. Lowered on the CPU for an abstract H100
-in the tests; its numbers are checked on an H100 (`benchmarks/gated_delta_rule.py --check`).
+in the tests; its numbers are checked on an H100 (`benchmarks/gdn_mosaic_prepare.py`, and the Hopper tests in
+tests/pallas_kernels/test_gated_delta_rule_mosaic_prepare.py).
 """
 
 from __future__ import annotations
@@ -53,9 +59,9 @@ def supported(*, chunk_size: int, key_dim: int, group: int, dtype) -> str | None
 def _prepare_kernel(
     k_ref, gamma_ref, beta_ref,  # inputs (GMEM)
     out_ref,  # output (GMEM)
-    k_smem, gamma_rows, gamma_cols, beta_rows, beta_cols,  # [stages, ...] input tiles
-    operand_smem, out_smem,  # [group, 64, 64] bf16: each warpgroup's wgmma B operand and output staging
-    loaded, free,  # barriers
+    k_smem, gamma_rows, gamma_cols, beta_rows, beta_cols,  # [streams * stages, ...] input tiles
+    operand_smem, out_smem,  # [streams * group, 64, 64] bf16: each warpgroup's wgmma B operand, output staging
+    loaded, free,  # [streams * stages] barriers
     *, group, chunks_per_program, stages, num_chunks, streams,
 ):
     # `streams` independent chains per program, each of `group` warpgroups (one per v-head) on its own K

@@ -1204,16 +1204,16 @@ def _run_stages(
 def _mosaic_prepare(block_sizes, packed, token_rows, *, chunk_size, group, key_dim, compute_dtype) -> bool:
     """Whether `_run_stages` prepares with `pallas_mosaic_prepare.prepare` (`BlockSizes.mosaic_prepare`): only
     for the Mosaic GPU walk on packed sequences on their own grid, with P formed in the walk, where the
-    kernel takes the shapes; True where it does not raises ValueError."""
+    kernel takes the shapes; True where it does not raises ValueError (naming why)."""
     if not block_sizes.mosaic_prepare:
         return False
     applies = packed and token_rows is None and _p_in_walk(block_sizes, token_rows)
     reason = None if applies else "the Mosaic GPU walk on packed sequences on their own grid, with P in the walk"
     reason = reason or pallas_mosaic_prepare.supported(chunk_size=chunk_size, key_dim=key_dim, group=group,
                                                         dtype=compute_dtype)
-    if reason and block_sizes.mosaic_prepare:
+    if reason:
         raise ValueError(f"BlockSizes.mosaic_prepare=True needs {reason}")
-    return reason is None
+    return True
 
 
 def _p_in_walk(block_sizes, token_rows=None) -> bool:
