@@ -30,13 +30,8 @@ def inputs_for(workload, seed, key_cosine=0.0):
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=seed, key_cosine=key_cosine)
     if key_cosine:
         inputs = workloads.hard_gates(inputs)
-    seq = inputs["key"].shape[1]
-    t = -(-seq // C) * C
-    g, bt = (jnp.pad(jnp.asarray(inputs[n], jnp.float32), [(0, 0), (0, t - seq), (0, 0)]) for n in ("log_decay", "beta"))
-    if inputs.get("cu_seqlens") is not None:
-        g = pallas_mosaic.break_sequences(g, inputs["cu_seqlens"], seq)
-    g, bt = jnp.swapaxes(g, 1, 2), jnp.swapaxes(bt, 1, 2)
-    return inputs, g, bt
+    g, bt = pallas_mosaic.own_grid_gates(inputs["log_decay"], inputs["beta"], inputs.get("cu_seqlens"))
+    return inputs, jnp.swapaxes(g, 1, 2), jnp.swapaxes(bt, 1, 2)
 
 
 def triton_t(inputs, g, bt, group, inverse_slabs):

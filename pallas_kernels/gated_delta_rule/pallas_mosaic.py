@@ -316,6 +316,23 @@ def break_sequences(log_decay, cu_seqlens, seq):
     return log_decay + penalty[None, :, None]
 
 
+def own_grid_gates(log_decay, beta, cu_seqlens=None):
+    """The gates as the prepare and the walk take them on the packed array's own chunk grid.
+
+    Args:
+      log_decay, beta: [batch, seq, v_heads], any float dtype.
+      cu_seqlens: None (batch rows), or packed sequences' int32 [num_seqs + 1] token offsets (batch == 1).
+
+    Returns:
+      (log_decay, beta) [batch, t, v_heads] f32, zero-padded to t = seq rounded up to chunks; with cu_seqlens the
+      log decay of `break_sequences`.
+    """
+    seq = log_decay.shape[1]
+    pad = [(0, 0), (0, -(-seq // CHUNK) * CHUNK - seq), (0, 0)]
+    g, bt = (jnp.pad(x.astype(jnp.float32), pad) for x in (log_decay, beta))
+    return (g if cu_seqlens is None else break_sequences(g, cu_seqlens, seq)), bt
+
+
 def decay_factors(gamma, cu_seqlens=None, seq=None):
     """The walk's decays as factors, once per token (XLA) instead of once per token and value block in the walk.
 

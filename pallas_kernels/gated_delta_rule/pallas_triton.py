@@ -1402,10 +1402,8 @@ def gated_delta_rule_pallas(
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed and not own_grid else None
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)
-    if own_grid:
-        padded = -(-seq // c) * c
-        g, bt = (jnp.pad(x, [(0, 0), (0, padded - seq), (0, 0)]) for x in (g, bt))
-        g = pallas_mosaic.break_sequences(g, cu_seqlens, seq)
+    if own_grid:  # (chunk_size is the walk's 64)
+        g, bt = pallas_mosaic.own_grid_gates(g, bt, cu_seqlens)
     elif in_place:
         g, bt = (_common.regather(x, layout) for x in (g, bt))
     else:

@@ -159,9 +159,7 @@ def test_own_grid_prepare_and_walk_math(seqlens):
     want = reference.gated_delta_rule_reference(**as_f32)
     seq, c = workload.seq, pallas_mosaic.CHUNK
     t = -(-seq // c) * c
-    g, bt = (jnp.pad(jnp.asarray(inputs[n], jnp.float32), [(0, 0), (0, t - seq), (0, 0)])
-             for n in ("log_decay", "beta"))
-    g, bt = jnp.swapaxes(pallas_mosaic.break_sequences(g, cu, seq), 1, 2), jnp.swapaxes(bt, 1, 2)
+    g, bt = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(inputs["log_decay"], inputs["beta"], cu))
     block_sizes = dataclasses.replace(DEFAULT, wy_in_state=True)
     scale = workload.key_dim**-0.5
     t_beta, _, gamma, p, _, _ = pallas_triton._prepare(

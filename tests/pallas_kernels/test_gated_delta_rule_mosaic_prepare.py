@@ -95,9 +95,8 @@ def test_matches_the_triton_prepare_on_hopper(seqlens, streams):
                                    value_dim=128)
     inputs = workloads.make_inputs(workload, dtype=BF16, seed=3)
     seq, t = workload.seq, -(-workload.seq // 64) * 64
-    g, bt = (jnp.pad(jnp.asarray(inputs[n], F32), [(0, 0), (0, t - seq), (0, 0)]) for n in ("log_decay", "beta"))
-    g = jnp.swapaxes(pallas_mosaic.break_sequences(g, inputs["cu_seqlens"], seq), 1, 2)
-    bt = jnp.swapaxes(bt, 1, 2)
+    g, bt = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(
+        inputs["log_decay"], inputs["beta"], inputs["cu_seqlens"]))
     block_sizes = dataclasses.replace(pallas_triton.BlockSizes(), wy_in_state=True, inverse_slabs=False)
     want, _, gamma, *_ = pallas_triton._prepare(
         inputs["query"], inputs["key"], inputs["value"], g, bt, scale=0.1, chunk_size=64, group=2,
