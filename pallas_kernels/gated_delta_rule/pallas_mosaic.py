@@ -73,7 +73,7 @@ def _walk_kernel(
     q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, cu_ref, bounds_ref,  # inputs (GMEM)
     o_ref, final_ref,  # outputs (GMEM)
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
-    h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, h^T in/out
+    h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, state in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
     *p_scratch,  # p_in_walk: gamma [stages, 64] f32 twice (SMEM: rows, columns) and their barrier with Q's
     group, scale, stages, packed, chunk_offset=0, p_in_walk=False,
@@ -183,9 +183,11 @@ def _walk_kernel(
     @pl.when(wg == 0)
     def _walk():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(init_ref.at[row, h, cols], state_smem, state_barrier.at[0])
+        # the state h [key_dim, value_dim] in GMEM; state_smem its [key_dim, 64] block, read and written as h^T
+        # through a transposed view (WGMMA_TRANSPOSED: one shuffle from and to the walk's layout)
+        plgpu.copy_gmem_to_smem(init_ref.at[row, h, :, cols], state_smem, state_barrier.at[0])
         plgpu.barrier_wait(state_barrier.at[0])
-        state0 = lc(plgpu.load(state_smem, layout=layout))
+        state0 = lc(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False))
         shape = (BLOCK_V, CHUNK)
 
         def step(n, state):
@@ -236,9 +238,9 @@ def _walk_kernel(
             return lc(state)
 
         state = lax.fori_loop(lo, hi, step, state0)
-        state_smem[...] = state
+        state_smem.T[...] = plgpu.layout_cast(state, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_smem, final_ref.at[row, h, cols])
+        plgpu.copy_smem_to_gmem(state_smem, final_ref.at[row, h, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -359,11 +361,10 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
     return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset",
-                                               "state_transposed"))
+@functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
-    max_concurrent_steps=2, chunk_offset=0, out=None, state_transposed=False, decays=None,
+    max_concurrent_steps=2, chunk_offset=0, out=None, decays=None,
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -399,8 +400,6 @@ def state_pass(
         this one on (static; `pallas_triton._pipelined_walk`); q, k, v (and `out`) the whole sequence.
       out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
-      state_transposed: initial_state comes, and the final state goes, as h^T [rows, v_heads, value_dim,
-        key_dim] (the walk's own layout), so that pieces hand it on without two transposes each.
       decays: batch rows only: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as `decay_factors`
         returns them, formed elsewhere (the prepare writes them: no XLA kernel between it and the walk);
         gamma is then None (unless p is None). None: formed here from gamma.
@@ -445,9 +444,7 @@ def state_pass(
                          "batch 1 and one entry per initial state + 1")
     own = packed == "own_grid"
     exp_gamma, exp_to_last = decays or decay_factors(gamma, cu_seqlens if own else None, seq)
-    init_t = initial_state.astype(jnp.float32)
-    if not state_transposed:
-        init_t = jnp.swapaxes(init_t, 2, 3)  # h^T [rows, v_heads, value_dim, key_dim]
+    init = initial_state.astype(jnp.float32)
     cu, bounds = (jnp.asarray(jnp.zeros((2,), jnp.int32) if x is None else x, jnp.int32)
                   for x in (cu_seqlens, chunk_bounds))
     out_rows = out_seq if packed == "regathered" else seq
@@ -459,7 +456,7 @@ def state_pass(
                      chunk_offset=chunk_offset, p_in_walk=p_in_walk)
 
     tile, st = _bf16_tile(), max_concurrent_steps
-    final_type = jax.ShapeDtypeStruct(init_t.shape, jnp.float32)
+    final_type = jax.ShapeDtypeStruct(init.shape, jnp.float32)
     out_type = (final_type,) if out is not None else (
         jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16), final_type)
     outs = plgpu.kernel(
@@ -477,7 +474,7 @@ def state_pass(
             plgpu.SMEM((2, BLOCK_V, key_dim), jnp.bfloat16, transforms=tile),  # h^T for the output
             plgpu.SMEM((2, BLOCK_V, CHUNK), jnp.bfloat16, transforms=tile),  # V'^T for the output
             plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if packed else tile),  # O staging
-            plgpu.SMEM((BLOCK_V, key_dim), jnp.float32),  # h^T in and out
+            plgpu.SMEM((key_dim, BLOCK_V), jnp.float32),  # the state's block in and out
             plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
             plgpu.Barrier(num_barriers=st, num_arrivals=2 if p_in_walk else 3),  # loaded1: (Q,) P, e^gamma
             plgpu.Barrier(num_barriers=st, num_arrivals=1 + p_in_walk),  # free0: the walk (and P's) done with a stage
@@ -488,12 +485,12 @@ def state_pass(
             *((plgpu.SMEM((st, CHUNK), jnp.float32), plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
                plgpu.Barrier(num_barriers=st, num_arrivals=3)) if p_in_walk else ()),  # Q, gamma twice
         ),
-        grid=(init_t.shape[0], v_heads, value_dim // BLOCK_V),
+        grid=(init.shape[0], v_heads, value_dim // BLOCK_V),
         grid_names=("rows", "heads", "vblocks"),
         num_threads=4 if p_in_walk else 3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, t_beta, gamma if p_in_walk else p, exp_gamma, exp_to_last, init_t, cu, bounds,
+    )(q, k, v, t_beta, gamma if p_in_walk else p, exp_gamma, exp_to_last, init, cu, bounds,
       *(() if out is None else (out,)))
-    out_array, final_t = (None, *outs) if out is not None else outs
-    return out_array, final_t if state_transposed else jnp.swapaxes(final_t, 2, 3)
+    out_array, final = (None, *outs) if out is not None else outs
+    return out_array, final

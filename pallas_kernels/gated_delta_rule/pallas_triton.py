@@ -1237,7 +1237,7 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
     `BlockSizes.walk_pipeline`; 1 <= pieces <= chunks): prepare i reads q, k, g, beta from its first chunk on
     (no copies) and waits for prepare i - 1 (an optimization barrier on g: without it a concurrent graph would
     start every prepare at once, ahead of the first walk); walk i reads q, k, v the same way, takes walk
-    i - 1's final state (as h^T, the walk's own layout: no transposes between walks) and writes its rows of
+    i - 1's final state (no transposes: the walk reads and writes the state as h) and writes its rows of
     one output buffer (a `jax.Ref`). Returns (output [b, t, v_heads, value_dim] bf16, final state)."""
     num_chunks = g.shape[2] // chunk_size
     edges = [num_chunks * i // pieces for i in range(pieces + 1)]
@@ -1252,12 +1252,11 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
         prepared.append((first, t_beta, p, gamma, (exp_gamma, exp_to_last)))
         before = exp_gamma
     out = jax.empty_ref(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16))
-    state_t = jnp.swapaxes(initial_state, 2, 3)  # h^T, handed from walk to walk as the walk keeps it
+    state = initial_state
     for first, t_beta, p, gamma, decays in prepared:
-        _, state_t = pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, state_t, scale=scale, chunk_offset=first,
-                                              out=out, max_concurrent_steps=block_sizes.mosaic_stages,
-                                              state_transposed=True, decays=decays)
-    return jax.freeze(out), jnp.swapaxes(state_t, 2, 3)
+        _, state = pallas_mosaic.state_pass(q, k, v, t_beta, p, gamma, state, scale=scale, chunk_offset=first,
+                                            out=out, max_concurrent_steps=block_sizes.mosaic_stages, decays=decays)
+    return jax.freeze(out), state
 
 
 def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:

@@ -85,8 +85,9 @@ def test_kernel_lowers_for_cuda():
         return pallas_mosaic.state_pass.trace(*a, scale=k**-0.5, **kw).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "mosaic_gpu" in lowered(*args(2, 2))
-    a = args(2, 2)  # the decay factors formed by the prepare, the state as h^T both ways: no XLA exp, no transpose
-    text = lowered(*a[:5], None, a[6], decays=(a[5], a[5]), state_transposed=True)
+    a = args(2, 2)  # the decay factors formed by the prepare, the state read and written in place: no XLA exp,
+    # no transpose
+    text = lowered(*a[:5], None, a[6], decays=(a[5], a[5]))
     assert "mosaic_gpu" in text and "stablehlo.exponential" not in text and "stablehlo.transpose" not in text
     with pytest.raises(ValueError, match="gamma or .batch rows. decays, one of the two"):
         lowered(*a[:5], None, a[6])
@@ -106,7 +107,7 @@ def test_kernel_lowers_for_cuda():
     # P formed by a fourth warpgroup of the kernel (p=None) from Q, K and gamma: batch rows with and without the
     # prepare's decay factors, and packed on the own grid; it needs gamma
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6])
-    assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]), state_transposed=True)
+    assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]))
     assert "mosaic_gpu" in lowered(*(jax.ShapeDtypeStruct((1, 256) + x.shape[2:], bf16) for x in qkv),
                                    chunked[0], None, chunked[2], state, cu)
     with pytest.raises(ValueError, match="p=None .* needs gamma"):
@@ -234,8 +235,8 @@ def test_pipelined_walk_lowers_for_cuda():
             interpret=False)
         assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
         assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
-        # the prepares write the walks' decay factors; the state goes from walk to walk as h^T (two transposes)
-        assert "stablehlo.exponential" not in text and text.count("stablehlo.transpose") == 2
+        # the prepares write the walks' decay factors; the walks read and write the state as it is (no transpose)
+        assert "stablehlo.exponential" not in text and "stablehlo.transpose" not in text
 
 
 def test_prepare_writes_the_walks_decay_factors():
