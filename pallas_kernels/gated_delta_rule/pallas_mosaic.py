@@ -54,14 +54,31 @@ P_OUTPUT_REGISTERS = 144
 P_REGISTERS = 96
 
 
-def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype) -> str | None:
-    """None where `state_pass` runs these shapes, else the reason it does not."""
+# Shared memory a block may use on sm_90 (H100, H200): 227 KiB, in bytes.
+SHARED_MEMORY_LIMIT = 232_448
+
+
+def shared_memory_bytes(key_dim: int, stages: int = 2, p_in_walk: bool = True) -> int:
+    """Bytes of shared memory `state_pass`'s buffers take (its barriers and their alignment, ~2 KB, not
+    counted): per stage the Q and K tiles [64, key_dim] and the V, T diag(beta) and P tiles [64, 64] in bf16 and
+    the decays (and with p_in_walk gamma twice) [64] f32; once h^T [2, 64, key_dim] and V'^T, O [2, 64, 64] in
+    bf16 and the state's block [key_dim, 64] f32. key_dim 128, 2 stages: 215 552."""
+    per_stage = 2 * CHUNK * key_dim * 2 + 3 * CHUNK * BLOCK_V * 2 + (3 + 2 * p_in_walk) * CHUNK * 4
+    return stages * per_stage + 2 * BLOCK_V * key_dim * 2 + 2 * 2 * BLOCK_V * CHUNK * 2 + key_dim * BLOCK_V * 4
+
+
+def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, stages: int = 2) -> str | None:
+    """None where `state_pass` (with `stages` TMA stages) runs these shapes, else the reason it does not."""
     if chunk_size != CHUNK:
         return f"chunk_size={chunk_size} (the Mosaic GPU walk needs {CHUNK})"
     if key_dim % 64 or value_dim % BLOCK_V:
         return f"key_dim={key_dim}, value_dim={value_dim} (the Mosaic GPU walk needs multiples of 64)"
     if jnp.dtype(compute_dtype) != jnp.bfloat16:
         return f"compute dtype {jnp.dtype(compute_dtype).name} (the Mosaic GPU walk takes bf16)"
+    need = shared_memory_bytes(key_dim, stages) + 6144  # + barriers and alignment (1.4-3.9 KB), with a margin
+    if need > SHARED_MEMORY_LIMIT:
+        return (f"key_dim={key_dim} with {stages} stages (~{need} bytes of shared memory, over sm_90's "
+                f"{SHARED_MEMORY_LIMIT})")
     return None
 
 
@@ -423,7 +440,8 @@ def state_pass(
             raise ValueError(f"state_pass: chunks {chunk_offset} .. {chunk_offset} + {t // CHUNK} past seq={seq}")
     if out is not None and (out.shape != v.shape or out.dtype != jnp.bfloat16):
         raise ValueError(f"state_pass: out {out.shape} {out.dtype} must be bf16 of v's shape {v.shape}")
-    reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype)
+    reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype,
+                       stages=max_concurrent_steps)
     if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
     p_in_walk = p is None

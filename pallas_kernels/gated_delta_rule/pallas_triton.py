@@ -1261,8 +1261,8 @@ def _pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size,
 
 def mosaic_refusal(block_sizes, *, interpret, chunk_size, key_dim, value_dim, compute_dtype) -> str | None:
     """Why `pallas_mosaic.state_pass` cannot run this call (None: it can)."""
-    reason = pallas_mosaic.supported(
-        chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
+    reason = pallas_mosaic.supported(chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim,
+                                     compute_dtype=compute_dtype, stages=block_sizes.mosaic_stages)
     if reason is None and not (block_sizes.wy_in_state and block_sizes.fuse_output and block_sizes.segments == 1
                                and not block_sizes.fold_t_into_p and block_sizes.prepare_kernel == "dense"):
         reason = "BlockSizes other than wy_in_state, fuse_output, segments=1, no fold_t_into_p, dense prepare"

@@ -33,6 +33,30 @@ def test_supported_shapes():
                                                      compute_dtype=jnp.bfloat16)
     assert "float32" in pallas_mosaic.supported(chunk_size=64, key_dim=128, value_dim=128,
                                                 compute_dtype=jnp.float32)
+    assert pallas_mosaic.shared_memory_bytes(128, 2) == 215_552
+
+
+@pytest.mark.parametrize("key_dim,stages", [(128, 2), (128, 3), (192, 1), (192, 2), (256, 1)])
+def test_supported_exactly_where_the_walk_fits_shared_memory(key_dim, stages, monkeypatch):
+    """`supported` refuses the shapes whose buffers exceed an sm_90 block's shared memory (so that "auto" takes
+    the Triton walk rather than failing to compile), and only those: its verdict is Mosaic GPU's own, from
+    lowering the kernel for CUDA with the check lifted."""
+    verdict = pallas_mosaic.supported(chunk_size=64, key_dim=key_dim, value_dim=128, compute_dtype=jnp.bfloat16,
+                                      stages=stages)
+    assert verdict is None or "shared memory" in verdict
+    t, bf16, f32 = 128, jnp.bfloat16, jnp.float32
+    s = jax.ShapeDtypeStruct
+    args = (s((1, t, 1, key_dim), bf16), s((1, t, 1, key_dim), bf16), s((1, t, 2, 128), bf16), s((1, t, 2, 64), bf16),
+            None, s((1, 2, t), f32), s((1, 2, key_dim, 128), f32), s((2,), jnp.int32))
+    monkeypatch.setattr(pallas_mosaic, "SHARED_MEMORY_LIMIT", 10**7)
+    try:
+        pallas_mosaic.state_pass.trace(*args, scale=0.1, max_concurrent_steps=stages).lower(
+            lowering_platforms=("cuda",))
+        fits = True
+    except ValueError as error:
+        assert "exceeds available shared memory" in str(error)
+        fits = False
+    assert fits == (verdict is None)
 
 
 def test_refusals_name_the_reason(monkeypatch):
@@ -42,6 +66,7 @@ def test_refusals_name_the_reason(monkeypatch):
     cases = {
         "interpreter": {"interpret": True},
         "float32": {"compute_dtype": jnp.float32},
+        "shared memory": {"key_dim": 256},  # "auto" then takes the Triton walk instead of failing to compile
     }
     for words, change in cases.items():
         assert words in pallas_triton.mosaic_refusal(wy, **{**REFUSAL_ARGS, **change})
