@@ -34,6 +34,7 @@ CPU tests lower it for CUDA; the numerical checks run on an H100 (tests skipped 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import _common
 
 CHUNK = 64  # tokens per chunk; also the walk's rows of h^T (block_v): one warpgroup's wgmma M
@@ -54,17 +56,16 @@ P_OUTPUT_REGISTERS = 144
 P_REGISTERS = 96
 
 
-# Shared memory a block may use on sm_90 (H100, H200): 227 KiB, in bytes.
-SHARED_MEMORY_LIMIT = 232_448
+# Shared memory a block may use on sm_90 (H100, H200), in bytes.
+SHARED_MEMORY_LIMIT = gpu_limits.SHARED_MEMORY_BY_ARCH["9.0"]
 
 
 def shared_memory_bytes(key_dim: int, stages: int = 2, p_in_walk: bool = True) -> int:
-    """Bytes of shared memory `state_pass`'s buffers take (its barriers and their alignment, ~2 KB, not
-    counted): per stage the Q and K tiles [64, key_dim] and the V, T diag(beta) and P tiles [64, 64] in bf16 and
-    the decays (and with p_in_walk gamma twice) [64] f32; once h^T [2, 64, key_dim] and V'^T, O [2, 64, 64] in
-    bf16 and the state's block [key_dim, 64] f32. key_dim 128, 2 stages: 215 552."""
-    per_stage = 2 * CHUNK * key_dim * 2 + 3 * CHUNK * BLOCK_V * 2 + (3 + 2 * p_in_walk) * CHUNK * 4
-    return stages * per_stage + 2 * BLOCK_V * key_dim * 2 + 2 * 2 * BLOCK_V * CHUNK * 2 + key_dim * BLOCK_V * 4
+    """Bytes of shared memory `state_pass`'s buffers (`_scratch_types`) take, its barriers and their alignment
+    (1.4-3.9 KB) not counted. key_dim 128, 2 stages: 215 552."""
+    return sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+               for t in _scratch_types(key_dim, stages, packed=None, p_in_walk=p_in_walk)
+               if not isinstance(t, plgpu.Barrier))
 
 
 def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, stages: int = 2) -> str | None:
@@ -84,6 +85,34 @@ def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, s
 
 def _bf16_tile():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _scratch_types(key_dim, stages, *, packed, p_in_walk):
+    """The walk kernel's shared-memory buffers and barriers (`_walk_kernel`'s scratch refs, in order)."""
+    tile, st = _bf16_tile(), stages
+    return (
+        plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # q
+        plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # k
+        plgpu.SMEM((st, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tile),  # v
+        plgpu.SMEM((st, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # T diag(beta)
+        plgpu.SMEM((st, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # P
+        plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the walk
+        plgpu.SMEM((st, CHUNK), jnp.float32),  # e^(gamma_last - gamma)
+        plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the output
+        plgpu.SMEM((2, BLOCK_V, key_dim), jnp.bfloat16, transforms=tile),  # h^T for the output
+        plgpu.SMEM((2, BLOCK_V, CHUNK), jnp.bfloat16, transforms=tile),  # V'^T for the output
+        plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if packed else tile),  # O staging
+        plgpu.SMEM((key_dim, BLOCK_V), jnp.float32),  # the state's block in and out
+        plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
+        plgpu.Barrier(num_barriers=st, num_arrivals=2 if p_in_walk else 3),  # loaded1: (Q,) P, e^gamma
+        plgpu.Barrier(num_barriers=st, num_arrivals=1 + p_in_walk),  # free0: the walk (and P's) done with a stage
+        plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free1: the output is done with a stage
+        plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_ready
+        plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_free
+        plgpu.Barrier(num_barriers=1, num_arrivals=1),  # state
+        *((plgpu.SMEM((st, CHUNK), jnp.float32), plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
+           plgpu.Barrier(num_barriers=st, num_arrivals=3)) if p_in_walk else ()),  # Q, gamma twice
+    )
 
 
 def _walk_kernel(
@@ -473,36 +502,13 @@ def state_pass(
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed,
                      chunk_offset=chunk_offset, p_in_walk=p_in_walk)
 
-    tile, st = _bf16_tile(), max_concurrent_steps
     final_type = jax.ShapeDtypeStruct(init.shape, jnp.float32)
     out_type = (final_type,) if out is not None else (
         jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16), final_type)
     outs = plgpu.kernel(
         gdn_state_mosaic,
         out_type=out_type,
-        scratch_types=(
-            plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # q
-            plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # k
-            plgpu.SMEM((st, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tile),  # v
-            plgpu.SMEM((st, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # T diag(beta)
-            plgpu.SMEM((st, CHUNK, CHUNK), jnp.bfloat16, transforms=tile),  # P
-            plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the walk
-            plgpu.SMEM((st, CHUNK), jnp.float32),  # e^(gamma_last - gamma)
-            plgpu.SMEM((st, CHUNK), jnp.float32),  # e^gamma for the output
-            plgpu.SMEM((2, BLOCK_V, key_dim), jnp.bfloat16, transforms=tile),  # h^T for the output
-            plgpu.SMEM((2, BLOCK_V, CHUNK), jnp.bfloat16, transforms=tile),  # V'^T for the output
-            plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if packed else tile),  # O staging
-            plgpu.SMEM((key_dim, BLOCK_V), jnp.float32),  # the state's block in and out
-            plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
-            plgpu.Barrier(num_barriers=st, num_arrivals=2 if p_in_walk else 3),  # loaded1: (Q,) P, e^gamma
-            plgpu.Barrier(num_barriers=st, num_arrivals=1 + p_in_walk),  # free0: the walk (and P's) done with a stage
-            plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free1: the output is done with a stage
-            plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_ready
-            plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_free
-            plgpu.Barrier(num_barriers=1, num_arrivals=1),  # state
-            *((plgpu.SMEM((st, CHUNK), jnp.float32), plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
-               plgpu.Barrier(num_barriers=st, num_arrivals=3)) if p_in_walk else ()),  # Q, gamma twice
-        ),
+        scratch_types=_scratch_types(key_dim, max_concurrent_steps, packed=packed, p_in_walk=p_in_walk),
         grid=(init.shape[0], v_heads, value_dim // BLOCK_V),
         grid_names=("rows", "heads", "vblocks"),
         num_threads=4 if p_in_walk else 3,
