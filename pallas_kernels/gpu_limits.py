@@ -24,6 +24,16 @@ def shared_memory_limit(device: jax.Device | None = None) -> int | None:
     return SHARED_MEMORY_BY_ARCH.get(str(getattr(device, "compute_capability", "")), SHARED_MEMORY_DEFAULT)
 
 
+SM_COUNT_DEFAULT = 132   # an H100 SXM: what persistent grids are sized for where no GPU is present
+
+
+def sm_count(device: jax.Device | None = None) -> int:
+    """Streaming multiprocessors of `device` (default: the first device); `SM_COUNT_DEFAULT` off GPU (the
+    interpreter) or where the device does not say."""
+    device = jax.devices()[0] if device is None else device
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or SM_COUNT_DEFAULT
+
+
 def is_hopper(device: jax.Device | None = None) -> bool:
     """Whether `device` (default: the first device) is an sm_90 GPU (H100, H200, H20): the `wgmma` kernels
     (Pallas Mosaic GPU) run there only (Blackwell has no `wgmma`)."""

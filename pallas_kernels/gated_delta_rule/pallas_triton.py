@@ -101,7 +101,10 @@ class BlockSizes:
     solve_block: int = 16
     state_block_v: int = 32  # value columns per program in the sequential state pass
     output_block_v: int = 128  # value columns per program in the output kernel (capped at value_dim)
-    prepare_warps: int = 4
+    # Warps per prepare program. 2 since 2026-11-25 (H100, docs/benchmarks.md; the same outputs bit for bit):
+    # packed 8 x 8192 prepare 0.453 -> 0.310 ms (whole call 1.293 -> 1.150), T=16384 0.436 -> 0.425 and
+    # T=4096 0.138 -> 0.128 ms with 2 pipeline stages (below); 1 warp 0.325 packed, 8 warps 1.06.
+    prepare_warps: int = 2
     state_warps: int = 4
     output_warps: int = 4
     # Software-pipelining depth of the state pass's chunk loop. 3 since 2026-11-23 (H100, docs/benchmarks.md):
@@ -176,9 +179,11 @@ class BlockSizes:
     # once before its loop over chunks, so that no tile address depends on a load inside the loop. On since
     # 2026-11-25: on an H100 the prepare took 1.225 instead of 1.319 ms at 8 x 8192 tokens (7% less).
     prepare_prefetch_rows: bool = True
-    # Dense prepare: Triton's software-pipelining depth of the loop over a program's chunks (None: Pallas'
-    # default). H100, 2026-11-25, prepare ms at T=16384 / packed 8 x 8192: None 0.180 / 1.319, 1 0.211 /
-    # 1.345, 2 0.190 / 1.288, 4 0.271 / 1.321.
+    # Dense prepare: Triton's software-pipelining depth of the loop over a program's chunks. None: 2 where the
+    # prepare also forms P (batch rows: it loads Q too), Pallas' default (3) where it does not (packed
+    # sequences with P in the walk). H100, 2026-11-25 (docs/benchmarks.md), 2 warps, ms, 2 stages / default:
+    # T=4096 0.128 / 0.138, T=16384 0.425 / 0.447, packed 8 x 8192 1.187 / 1.150. With 4 warps (before),
+    # prepare ms at T=16384 / packed: None 0.180 / 1.319, 1 0.211 / 1.345, 2 0.190 / 1.288, 4 0.271 / 1.321.
     prepare_pipeline_stages: int | None = None
     # Dense prepare: launch order of the programs; True = the v-heads of one chunk block next to each other
     # (those of one k-head read the same q, k tiles), False = the chunk blocks of one v-head. True since
@@ -1029,8 +1034,9 @@ def _prepare(
         ),
         grid=(batch * v_heads, pl.cdiv(num_chunks, chunks_per_program)) if heads_fastest
         else (pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.prepare_warps,
-                                             num_stages=block_sizes.prepare_pipeline_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.prepare_warps,
+            num_stages=block_sizes.prepare_pipeline_stages or (2 if with_p else None)),
         interpret=interpret,
         name="gdn_prepare",
     )(q, k, v, g, bt, *(token_rows or (jnp.zeros((1,), jnp.int32),) * 2))

@@ -218,12 +218,6 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
         plgpu.wait_smem_to_gmem(0)
 
 
-def _num_sms() -> int:
-    """Streaming multiprocessors of the default device (132 on an H100 SXM; also where no GPU is present)."""
-    device = jax.devices()[0]
-    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
-
-
 def _tile(dtype_bytes: int, width: int):
     swizzle = width * dtype_bytes
     return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(swizzle))
@@ -317,7 +311,7 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         plgpu.Barrier(num_barriers=stages, num_arrivals=cw),
     ]
     units = items * (n_out // (COLS * cw))
-    num_ctas = _num_sms() * ctas_per_sm
+    num_ctas = gpu_limits.sm_count() * ctas_per_sm
     codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)   # packed bytes as int8
     weights = (codes, rhs.scales) + ((rhs.offsets,) if bits == 4 else ())
 
