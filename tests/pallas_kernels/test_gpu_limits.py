@@ -26,3 +26,9 @@ def test_is_hopper_only_for_sm90():
     for cc in ("8.0", "8.9", "10.0", "12.0"):   # no wgmma on Ampere, Ada or Blackwell
         assert not gpu_limits.is_hopper(_device("gpu", cc))
     assert not gpu_limits.is_hopper(_device("cpu"))
+
+
+def test_sm_count_from_the_device_else_an_h100s():
+    assert gpu_limits.sm_count(types.SimpleNamespace(platform="gpu", core_count=114)) == 114   # H100 PCIe
+    assert gpu_limits.sm_count(_device("gpu")) == gpu_limits.SM_COUNT_DEFAULT == 132           # not reported
+    assert gpu_limits.sm_count(types.SimpleNamespace(platform="cpu", core_count=2)) == 132      # CPU cores: no
