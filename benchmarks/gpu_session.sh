@@ -2,7 +2,7 @@
 # The GPU measurements of docs/benchmarks.md, each part bounded (timeout) so that one slow part cannot eat the
 # others' time. Output: $OUT/{gdn,gmm,offload}.json, $OUT/prefill.jsonl (compare with docs/results/).
 #
-#   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gdn-step] [gdn-prepare] [gmm] [gmm-tiles] [gmm-mosaic] [moe]
+#   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gdn-step] [gdn-sustained] [gdn-prepare] [gmm] [gmm-tiles] [gmm-mosaic] [moe]
 #     [prefill] [prefill-trace] [h2d] [offload]   (prefill-trace: one traced 32k prefill and its kernel split,
 #     ~1 min; gmm-tiles: quantized tile shapes at prefill sizes and the fused dispatch gather, ~3 min)
 #   OFFLOAD_FORMAT (int4), OFFLOAD_CHUNK (32768), PREFILL_CHUNKS ("8192 16384 32768") choose the configurations.
@@ -25,6 +25,7 @@ for part in "${parts[@]}"; do
   case $part in
     gdn) timeout 300 python3 benchmarks/gated_delta_rule.py --reference --budget-s 150 --json "$OUT/gdn.json" | tail -3 ;;
     gdn-step) timeout 200 python3 benchmarks/gdn_decode_step.py --out "$OUT/gdn_step.json" | tail -3 ;;
+    gdn-sustained) timeout 200 python3 benchmarks/gdn_sustained_clock.py --out "$OUT/gdn_sustained.json" | tail -10 ;;
     gdn-prepare) timeout 200 python3 benchmarks/gdn_mosaic_prepare.py --out "$OUT/gdn_mosaic_prepare.json" | tail -3 ;;
     gmm) timeout 300 python3 benchmarks/grouped_matmul.py --quick --out "$OUT/gmm.json" | tail -3 ;;
     gmm-tiles) timeout 300 python3 benchmarks/gmm_tiles.py --gather --formats int8 int4 \
@@ -41,6 +42,6 @@ for part in "${parts[@]}"; do
     offload) timeout 420 python3 benchmarks/offload.py --expert-formats ${OFFLOAD_FORMAT:-int4} --budgets 12GiB 24GiB \
                --chunk-size ${OFFLOAD_CHUNK:-32768} \
                --policies static stream slru --profile --max-seconds 330 --out "$OUT/offload.json" | tail -3 ;;
-    *) echo "unknown part $part (gdn gdn-step gdn-prepare gmm gmm-tiles gmm-mosaic moe prefill prefill-trace h2d offload)"; exit 2 ;;
+    *) echo "unknown part $part (gdn gdn-step gdn-sustained gdn-prepare gmm gmm-tiles gmm-mosaic moe prefill prefill-trace h2d offload)"; exit 2 ;;
   esac
 done

@@ -76,3 +76,19 @@ def test_gdn_decode_step_smoke(tmp_path):
                                          "--block-v", "16", "--reps", "1", "--out", str(tmp_path / "step.json")])
     assert [r["impl"] for r in doc["rows"]] == ["reference (XLA)", "pallas block_v=16"]
     assert all(r["us"] > 0 and r["output_rel_err"] <= 1e-5 and r["state_rel_err"] <= 1e-5 for r in doc["rows"])
+
+
+def test_gdn_sustained_clock_reads_nvidia_smi_samples(tmp_path):
+    module = _load("gdn_sustained_clock")
+    csv = tmp_path / "smi.csv"
+    csv.write_text("2026/11/25 23:06:56.000, 1980 MHz, 150.00 W, 0x0000000000000000\n"
+                   "2026/11/25 23:06:57.000, 1725 MHz, 700.10 W, 0x0000000000000004\n"
+                   "2026/11/25 23:06:57.500, 1545 MHz, 690.00 W, 0x0000000000000004\n"
+                   "2026/11/25 23:06:5")  # a line cut off when nvidia-smi was stopped
+    samples = module.read_samples(csv)
+    assert [s[1:] for s in samples] == [(1980, 150.0, 0), (1725, 700.1, 4), (1545, 690.0, 4)]
+    start = samples[0][0]
+    (burst, sustained) = module.summarize([{"start": start, "end": start + 0.1},
+                                           {"start": start, "end": start + 2.0}], samples)
+    assert burst["sm_clock_mean_mhz"] == 1980 and burst["power_capped"] == 0.0
+    assert sustained["samples"] == 2 and sustained["sm_clock_min_mhz"] == 1545 and sustained["power_capped"] == 1.0

@@ -1,0 +1,133 @@
+"""Our gated delta rule and flash-linear-attention's, in short bursts and sustained, with the GPU's SM clock,
+power draw and throttle reasons sampled beside them (nvidia-smi every 20 ms).
+
+`gated_delta_rule.py` times 50 back-to-back calls (~60 ms for the packed batch); the GPU keeps its full clock
+that long. Run for seconds, a call that draws more power than the board's limit is slowed by the clock the
+driver then lowers (throttle reason 0x4, the software power cap). This script shows which regime each call
+is in: for each workload, ours and FLA's calls each in a burst of 50 and sustained for ~2.5 s of GPU time,
+idle 1.5 s between phases.
+
+usage (GPU machine, FLA installed from .whl/ as in gpu_session.sh):
+  PYTHONPATH=/tmp/site:. python3 benchmarks/gdn_sustained_clock.py --out $OUT/sustained.json [--smi-csv F]
+
+Writes JSON: one row per phase (impl, workload, reps, ms per call, SM clock min / mean MHz, max power W,
+fraction of samples with the software power cap active), the device and the date.
+"""
+
+import argparse
+import datetime
+import functools
+import json
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gated_delta_rule import pallas_triton, workloads
+
+QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+SW_POWER_CAP = 0x4
+
+
+def read_samples(path):
+    """(unix time, SM clock MHz, power W, throttle reasons) per nvidia-smi line."""
+    samples = []
+    with open(path) as lines:
+        lines = list(lines)
+    for line in lines:
+        fields = [x.strip() for x in line.split(",")]
+        try:
+            t = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f")
+            samples.append((t.replace(tzinfo=datetime.UTC).timestamp(), int(fields[1].split()[0]),
+                            float(fields[2].split()[0]), int(fields[3], 16)))
+        except (ValueError, IndexError):  # a header, or a line cut off at the end
+            continue
+    return samples
+
+
+def summarize(phases, samples):
+    """Adds to each phase the clock, power and power-cap share of the samples inside it (those past its first
+    0.3 s where it lasts longer than that: the clock follows the load within ~0.15 s)."""
+    for phase in phases:
+        inside = [s for s in samples if phase["start"] <= s[0] <= phase["end"]]
+        inside = [s for s in inside if s[0] >= phase["start"] + 0.3] or inside
+        if inside:
+            clocks = [s[1] for s in inside]
+            phase.update(samples=len(inside), sm_clock_min_mhz=min(clocks),
+                         sm_clock_mean_mhz=round(sum(clocks) / len(clocks)), power_max_w=max(s[2] for s in inside),
+                         power_capped=round(sum(bool(s[3] & SW_POWER_CAP) for s in inside) / len(inside), 3))
+    return phases
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smi-csv", default=None, help="keep nvidia-smi's samples here")
+    parser.add_argument("--seconds", type=float, default=2.5, help="GPU time of each sustained phase")
+    args = parser.parse_args(argv)
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    smi_path = args.smi_csv or tempfile.mktemp(suffix=".csv")
+    phases = []
+
+    def timed(impl, workload, fn, sync, reps):
+        t0, p0 = time.time(), time.perf_counter()
+        for _ in range(reps):
+            out = fn()
+        sync(out)
+        phases.append({"impl": impl, "workload": workload.name, "reps": reps,
+                       "ms": (time.perf_counter() - p0) / reps * 1e3, "start": t0, "end": time.time()})
+        print(phases[-1], flush=True)
+        time.sleep(1.5)
+
+    def run(workload):  # burst, burst, sustained, sustained, burst
+        inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=0)
+        inputs["beta"] = inputs["beta"].astype(jnp.bfloat16).astype(jnp.float32)
+        ours = functools.partial(jax.jit(functools.partial(pallas_triton.gated_delta_rule_pallas,
+                                                           interpret=False)), **inputs)
+        to_torch = lambda x, dt: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(dt)
+        tq, tk, tv = (to_torch(inputs[n], torch.bfloat16) for n in ("query", "key", "value"))
+        tg, tb = to_torch(inputs["log_decay"], torch.float32), to_torch(inputs["beta"], torch.bfloat16)
+        th0 = to_torch(inputs["initial_state"], torch.float32)
+        cu = inputs.get("cu_seqlens")
+        tcu = None if cu is None else torch.from_numpy(np.asarray(cu)).cuda().long()
+
+        def fla():
+            return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True,
+                                          cu_seqlens=tcu)
+
+        jax_sync, torch_sync = jax.block_until_ready, lambda _: torch.cuda.synchronize()
+        for _ in range(3):
+            jax_sync(ours())
+            torch_sync(fla())
+        time.sleep(1.5)
+        timed("ours", workload, ours, jax_sync, 50)
+        timed("fla", workload, fla, torch_sync, 50)
+        per_call = phases[-2]["ms"], phases[-1]["ms"]
+        timed("ours", workload, ours, jax_sync, int(args.seconds * 1e3 / per_call[0]))
+        timed("fla", workload, fla, torch_sync, int(args.seconds * 1e3 / per_call[1]))
+        timed("ours", workload, ours, jax_sync, 50)
+
+    with open(smi_path, "w") as smi_out:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader", "-lms", "20"],
+                               stdout=smi_out)
+        for workload in (workloads.QWEN35_PACKED_8X8K, workloads.QWEN35_PREFILL_16K):
+            run(workload)
+        smi.terminate()
+        smi.wait()
+    summarize(phases, read_samples(smi_path))
+    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "phases": phases}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    for p in phases:
+        print(p["impl"], p["workload"], p["reps"], round(p["ms"], 4), p.get("sm_clock_mean_mhz"),
+              p.get("power_capped"))
+
+
+if __name__ == "__main__":
+    main()
