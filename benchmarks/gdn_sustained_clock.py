@@ -18,6 +18,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -71,7 +72,10 @@ def main(argv=None):
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    smi_path = args.smi_csv or tempfile.mktemp(suffix=".csv")
+    smi_path = args.smi_csv
+    if smi_path is None:
+        handle, smi_path = tempfile.mkstemp(suffix=".csv")
+        os.close(handle)
     phases = []
 
     def timed(impl, workload, fn, sync, reps):
