@@ -68,6 +68,21 @@ CHECK_VARIANTS = [
 ]
 
 
+def fla_call(inputs, torch, chunk_gated_delta_rule):
+    """A thunk calling FLA's chunk_gated_delta_rule on torch copies of `inputs` (`workloads.make_inputs`): q, k,
+    v, beta bf16, the log decay and the initial state f32, cu_seqlens int64 where packed; it returns (output,
+    final state) as torch tensors."""
+    to_torch = lambda x, dt: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(dt)
+    tq, tk, tv = (to_torch(inputs[n], torch.bfloat16) for n in ("query", "key", "value"))
+    tg = to_torch(inputs["log_decay"], torch.float32)
+    tb = to_torch(inputs["beta"], torch.bfloat16)
+    th0 = to_torch(inputs["initial_state"], torch.float32)
+    cu = inputs.get("cu_seqlens")
+    tcu = None if cu is None else torch.from_numpy(np.asarray(cu)).cuda().long()
+    return lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True,
+                                          cu_seqlens=tcu)
+
+
 def wall_ms(fn, sync, reps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         sync(fn())
@@ -209,7 +224,6 @@ def bench_workload(
             row["output_rel_err_vs_reference"] = rel_err(out[0], want[0])
             row["state_rel_err_vs_reference"] = rel_err(out[1], want[1])
     inputs["beta"] = inputs["beta"].astype(jnp.bfloat16).astype(jnp.float32)
-    cu = inputs.get("cu_seqlens")
     rows = []
     base = {
         "workload": workload.name,
@@ -301,15 +315,7 @@ def bench_workload(
     if fla is None or ours_out is None:
         return rows
     torch, chunk_gated_delta_rule, do_bench = fla
-    to_torch = lambda x, dt: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(dt)
-    tq, tk, tv = (to_torch(inputs[n], torch.bfloat16) for n in ("query", "key", "value"))
-    tg = to_torch(inputs["log_decay"], torch.float32)
-    tb = to_torch(inputs["beta"], torch.bfloat16)
-    th0 = to_torch(inputs["initial_state"], torch.float32)
-    tcu = None if cu is None else torch.from_numpy(np.asarray(cu)).cuda().long()
-    fla_fn = lambda: chunk_gated_delta_rule(
-        tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True, cu_seqlens=tcu
-    )
+    fla_fn = fla_call(inputs, torch, chunk_gated_delta_rule)
     fla_wall = wall_ms(fla_fn, lambda _: torch.cuda.synchronize(), reps)
     fla_bench = do_bench(fla_fn, warmup=25, rep=100, return_mode="median")
     fo, fs = fla_fn()

@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.gated_delta_rule import pallas_triton, workloads
 
@@ -37,15 +36,14 @@ def read_samples(path):
     """(unix time, SM clock MHz, power W, throttle reasons) per nvidia-smi line."""
     samples = []
     with open(path) as lines:
-        lines = list(lines)
-    for line in lines:
-        fields = [x.strip() for x in line.split(",")]
-        try:
-            t = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f")
-            samples.append((t.replace(tzinfo=datetime.UTC).timestamp(), int(fields[1].split()[0]),
-                            float(fields[2].split()[0]), int(fields[3], 16)))
-        except (ValueError, IndexError):  # a header, or a line cut off at the end
-            continue
+        for line in lines:
+            fields = [x.strip() for x in line.split(",")]
+            try:
+                t = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f")
+                samples.append((t.replace(tzinfo=datetime.UTC).timestamp(), int(fields[1].split()[0]),
+                                float(fields[2].split()[0]), int(fields[3], 16)))
+            except (ValueError, IndexError):  # a header, or a line cut off at the end
+                continue
     return samples
 
 
@@ -69,6 +67,7 @@ def main(argv=None):
     parser.add_argument("--smi-csv", default=None, help="keep nvidia-smi's samples here")
     parser.add_argument("--seconds", type=float, default=2.5, help="GPU time of each sustained phase")
     args = parser.parse_args(argv)
+    import gated_delta_rule  # (a sibling script: benchmarks/ is on sys.path when this one runs)
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -93,17 +92,7 @@ def main(argv=None):
         inputs["beta"] = inputs["beta"].astype(jnp.bfloat16).astype(jnp.float32)
         ours = functools.partial(jax.jit(functools.partial(pallas_triton.gated_delta_rule_pallas,
                                                            interpret=False)), **inputs)
-        to_torch = lambda x, dt: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(dt)
-        tq, tk, tv = (to_torch(inputs[n], torch.bfloat16) for n in ("query", "key", "value"))
-        tg, tb = to_torch(inputs["log_decay"], torch.float32), to_torch(inputs["beta"], torch.bfloat16)
-        th0 = to_torch(inputs["initial_state"], torch.float32)
-        cu = inputs.get("cu_seqlens")
-        tcu = None if cu is None else torch.from_numpy(np.asarray(cu)).cuda().long()
-
-        def fla():
-            return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True,
-                                          cu_seqlens=tcu)
-
+        fla = gated_delta_rule.fla_call(inputs, torch, chunk_gated_delta_rule)
         jax_sync, torch_sync = jax.block_until_ready, lambda _: torch.cuda.synchronize()
         for _ in range(3):
             jax_sync(ours())
