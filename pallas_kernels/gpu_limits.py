@@ -4,6 +4,7 @@ Shared memory per thread block (bytes, opt-in maximum): Hopper and datacenter Bl
 Orin) 163 KiB, the other Ampere, Ada and consumer Blackwell cards 99 KiB (CUDA C++ Programming Guide,
 "Features and Technical Specifications", table of technical specifications per compute capability). Triton
 refuses at compile time a kernel whose pipelined tiles need more ("Shared memory size limit exceeded").
+Also the shared-memory tile layout the Hopper (Mosaic GPU) kernels give their TMA / wgmma operands.
 """
 
 from __future__ import annotations
@@ -73,3 +74,13 @@ def enable_concurrent_regions() -> None:
         raise RuntimeError(f"enable_concurrent_regions: JAX has already started its backends; set XLA_FLAGS="
                            f"{CONCURRENT_REGIONS_FLAG} before the first computation")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CONCURRENT_REGIONS_FLAG}".strip()
+
+
+def smem_tiles(itemsize: int, width: int) -> tuple:
+    """Mosaic GPU shared-memory transforms for an operand whose rows hold `width` elements of `itemsize` bytes:
+    (8, width) tiles, swizzled by a row's bytes (128 for 64 bf16, the widest swizzle; 64 for 32 bf16), the
+    layout TMA writes and wgmma reads without bank conflicts (CUDA C++ Programming Guide, "Tensor Memory
+    Access", swizzle modes)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width * itemsize))

@@ -1,20 +1,11 @@
 """GPU benchmark scripts run end to end on the CPU at toy sizes (their figures come from the GPU machine)."""
 
 import gzip
-import importlib.util
 import json
-import pathlib
-import sys
 
-BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+import support
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = support.load_benchmark
 
 
 def test_moe_layer_breakdown_smoke(tmp_path):

@@ -83,13 +83,27 @@ def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, s
     return None
 
 
-def _bf16_tile():
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def masked_decay(rows_ref, cols_ref, keep):
+    """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout.
+
+    Args:
+      rows_ref, cols_ref: [64] f32 shared-memory refs, each holding the chunk's gamma (chunk-local prefix sums of
+        the log decay), read over the rows and over the columns: two copies, because two loads of one ref in two
+        layouts defeat Mosaic GPU's layout inference.
+      keep: [64, 64] bool (WGMMA layout), on and/or below the diagonal only, where gamma_i <= gamma_j (so the
+        exponent is <= 0 and the factor <= 1; elsewhere exp is taken of 0).
+    """
+    layout, shape = plgpu.Layout.WGMMA, (CHUNK, CHUNK)
+    lc = functools.partial(plgpu.layout_cast, new_layout=layout)
+    gamma_i = lc(lax.broadcast_in_dim(plgpu.load(rows_ref, layout=layout.reduce(1)), shape, [0]))
+    gamma_j = lc(lax.broadcast_in_dim(plgpu.load(cols_ref, layout=layout.reduce(0)), shape, [1]))
+    zero = lc(jnp.zeros(shape, jnp.float32))
+    return lc(jnp.where(keep, lc(jnp.exp(lc(jnp.where(keep, lc(gamma_i - gamma_j), zero)))), zero))
 
 
 def _scratch_types(key_dim, stages, *, packed, p_in_walk):
     """The walk kernel's shared-memory buffers and barriers (`_walk_kernel`'s scratch refs, in order)."""
-    tile, st = _bf16_tile(), stages
+    tile, st = gpu_limits.smem_tiles(2, 64), stages  # [.., 64] bf16 operand tiles
     return (
         plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # q
         plgpu.SMEM((st, CHUNK, key_dim), jnp.bfloat16, transforms=tile),  # k
@@ -170,16 +184,10 @@ def _walk_kernel(
 
             def scores(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[s], k_smem.at[s].transpose((1, 0)))  # Q K^T
-                # (one SMEM copy per layout: two loads of one ref in two layouts defeat layout inference)
-                gamma_i = lc(lax.broadcast_in_dim(plgpu.load(gm_rows_smem.at[s], layout=layout.reduce(1)), shape, [0]))
-                gamma_j = lc(lax.broadcast_in_dim(plgpu.load(gm_cols_smem.at[s], layout=layout.reduce(0)), shape, [1]))
                 i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
                 j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
-                keep = lc(i >= j)
-                zero = lc(jnp.zeros(shape, f32))
-                diff = lc(jnp.where(keep, lc(gamma_i - gamma_j), zero))  # <= 0 on and below the diagonal
-                decay = lc(jnp.where(keep, lc(lc(jnp.exp(diff)) * scale), zero))
-                return lc(lc(acc_ref[...]) * decay)
+                decay = masked_decay(gm_rows_smem.at[s], gm_cols_smem.at[s], lc(i >= j))
+                return lc(lc(acc_ref[...]) * lc(decay * scale))
 
             p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
             plgpu.barrier_arrive(free0.at[s])  # done with K (the TMA warpgroup refills its stage once the walk is too)

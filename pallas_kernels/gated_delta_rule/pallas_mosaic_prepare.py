@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import pallas_mosaic
 
 CHUNK = 64
@@ -134,12 +135,10 @@ def _prepare_kernel(
         def scores(acc_ref):  # A and beta over the columns, from stage s
             plgpu.wgmma(acc_ref, k_smem.at[s], k_smem.at[s].transpose((1, 0)))  # K K^T
             # (one SMEM copy per layout: two loads of one ref in two layouts defeat layout inference)
-            gamma_i = lc(lax.broadcast_in_dim(plgpu.load(gamma_rows.at[s, wg], layout=layout.reduce(1)), shape, [0]))
-            gamma_j = lc(lax.broadcast_in_dim(plgpu.load(gamma_cols.at[s, wg], layout=layout.reduce(0)), shape, [1]))
             beta_i = lc(lax.broadcast_in_dim(plgpu.load(beta_rows.at[s, wg], layout=layout.reduce(1)), shape, [0]))
             beta_j = plgpu.load(beta_cols.at[s, wg], layout=layout.reduce(0))
             strict = lc(i_idx > j_idx)
-            decay = lc(jnp.exp(lc(jnp.where(strict, lc(gamma_i - gamma_j), zero))))  # <= 1 below the diagonal
+            decay = pallas_mosaic.masked_decay(gamma_rows.at[s, wg], gamma_cols.at[s, wg], strict)  # <= 1
             a = lc(jnp.where(strict, lc(lc(lc(acc_ref[...]) * beta_i) * decay), zero))
             return a, beta_j
 
@@ -208,7 +207,7 @@ def prepare(k, gamma, beta, *, group, chunks_per_program=8, stages=2, streams=2)
         _prepare_kernel(*refs, group=group, chunks_per_program=cpp, stages=stages, num_chunks=num_chunks,
                         streams=streams)
 
-    tile = pallas_mosaic._bf16_tile()  # (the walk's bf16 tiles)
+    tile = gpu_limits.smem_tiles(2, CHUNK)  # (the walk's bf16 tiles)
     slots, wgs = streams * stages, streams * group
     vector = lambda: plgpu.SMEM((slots, group, CHUNK), jnp.float32)
     return plgpu.kernel(

@@ -218,11 +218,6 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
         plgpu.wait_smem_to_gmem(0)
 
 
-def _tile(dtype_bytes: int, width: int):
-    swizzle = width * dtype_bytes
-    return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(swizzle))
-
-
 @functools.partial(jax.jit, static_argnames=("swiglu", "block_k", "stages", "compute_wgs", "ctas_per_sm",
                                                "preferred_element_type", "dequant"))
 def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False, block_k: int = 128,
@@ -297,15 +292,16 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
             break
     nb = block_k // QUANT_BLOCK
     per_stage_copies = parts * (nb + cw * tiles * (2 if bits == 4 else 1)) + cw * tiles
+    tile = functools.partial(gpu_limits.smem_tiles, 2)  # bf16 rows of that many elements
     scratch = [
-        plgpu.SMEM((stages, parts, nb, ROWS, QUANT_BLOCK), jnp.bfloat16, transforms=_tile(2, QUANT_BLOCK)),  # x
+        plgpu.SMEM((stages, parts, nb, ROWS, QUANT_BLOCK), jnp.bfloat16, transforms=tile(QUANT_BLOCK)),    # x
         plgpu.SMEM((stages, cw, tiles, COLS, block_k), jnp.int8),                                            # codes
         plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), scale_dtype),                                       # scales
     ]
     if bits == 4:
         scratch.append(plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), rhs.offsets.dtype))                 # offsets
     scratch += [
-        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16, transforms=_tile(2, ROWS)),                               # out^T
+        plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16, transforms=tile(ROWS)),                                   # out^T
         plgpu.SMEM((cw, COLS, COLS), jnp.bfloat16),                                                          # rows
         plgpu.Barrier(num_barriers=stages, num_arrivals=per_stage_copies),
         plgpu.Barrier(num_barriers=stages, num_arrivals=cw),

@@ -15,7 +15,7 @@ import pytest
 import support
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import pallas_mosaic, pallas_mosaic_prepare, pallas_triton, workloads
+from pallas_kernels.gated_delta_rule import pallas_mosaic_prepare, pallas_triton, workloads
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -93,14 +93,9 @@ def test_matches_the_triton_prepare_on_hopper(seqlens, streams):
     prepare's with the whole-tile inverse (the same bf16 products), to float rounding."""
     workload = dataclasses.replace(workloads.TINY, seq=sum(seqlens), batch=1, seqlens=seqlens, key_dim=128,
                                    value_dim=128)
-    inputs = workloads.make_inputs(workload, dtype=BF16, seed=3)
-    seq, t = workload.seq, -(-workload.seq // 64) * 64
-    g, bt = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(
-        inputs["log_decay"], inputs["beta"], inputs["cu_seqlens"]))
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes(), wy_in_state=True, inverse_slabs=False)
-    want, _, gamma, *_ = pallas_triton._prepare(
-        inputs["query"], inputs["key"], inputs["value"], g, bt, scale=0.1, chunk_size=64, group=2,
-        compute_dtype=BF16, block_sizes=block_sizes, interpret=False, valid_rows=seq if seq < t else None)
+    bench = support.load_benchmark("gdn_mosaic_prepare")  # its gates and Triton T, as the own-grid path has them
+    inputs, g, bt = bench.inputs_for(workload, seed=3)
+    want, gamma = bench.triton_t(inputs, g, bt, group=2, inverse_slabs=False)
     got = pallas_mosaic_prepare.prepare(inputs["key"], gamma, bt, group=2, streams=streams, chunks_per_program=3)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     support.assert_finite(got, "T diag(beta)")
