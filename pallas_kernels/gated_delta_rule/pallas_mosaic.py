@@ -83,8 +83,10 @@ def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, s
     return None
 
 
-def masked_decay(rows_ref, cols_ref, keep):
-    """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout.
+def masked_decay(rows_ref, cols_ref, keep, scale=None):
+    """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout; with `scale`, scale *
+    exp(gamma_i - gamma_j) as exp2(gamma_i log2(e) + log2(scale) - gamma_j log2(e)) (the scale and log2(e) applied
+    to the [64] vectors, -inf where not `keep`: one subtraction, one select and one ex2 per element).
 
     Args:
       rows_ref, cols_ref: [64] f32 shared-memory refs, each holding the chunk's gamma (chunk-local prefix sums of
@@ -95,8 +97,14 @@ def masked_decay(rows_ref, cols_ref, keep):
     """
     layout, shape = plgpu.Layout.WGMMA, (CHUNK, CHUNK)
     lc = functools.partial(plgpu.layout_cast, new_layout=layout)
-    gamma_i = lc(lax.broadcast_in_dim(plgpu.load(rows_ref, layout=layout.reduce(1)), shape, [0]))
-    gamma_j = lc(lax.broadcast_in_dim(plgpu.load(cols_ref, layout=layout.reduce(0)), shape, [1]))
+    rows, cols = plgpu.load(rows_ref, layout=layout.reduce(1)), plgpu.load(cols_ref, layout=layout.reduce(0))
+    if scale is not None:
+        log2e = math.log2(math.e)
+        rows, cols = rows * log2e + math.log2(scale), cols * log2e
+        diff = lc(lax.broadcast_in_dim(rows, shape, [0])) - lc(lax.broadcast_in_dim(cols, shape, [1]))
+        return lc(jnp.exp2(lc(jnp.where(keep, lc(diff), lc(jnp.full(shape, -jnp.inf, jnp.float32))))))
+    gamma_i = lc(lax.broadcast_in_dim(rows, shape, [0]))
+    gamma_j = lc(lax.broadcast_in_dim(cols, shape, [1]))
     zero = lc(jnp.zeros(shape, jnp.float32))
     return lc(jnp.where(keep, lc(jnp.exp(lc(jnp.where(keep, lc(gamma_i - gamma_j), zero)))), zero))
 
@@ -186,8 +194,8 @@ def _walk_kernel(
                 plgpu.wgmma(acc_ref, q_smem.at[s], k_smem.at[s].transpose((1, 0)))  # Q K^T
                 i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
                 j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
-                decay = masked_decay(gm_rows_smem.at[s], gm_cols_smem.at[s], lc(i >= j))
-                return lc(lc(acc_ref[...]) * lc(decay * scale))
+                decay = masked_decay(gm_rows_smem.at[s], gm_cols_smem.at[s], lc(i >= j), scale)
+                return lc(lc(acc_ref[...]) * decay)
 
             p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
             plgpu.barrier_arrive(free0.at[s])  # done with K (the TMA warpgroup refills its stage once the walk is too)
