@@ -137,6 +137,10 @@ def test_kernel_lowers_for_cuda():
                                    chunked[0], None, chunked[2], state, cu)
     with pytest.raises(ValueError, match="p=None .* needs gamma"):
         lowered(*a[:4], None, None, a[6], decays=(a[5], a[5]))
+    # P's decay as one exp2 takes log2(scale): a scale <= 0 multiplies after the exp instead
+    for scale in (-0.5, 0.0):
+        assert "mosaic_gpu" in pallas_mosaic.state_pass.trace(*a[:4], None, a[5], a[6], scale=scale).lower(
+            lowering_platforms=("cuda",)).as_text()
 
 
 def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scale):
@@ -208,14 +212,29 @@ def test_own_grid_prepare_and_walk_math(seqlens):
 def test_matches_reference_on_hopper(seq, batch, seqlens, p_in_walk):
     workload = dataclasses.replace(DIM128, seq=seq, batch=batch)
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=5, seqlens=seqlens)
+    assert_matches_reference(inputs, block_sizes=dataclasses.replace(MOSAIC, p_in_walk=p_in_walk))
+
+
+def assert_matches_reference(inputs, scale=None, **kwargs):
+    """The Pallas call (kwargs: its options) against the f32 recurrence on the same bf16 inputs: finite, and
+    within 2e-2 of the largest reference value (output and final state)."""
     as_f32 = {n: (x if x is None or n == "cu_seqlens" else jnp.asarray(x, jnp.float32)) for n, x in inputs.items()}
-    want = reference.gated_delta_rule_reference(**as_f32)
-    got = pallas_triton.gated_delta_rule_pallas(
-        **inputs, block_sizes=dataclasses.replace(MOSAIC, p_in_walk=p_in_walk))
+    want = reference.gated_delta_rule_reference(**as_f32, scale=scale)
+    got = pallas_triton.gated_delta_rule_pallas(**inputs, scale=scale, **kwargs)
     for name, g, w in zip(("output", "final_state"), got, want, strict=True):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
         assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
+
+
+@pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
+@pytest.mark.parametrize("scale", [-0.3, 0.25])
+def test_query_scale_on_hopper(scale):
+    """P formed in the walk takes the scale as log2(scale) in its exp2 (scale > 0) or multiplies it after the
+    exp (scale <= 0): both against the reference, packed sequences on the own grid."""
+    workload = dataclasses.replace(DIM128, seq=336, batch=1)  # a multiple of 8: the own grid, P in the walk
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=6, seqlens=(70, 0, 5, 3, 64, 194))
+    assert_matches_reference(inputs, scale, block_sizes=MOSAIC)
 
 
 def prepare_inputs(chunks, seed):
