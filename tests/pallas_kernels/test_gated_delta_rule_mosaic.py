@@ -5,7 +5,7 @@ Pallas' GPU interpreter cannot run it (its wgmma takes no register operands), so
 kernel is lowered for CUDA (Mosaic GPU's layout inference and shape checks run) but not executed; the
 numerical checks run on an H100 / H200 (and in `benchmarks/gated_delta_rule.py --check`):
   JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/pallas_kernels/test_gated_delta_rule_mosaic.py
-(all passed on an H100 on 2026-11-25; tests/conftest.py otherwise pins JAX to the CPU)."""
+(passed on an H100 on 2026-11-26; tests/conftest.py otherwise pins JAX to the CPU)."""
 
 import dataclasses
 
