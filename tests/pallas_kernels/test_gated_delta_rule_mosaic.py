@@ -106,8 +106,8 @@ def test_kernel_lowers_for_cuda():
                 jax.ShapeDtypeStruct((b, seq, vh, 64), bf16), jax.ShapeDtypeStruct((b, vh, seq), f32),
                 jax.ShapeDtypeStruct((rows, vh, k, v), f32))
 
-    def lowered(*a, **kw):
-        return pallas_mosaic.state_pass.trace(*a, scale=k**-0.5, **kw).lower(lowering_platforms=("cuda",)).as_text()
+    def lowered(*a, scale=k**-0.5, **kw):
+        return pallas_mosaic.state_pass.trace(*a, scale=scale, **kw).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "mosaic_gpu" in lowered(*args(2, 2))
     a = args(2, 2)  # the decay factors formed by the prepare, the state read and written in place: no XLA exp,
@@ -139,8 +139,7 @@ def test_kernel_lowers_for_cuda():
         lowered(*a[:4], None, None, a[6], decays=(a[5], a[5]))
     # P's decay as one exp2 takes log2(scale): a scale <= 0 multiplies after the exp instead
     for scale in (-0.5, 0.0):
-        assert "mosaic_gpu" in pallas_mosaic.state_pass.trace(*a[:4], None, a[5], a[6], scale=scale).lower(
-            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], scale=scale)
 
 
 def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scale):
