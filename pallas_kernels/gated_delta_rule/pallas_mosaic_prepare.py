@@ -138,8 +138,9 @@ def _prepare_kernel(
             beta_i = lc(lax.broadcast_in_dim(plgpu.load(beta_rows.at[s, wg], layout=layout.reduce(1)), shape, [0]))
             beta_j = plgpu.load(beta_cols.at[s, wg], layout=layout.reduce(0))
             strict = lc(i_idx > j_idx)
-            decay = pallas_mosaic.masked_decay(gamma_rows.at[s, wg], gamma_cols.at[s, wg], strict)  # <= 1
-            a = lc(jnp.where(strict, lc(lc(lc(acc_ref[...]) * beta_i) * decay), zero))
+            # <= 1 on the strict lower triangle, 0 elsewhere (so A is strictly lower with no second mask)
+            decay = pallas_mosaic.masked_decay(gamma_rows.at[s, wg], gamma_cols.at[s, wg], strict)
+            a = lc(lc(lc(acc_ref[...]) * beta_i) * decay)
             return a, beta_j
 
         a, beta_j = pl.run_scoped(scores, plgpu.ACC(shape, f32))
