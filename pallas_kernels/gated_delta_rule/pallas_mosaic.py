@@ -84,32 +84,30 @@ def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, s
 
 
 def masked_decay(rows_ref, cols_ref, keep, scale=None):
-    """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout; with `scale` (a
+    """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout, as the exp of the
+    difference with -inf where not `keep` (one subtraction, one select and one exp per element); with `scale` (a
     Python float), scale * exp(gamma_i - gamma_j): for scale > 0 as exp2(gamma_i log2(e) + log2(scale) - gamma_j
-    log2(e)) (the scale and log2(e) applied to the [64] vectors, -inf where not `keep`: one subtraction, one
-    select and one ex2 per element; H100, packed 8 x 8192 walk 0.85 / 0.80 -> 0.81 / 0.79 ms, docs/benchmarks.md,
-    2026-11-26), else multiplied after the exp.
+    log2(e)) (the scale and log2(e) applied to the [64] vectors; H100, packed 8 x 8192 walk 0.85 / 0.80 -> 0.81 /
+    0.79 ms, docs/benchmarks.md, 2026-11-26), else multiplied after the exp.
 
     Args:
       rows_ref, cols_ref: [64] f32 shared-memory refs, each holding the chunk's gamma (chunk-local prefix sums of
         the log decay), read over the rows and over the columns: two copies, because two loads of one ref in two
         layouts defeat Mosaic GPU's layout inference.
       keep: [64, 64] bool (WGMMA layout), on and/or below the diagonal only, where gamma_i <= gamma_j (so the
-        exponent is <= 0 and the factor <= 1; elsewhere exp is taken of 0).
+        exponent is <= 0 and the factor <= 1).
     """
     layout, shape = plgpu.Layout.WGMMA, (CHUNK, CHUNK)
     lc = functools.partial(plgpu.layout_cast, new_layout=layout)
     rows, cols = plgpu.load(rows_ref, layout=layout.reduce(1)), plgpu.load(cols_ref, layout=layout.reduce(0))
-    if scale is not None and scale > 0:
+    scale_in_exp = scale is not None and scale > 0
+    if scale_in_exp:
         log2e = math.log2(math.e)
         rows, cols = rows * log2e + math.log2(scale), cols * log2e
-        diff = lc(lax.broadcast_in_dim(rows, shape, [0])) - lc(lax.broadcast_in_dim(cols, shape, [1]))
-        return lc(jnp.exp2(lc(jnp.where(keep, lc(diff), lc(jnp.full(shape, -jnp.inf, jnp.float32))))))
-    gamma_i = lc(lax.broadcast_in_dim(rows, shape, [0]))
-    gamma_j = lc(lax.broadcast_in_dim(cols, shape, [1]))
-    zero = lc(jnp.zeros(shape, jnp.float32))
-    decay = lc(jnp.where(keep, lc(jnp.exp(lc(jnp.where(keep, lc(gamma_i - gamma_j), zero)))), zero))
-    return decay if scale is None else lc(decay * scale)
+    diff = lc(lax.broadcast_in_dim(rows, shape, [0])) - lc(lax.broadcast_in_dim(cols, shape, [1]))
+    exponent = lc(jnp.where(keep, lc(diff), lc(jnp.full(shape, -jnp.inf, jnp.float32))))
+    decay = lc(jnp.exp2(exponent) if scale_in_exp else jnp.exp(exponent))
+    return decay if scale is None or scale_in_exp else lc(decay * scale)
 
 
 def _scratch_types(key_dim, stages, *, packed, p_in_walk):
