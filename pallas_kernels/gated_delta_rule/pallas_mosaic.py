@@ -253,7 +253,8 @@ def _walk_kernel(
         state0 = lc(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False))
         shape = (BLOCK_V, CHUNK)
 
-        def step(n, state):
+        def step(n, state, boundary=True):
+            # boundary=False (own grid): a chunk strictly between the walk's first and last, all its own tokens
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded0.at[s])
             state = lc(state)
@@ -261,7 +262,7 @@ def _walk_kernel(
             # e^gamma and e^(gamma_last - gamma) over the columns (tokens), e^gamma_last as a scalar
             exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
             exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
-            if packed == "own_grid":  # only the own sequence's tokens update the state, its decay ends there
+            if packed == "own_grid" and boundary:  # only the own sequence's tokens update the state, its decay ends there
                 _, first, last = own_rows(n)
                 token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout.reduce(0))
                 exp_to_last = jnp.where((token >= first) & (token < last), exp_to_last, 0.0)
@@ -300,7 +301,12 @@ def _walk_kernel(
             plgpu.barrier_arrive(free0.at[s])
             return lc(state)
 
-        state = lax.fori_loop(lo, hi, step, state0)
+        if packed == "own_grid":  # the mask only in the first and last chunk: the step is the walk's critical path
+            state = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), step, state0)
+            state = lax.fori_loop(lo + 1, hi - 1, functools.partial(step, boundary=False), state)
+            state = lax.fori_loop(jnp.maximum(hi - 1, lo + 1), hi, step, state)
+        else:
+            state = lax.fori_loop(lo, hi, step, state0)
         state_smem.T[...] = plgpu.layout_cast(state, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(state_smem, final_ref.at[row, h, :, cols])
@@ -424,6 +430,41 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
     return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
 
 
+def restart_decays(exp_gamma, exp_to_last, gamma, cu_seqlens, seq):
+    """`decay_factors(gamma, cu_seqlens, seq)` from `decay_factors(gamma)`, the chunk grid's factors that the
+    prepare writes (`pallas_triton._prepare` with decay_factors): the two differ only in the chunks where a
+    sequence starts inside (not at a chunk's first row), at most one per sequence. Those chunks' factors are
+    formed here from their gamma (a [num_seqs, 64] slab per v-head) and written over the others' (XLA
+    scatter), instead of every token's.
+
+    Args:
+      exp_gamma, exp_to_last: [1, v_heads, t] f32, `decay_factors(gamma)` (no cu_seqlens); t a multiple of 64.
+      gamma: [1, v_heads, t] f32, chunk-local prefix sums of the log decay of `break_sequences`.
+      cu_seqlens: int32 [num_seqs + 1] token offsets (cu[-1] == seq <= t).
+      seq: the packed length (static).
+
+    Returns:
+      (e^gamma', e^(gamma'_last - gamma')) [1, v_heads, t] f32, as `decay_factors(gamma, cu_seqlens, seq)`.
+    """
+    t = gamma.shape[2]
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    starts = cu[:-1]
+    inside = (starts % CHUNK != 0) & (starts < seq)
+    chunk_first = jnp.minimum(starts - starts % CHUNK, t - CHUNK)
+    tokens = chunk_first[:, None] + jnp.arange(CHUNK, dtype=jnp.int32)  # [num_seqs, 64]: the start's chunk
+    ranges = _common.grid_ranges(cu, seq, t, CHUNK, token=tokens)
+    slab = jnp.take(gamma, tokens, axis=2)  # [1, v_heads, num_seqs, 64]
+
+    def at(rows):  # gamma at token slots rows [num_seqs, 64]
+        return jnp.take(gamma, rows, axis=2)
+
+    restart = jnp.where(ranges.first > chunk_first[:, None], at(jnp.maximum(ranges.first - 1, 0)) - SEQUENCE_BREAK,
+                        0.0)
+    slots = jnp.where(inside[:, None], tokens, t)  # chunks without a start inside: nothing to write (dropped)
+    return tuple(x.at[:, :, slots].set(y, mode="drop") for x, y in (
+        (exp_gamma, jnp.exp(slab - restart)), (exp_to_last, jnp.exp(at(ranges.last) - slab))))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
 def state_pass(
     q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
@@ -463,9 +504,10 @@ def state_pass(
         this one on (static; `pallas_triton._pipelined_walk`); q, k, v (and `out`) the whole sequence.
       out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
-      decays: batch rows only: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as `decay_factors`
-        returns them, formed elsewhere (the prepare writes them: no XLA kernel between it and the walk);
-        gamma is then None (unless p is None). None: formed here from gamma.
+      decays: batch rows or the own grid: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as
+        `decay_factors` returns them (own grid: with cu_seqlens), formed elsewhere (the prepare writes them,
+        on the own grid mended by `restart_decays`: no exponentials in XLA); gamma is then None (unless p is
+        None). None: formed here from gamma.
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
@@ -493,8 +535,8 @@ def state_pass(
     p_in_walk = p is None
     if p_in_walk and gamma is None:
         raise ValueError("state_pass: p=None (P formed in the walk) needs gamma")
-    if (not p_in_walk and (decays is None) == (gamma is None)) or (decays is not None and packed):
-        raise ValueError("state_pass: pass gamma or (batch rows) decays, one of the two")
+    if (not p_in_walk and (decays is None) == (gamma is None)) or (decays is not None and packed == "regathered"):
+        raise ValueError("state_pass: pass gamma or (batch rows, own grid) decays, one of the two")
     gamma_shape = gamma.shape if decays is None else decays[0].shape
     if t_beta.shape[1] != t or (not p_in_walk and p.shape[1] != t) or gamma_shape[2] != t or (
             decays is not None and decays[1].shape != gamma_shape) or (

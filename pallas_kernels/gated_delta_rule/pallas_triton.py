@@ -1163,10 +1163,15 @@ def _run_stages(
     pieces = _walk_pipeline_pieces(block_sizes, g.shape[2] // common["chunk_size"]) if mosaic and not packed else 1
     if pieces > 1 and valid_rows is None:
         return _pipelined_walk(q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common)
-    # batch rows, Mosaic GPU walk: the prepare writes the walk's decay factors in place of gamma (and U)
-    decay_factors = mosaic and not packed
-    if _mosaic_prepare(block_sizes, packed, token_rows, chunk_size=common["chunk_size"], group=common["group"],
-                       key_dim=k.shape[3], compute_dtype=common["compute_dtype"]):
+    # batch rows, Mosaic GPU walk: the prepare writes the walk's decay factors in place of gamma (and U); on the
+    # own grid too where the walk forms P (the prepare then writes gamma as well), those of the chunks where a
+    # sequence starts inside mended in XLA from gamma (not with the Mosaic GPU prepare: T diag(beta) only)
+    own_grid = mosaic and packed and token_rows is None
+    mosaic_prepare = _mosaic_prepare(block_sizes, packed, token_rows, chunk_size=common["chunk_size"],
+                                     group=common["group"], key_dim=k.shape[3], compute_dtype=common["compute_dtype"])
+    own_grid_factors = own_grid and _p_in_walk(block_sizes, token_rows)
+    decay_factors = mosaic and (not packed or own_grid_factors) and not mosaic_prepare
+    if mosaic_prepare:
         c = common["chunk_size"]  # T diag(beta) by the Mosaic GPU prepare; gamma a chunk-local cumsum (XLA)
         gamma = jnp.cumsum(g.reshape(g.shape[:2] + (-1, c)), axis=3).reshape(g.shape)
         w = pallas_mosaic_prepare.prepare(k, gamma, bt, group=common["group"],
@@ -1181,6 +1186,8 @@ def _run_stages(
     p_in_walk = _p_in_walk(block_sizes, token_rows)  # (the Mosaic walk only)
     if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
         gamma, p = (p if decay_factors else gamma), None
+    if own_grid and decays:
+        decays = pallas_mosaic.restart_decays(*decays, gamma, cu_seqlens, q.shape[1])
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
         u = v
     final_state = None

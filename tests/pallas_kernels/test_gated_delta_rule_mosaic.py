@@ -114,7 +114,7 @@ def test_kernel_lowers_for_cuda():
     # no transpose
     text = lowered(*a[:5], None, a[6], decays=(a[5], a[5]))
     assert "mosaic_gpu" in text and "stablehlo.exponential" not in text and "stablehlo.transpose" not in text
-    with pytest.raises(ValueError, match="gamma or .batch rows. decays, one of the two"):
+    with pytest.raises(ValueError, match="gamma or .batch rows, own grid. decays, one of the two"):
         lowered(*a[:5], None, a[6])
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
     qkv, chunked, state = args(1, 3)[:3], args(1, 3)[3:6], args(1, 3)[6]
@@ -201,6 +201,30 @@ def test_own_grid_prepare_and_walk_math(seqlens):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
         assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
+
+
+@pytest.mark.parametrize("seqlens", [(70, 0, 5, 3, 64, 188), (64, 128), (1, 129), (10, 20, 30, 4, 200)])
+def test_own_grid_decays_from_the_prepare(seqlens):
+    """On the own grid the prepare (interpreter) writes the chunk grid's decay factors, and `restart_decays`
+    mends the chunks where a sequence starts inside: together what `decay_factors` forms from gamma with
+    cu_seqlens (several starts in one chunk, an empty sequence, a start at a chunk's first row, a last partial
+    chunk)."""
+    workload = dataclasses.replace(DIM128, seq=sum(seqlens), batch=1, key_dim=64, value_dim=64)
+    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=11, seqlens=seqlens)
+    cu, seq, c = inputs["cu_seqlens"], workload.seq, pallas_mosaic.CHUNK
+    t = -(-seq // c) * c
+    g, bt = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(inputs["log_decay"], inputs["beta"], cu))
+    common = {"scale": 0.125, "chunk_size": c, "group": workload.v_heads // workload.k_heads,
+              "compute_dtype": jnp.bfloat16, "interpret": True, "valid_rows": seq if seq < t else None,
+              "block_sizes": dataclasses.replace(DEFAULT, wy_in_state=True)}
+    qkv = (inputs["query"], inputs["key"], inputs["value"])
+    gamma = pallas_triton._prepare(*qkv, g, bt, **common)[2]
+    _, exp_to_last, exp_gamma, *_ = pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **common)
+    got = pallas_mosaic.restart_decays(exp_gamma, exp_to_last, gamma, cu, seq)
+    want = pallas_mosaic.decay_factors(gamma, cu, seq)
+    for name, x, w in zip(("e^gamma", "e^(gamma_last - gamma)"), got, want, strict=True):
+        assert x.shape == w.shape == (1, workload.v_heads, t) and np.isfinite(np.asarray(x)).all(), name
+        np.testing.assert_allclose(np.asarray(x), np.asarray(w), rtol=2e-6, atol=1e-30, err_msg=name)
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
