@@ -166,9 +166,12 @@ class BlockSizes:
     wy_in_state: bool | None = None
     # Dense prepare: chunks per program (at most num_chunks // 16, so that short inputs keep >= 16 programs per
     # v-head), walked in a loop so that Triton's software pipeline loads the next chunk's q, k (and v) tiles
-    # during this chunk's products; 1 = one program per chunk, straight-line code. 8 since 2026-11-24 (H100,
+    # during this chunk's products; 1 = one program per chunk, straight-line code. 8 from 2026-11-24 (H100,
     # docs/benchmarks.md): prepare 4-7% faster at T=4096 and 16384, 11% packed (8 x 8192: 3.23 -> 3.05 ms).
-    prepare_chunks: int = 8
+    # None (the default since 2026-11-26): `prepare_chunks_per_program`, 8 to 24 fitted to the SMs, so that the
+    # last wave of programs is nearly full (H100, packed 8 x 8192, 10 alternating rounds: 14 chunks 1.104 ms,
+    # 21 1.104, 8 1.112, 7 1.111; docs/benchmarks.md).
+    prepare_chunks: int | None = None
     # With wy_in_state and the fused output: the prepare writes P T diag(beta) in place of P, so the walk's
     # output takes (P T diag(beta)) X with X = V - diag(e^gamma) K h, the operand the T product already has in
     # shared memory, instead of P V': one operand round trip fewer per step, and the output off V''s chain.
@@ -938,6 +941,34 @@ def _output_kernel(
     o_ref[b, rows, h, cols] = (out * scale).astype(o_ref.dtype)
 
 
+# Dense prepare programs an SM holds at once (2 warps: 168 registers a thread, 37 KB of shared memory; ncu on an
+# H100, 2026-11-25, docs/benchmarks.md): what `prepare_chunks_per_program` sizes the waves of programs by.
+PREPARE_PROGRAMS_PER_SM = 6
+
+
+def prepare_chunks_per_program(chunks: int | None, num_chunks: int, rows: int, *, fit: bool = True,
+                               sm_count: int | None = None) -> int:
+    """Chunks each dense prepare program walks (`BlockSizes.prepare_chunks`), at most num_chunks // 16 (>= 1).
+
+    chunks None (auto): with `fit`, the c in 8..24 that minimises ceil(programs / slots) * c, the prepare's time
+    in chunk steps when its programs run in whole waves (programs = rows * ceil(num_chunks / c), slots = SMs *
+    `PREPARE_PROGRAMS_PER_SM`); the smallest c of equals. Without `fit` (a piece of the pipelined walk, whose
+    prepares share the SMs with walks; the interpreter), 8.
+
+    Raises:
+      ValueError: chunks < 1.
+    """
+    cap = max(1, num_chunks // 16)
+    if chunks is not None:
+        if chunks < 1:
+            raise ValueError(f"BlockSizes.prepare_chunks={chunks} must be >= 1")
+        return min(chunks, cap)
+    if not fit or cap <= 8:
+        return min(8, cap)
+    slots = (sm_count or gpu_limits.sm_count()) * PREPARE_PROGRAMS_PER_SM
+    return min(range(8, min(24, cap) + 1), key=lambda c: (-(-rows * -(-num_chunks // c) // slots) * c, c))
+
+
 def _prepare(
     q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, block_sizes, interpret, token_rows=None,
     valid_rows=None, chunk_offset=0, num_chunks=None, decay_factors=False,
@@ -964,10 +995,9 @@ def _prepare(
     v_heads, value_dim = v.shape[2:]
     wy_in_state = block_sizes.wy_in_state
     fold_t_into_p = block_sizes.fold_t_into_p
-    if block_sizes.prepare_chunks < 1:
-        raise ValueError(f"BlockSizes.prepare_chunks={block_sizes.prepare_chunks} must be >= 1")
     num_chunks = padded // chunk_size
-    chunks_per_program = max(1, min(block_sizes.prepare_chunks, num_chunks // 16))
+    chunks_per_program = prepare_chunks_per_program(block_sizes.prepare_chunks, num_chunks, batch * v_heads,
+                                                    fit=not piece and not interpret)
     if block_sizes.prepare_kernel != "dense":  # the sub_blocks prepare runs one chunk per program
         chunks_per_program = 1
     heads_fastest = block_sizes.prepare_heads_fastest and block_sizes.prepare_kernel == "dense"

@@ -542,6 +542,26 @@ def test_state_stages_fit_the_device_shared_memory():
     assert wy_stages == {232448: 3, 166912: 2, 101376: 1}
 
 
+def test_prepare_chunks_per_program_fill_the_last_wave():
+    """Auto (None): 8..24 chunks per dense prepare program, fitted so that the programs run in whole waves
+    (132 SMs x 6 programs = 792 at once); capped at num_chunks // 16; 8 for pipelined pieces; explicit values
+    kept (capped)."""
+    per_program = pallas_triton.prepare_chunks_per_program
+    assert per_program(None, 1024, 32, sm_count=132) == 14  # packed 8 x 8192: 2 368 programs, 2.99 waves
+    assert per_program(None, 256, 32, sm_count=132) == 11  # 768 programs: one wave
+    assert per_program(None, 64, 32, sm_count=132) == 4  # num_chunks // 16
+    assert per_program(None, 1024, 32, fit=False) == 8
+    assert per_program(3, 1024, 32) == 3 and per_program(64, 100, 32) == 6
+    for num_chunks in (128, 300, 1024, 5000):
+        for rows in (1, 8, 32, 64):
+            cap = min(24, num_chunks // 16)
+            steps = {c: -(-rows * -(-num_chunks // c) // 792) * c for c in range(8, cap + 1)}  # waves x chunks
+            chosen = per_program(None, num_chunks, rows, sm_count=132)
+            assert chosen == min(steps, key=lambda c: (steps[c], c))
+    with pytest.raises(ValueError, match="prepare_chunks=0 must be >= 1"):
+        per_program(0, 1024, 32)
+
+
 def test_wy_in_state_auto_default():
     """The default (wy_in_state=None) forms W h and U in the state pass from T on chunk-aligned inputs, and
     takes W and U from the prepare for packed sequences read in place (bit for bit the explicit choices)."""
