@@ -168,9 +168,10 @@ class BlockSizes:
     # v-head), walked in a loop so that Triton's software pipeline loads the next chunk's q, k (and v) tiles
     # during this chunk's products; 1 = one program per chunk, straight-line code. 8 from 2026-11-24 (H100,
     # docs/benchmarks.md): prepare 4-7% faster at T=4096 and 16384, 11% packed (8 x 8192: 3.23 -> 3.05 ms).
-    # None (the default since 2026-11-26): `prepare_chunks_per_program`, 8 to 24 fitted to the SMs, so that the
-    # last wave of programs is nearly full (H100, packed 8 x 8192, 10 alternating rounds: 14 chunks 1.104 ms,
-    # 21 1.104, 8 1.112, 7 1.111; docs/benchmarks.md).
+    # None (the default since 2026-11-26): `prepare_chunks_per_program`: for the prepare of a walk that forms P
+    # (packed sequences on their own grid), 8 to 24 fitted to the SMs, so that the programs run in nearly whole
+    # waves (H100, packed 8 x 8192, 10 alternating rounds: 14 chunks 1.104 ms, 21 1.104, 8 1.112, 7 1.111;
+    # docs/benchmarks.md); elsewhere 8.
     prepare_chunks: int | None = None
     # With wy_in_state and the fused output: the prepare writes P T diag(beta) in place of P, so the walk's
     # output takes (P T diag(beta)) X with X = V - diag(e^gamma) K h, the operand the T product already has in
@@ -952,8 +953,10 @@ def prepare_chunks_per_program(chunks: int | None, num_chunks: int, rows: int, *
 
     chunks None (auto): with `fit`, the c in 8..24 that minimises ceil(programs / slots) * c, the prepare's time
     in chunk steps when its programs run in whole waves (programs = rows * ceil(num_chunks / c), slots = SMs *
-    `PREPARE_PROGRAMS_PER_SM`); the smallest c of equals. Without `fit` (a piece of the pipelined walk, whose
-    prepares share the SMs with walks; the interpreter), 8.
+    `PREPARE_PROGRAMS_PER_SM`); the smallest c of equals. Without `fit`, 8: `_prepare` fits only the prepare
+    whose occupancy `PREPARE_PROGRAMS_PER_SM` was measured for (T diag(beta) alone: the Mosaic GPU walk forming
+    P; compiled), for the whole input (not a piece of the pipelined walk, whose prepares share the SMs with
+    walks).
 
     Raises:
       ValueError: chunks < 1.
@@ -996,8 +999,12 @@ def _prepare(
     wy_in_state = block_sizes.wy_in_state
     fold_t_into_p = block_sizes.fold_t_into_p
     num_chunks = padded // chunk_size
+    p_in_walk = _p_in_walk(block_sizes, token_rows)
+    with_p = block_sizes.fuse_output and not p_in_walk
+    # fitted to the SMs only where measured: T diag(beta) alone (no P, W, U), the whole input at once, compiled
+    fit = wy_in_state and not with_p and not piece and not interpret
     chunks_per_program = prepare_chunks_per_program(block_sizes.prepare_chunks, num_chunks, batch * v_heads,
-                                                    fit=not piece and not interpret)
+                                                    fit=fit)
     if block_sizes.prepare_kernel != "dense":  # the sub_blocks prepare runs one chunk per program
         chunks_per_program = 1
     heads_fastest = block_sizes.prepare_heads_fastest and block_sizes.prepare_kernel == "dense"
@@ -1012,8 +1019,6 @@ def _prepare(
         if not (wy_in_state and token_rows is None and block_sizes.prepare_kernel == "dense"):
             raise ValueError("_prepare: decay_factors needs the dense prepare with wy_in_state and no token_rows")
         u_shape, u_dtype = (batch, v_heads, padded), jnp.float32
-    p_in_walk = _p_in_walk(block_sizes, token_rows)
-    with_p = block_sizes.fuse_output and not p_in_walk
     p_shape = (batch, padded, v_heads, chunk_size) if with_p else (1,)
     p_dtype = compute_dtype
     if p_in_walk and decay_factors:  # the walk's P mask needs gamma itself (e^gamma underflows)
