@@ -372,8 +372,8 @@ def _walk_kernel(
 # chunk's first row) is lowered by this much, so that exp(gamma_i - gamma_j) = exp(<= -256) = 0 in f32 for every
 # token j of an earlier sequence in the chunk: the prepare's T and P come out block-diagonal over the chunk's
 # sequences with no mask. Within a sequence the offsets cancel, at an f32 rounding cost of ~256 m * 6e-8 in the
-# exponent after m breaks in the chunk (1.5e-5 relative per break, under bf16's 4e-3); `decay_factors` adds
-# them back for the walk's own factors.
+# exponent after m breaks in the chunk (1.5e-5 relative per break, under bf16's 4e-3); `decay_factors` (and
+# `restart_decays`, in the chunks where a sequence starts inside) add them back for the walk's own factors.
 SEQUENCE_BREAK = 256.0
 
 
@@ -506,8 +506,8 @@ def state_pass(
         rows in place (the other rows untouched); None: a new output array.
       decays: batch rows or the own grid: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as
         `decay_factors` returns them (own grid: with cu_seqlens), formed elsewhere (the prepare writes them,
-        on the own grid mended by `restart_decays`: no exponentials in XLA); gamma is then None (unless p is
-        None). None: formed here from gamma.
+        on the own grid mended by `restart_decays`: XLA forms only the mended chunks'); gamma is then None
+        (unless p is None). None: formed here from gamma (XLA, every token).
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
