@@ -203,7 +203,7 @@ def test_own_grid_prepare_and_walk_math(seqlens):
         assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
 
 
-@pytest.mark.parametrize("seqlens", [(70, 0, 5, 3, 64, 188), (64, 128), (1, 129), (10, 20, 30, 4, 200)])
+@pytest.mark.parametrize("seqlens", [(70, 0, 5, 3, 64, 188), (1, 129)])
 def test_own_grid_decays_from_the_prepare(seqlens):
     """On the own grid the prepare (interpreter) writes the chunk grid's decay factors, and `restart_decays`
     mends the chunks where a sequence starts inside: together what `decay_factors` forms from gamma with
