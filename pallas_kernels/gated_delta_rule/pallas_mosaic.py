@@ -422,12 +422,19 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
     if cu_seqlens is None:
         gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
         return jnp.exp(gamma), jnp.exp(gamma_last - gamma)
+    return _restarting_factors(gamma, cu_seqlens, seq)
+
+
+def _restarting_factors(gamma, cu_seqlens, seq, token=None):
+    """`decay_factors` with cu_seqlens at token slots `token` (int32 [...], slots < t; None: every slot):
+    [batch, v_heads, *token.shape] f32 each."""
     t = gamma.shape[2]
-    ranges = _common.grid_ranges(cu_seqlens, seq, t, CHUNK)
-    token = jnp.arange(t, dtype=jnp.int32)
+    ranges = _common.grid_ranges(cu_seqlens, seq, t, CHUNK, token=token)
+    here = gamma if token is None else jnp.take(gamma, token, axis=2)
+    token = jnp.arange(t, dtype=jnp.int32) if token is None else token
     before = jnp.take(gamma, jnp.maximum(ranges.first - 1, 0), axis=2)  # gamma just before the restart
     restart = jnp.where(ranges.first > token - token % CHUNK, before - SEQUENCE_BREAK, 0.0)
-    return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
+    return jnp.exp(here - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - here)
 
 
 def restart_decays(exp_gamma, exp_to_last, gamma, cu_seqlens, seq):
@@ -452,17 +459,9 @@ def restart_decays(exp_gamma, exp_to_last, gamma, cu_seqlens, seq):
     inside = (starts % CHUNK != 0) & (starts < seq)
     chunk_first = jnp.minimum(starts - starts % CHUNK, t - CHUNK)
     tokens = chunk_first[:, None] + jnp.arange(CHUNK, dtype=jnp.int32)  # [num_seqs, 64]: the start's chunk
-    ranges = _common.grid_ranges(cu, seq, t, CHUNK, token=tokens)
-    slab = jnp.take(gamma, tokens, axis=2)  # [1, v_heads, num_seqs, 64]
-
-    def at(rows):  # gamma at token slots rows [num_seqs, 64]
-        return jnp.take(gamma, rows, axis=2)
-
-    restart = jnp.where(ranges.first > chunk_first[:, None], at(jnp.maximum(ranges.first - 1, 0)) - SEQUENCE_BREAK,
-                        0.0)
+    mended = _restarting_factors(gamma, cu, seq, token=tokens)  # [1, v_heads, num_seqs, 64] each
     slots = jnp.where(inside[:, None], tokens, t)  # chunks without a start inside: nothing to write (dropped)
-    return tuple(x.at[:, :, slots].set(y, mode="drop") for x, y in (
-        (exp_gamma, jnp.exp(slab - restart)), (exp_to_last, jnp.exp(at(ranges.last) - slab))))
+    return tuple(x.at[:, :, slots].set(y, mode="drop") for x, y in zip((exp_gamma, exp_to_last), mended))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))

@@ -1204,8 +1204,8 @@ def _run_stages(
     own_grid = mosaic and packed and token_rows is None
     mosaic_prepare = _mosaic_prepare(block_sizes, packed, token_rows, chunk_size=common["chunk_size"],
                                      group=common["group"], key_dim=k.shape[3], compute_dtype=common["compute_dtype"])
-    own_grid_factors = own_grid and _p_in_walk(block_sizes, token_rows)
-    decay_factors = mosaic and (not packed or own_grid_factors) and not mosaic_prepare
+    p_in_walk = _p_in_walk(block_sizes, token_rows)  # (the Mosaic walk only)
+    decay_factors = mosaic and (not packed or (own_grid and p_in_walk)) and not mosaic_prepare
     if mosaic_prepare:
         c = common["chunk_size"]  # T diag(beta) by the Mosaic GPU prepare; gamma a chunk-local cumsum (XLA)
         gamma = jnp.cumsum(g.reshape(g.shape[:2] + (-1, c)), axis=3).reshape(g.shape)
@@ -1218,7 +1218,6 @@ def _run_stages(
                                                         valid_rows=valid_rows, decay_factors=decay_factors,
                                                         **common)
     decays = (gamma, u) if decay_factors else None
-    p_in_walk = _p_in_walk(block_sizes, token_rows)  # (the Mosaic walk only)
     if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
         gamma, p = (p if decay_factors else gamma), None
     if own_grid and decays:
