@@ -153,11 +153,10 @@ class GridRanges(NamedTuple):
     last: jax.Array  # int32 [padded]: the last token of t's sequence in t's chunk (t >= seq: t)
 
 
-def grid_ranges(cu_seqlens, seq: int, padded: int, chunk_size: int, token=None) -> GridRanges:
-    """`GridRanges` of packed sequences (cu_seqlens: int32 [num_seqs + 1], cu[-1] == seq <= padded); token: None
-    (every slot, [padded]) or an int32 array of slots < padded, for which the ranges come in its shape."""
+def grid_ranges(cu_seqlens, seq: int, padded: int, chunk_size: int) -> GridRanges:
+    """`GridRanges` of packed sequences (cu_seqlens: int32 [num_seqs + 1], cu[-1] == seq <= padded)."""
     cu = jnp.asarray(cu_seqlens, jnp.int32)
-    token = jnp.arange(padded, dtype=jnp.int32) if token is None else token
+    token = jnp.arange(padded, dtype=jnp.int32)
     found = token_sequences(cu, token)
     chunk_first = token - token % chunk_size
     first = jnp.maximum(cu[found], chunk_first)

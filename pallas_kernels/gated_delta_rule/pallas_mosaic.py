@@ -110,7 +110,7 @@ def masked_decay(rows_ref, cols_ref, keep, scale=None):
     return decay if scale is None or scale_in_exp else lc(decay * scale)
 
 
-def _scratch_types(key_dim, stages, *, packed, p_in_walk):
+def _scratch_types(key_dim, stages, *, packed, p_in_walk, restart=False):
     """The walk kernel's shared-memory buffers and barriers (`_walk_kernel`'s scratch refs, in order)."""
     tile, st = gpu_limits.smem_tiles(2, 64), stages  # [.., 64] bf16 operand tiles
     return (
@@ -135,7 +135,25 @@ def _scratch_types(key_dim, stages, *, packed, p_in_walk):
         plgpu.Barrier(num_barriers=1, num_arrivals=1),  # state
         *((plgpu.SMEM((st, CHUNK), jnp.float32), plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
            plgpu.Barrier(num_barriers=st, num_arrivals=3)) if p_in_walk else ()),  # Q, gamma twice
+        # restart: gamma of the walk's first and last chunk, and their barriers (each waited once)
+        *((plgpu.SMEM((2, CHUNK), jnp.float32), plgpu.Barrier(num_barriers=2, num_arrivals=1)) if restart else ()),
     )
+
+
+def _own_decays(gamma_ref, first, last, layout):
+    """A packed sequence's own decay factors in one chunk of the own grid, from the chunk's gamma: gamma_ref
+    [64] f32 (shared memory; chunk-local prefix sums of the log decay of `break_sequences`), the sequence's rows
+    [first, last) of the chunk (int32 scalars, first < last). Returns e^gamma' and e^(gamma'_last - gamma') [64]
+    f32 in `layout` (0 off the sequence's rows) and e^gamma'_last (a scalar), gamma' restarting at row first
+    (the break added back), gamma'_last its value at row last - 1: `decay_factors` with cu_seqlens."""
+    gamma = plgpu.load(gamma_ref, layout=layout)
+    token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout)
+    own = (token >= first) & (token < last)
+    restart = jnp.where(first > 0, gamma_ref[jnp.maximum(first - 1, 0)] - SEQUENCE_BREAK, 0.0)
+    gamma_last = gamma_ref[last - 1]
+    exp_gamma = jnp.where(own, jnp.exp(gamma - restart), 0.0)  # (inf off the rows, where it is not taken)
+    exp_to_last = jnp.where(own, jnp.exp(gamma_last - gamma), 0.0)
+    return exp_gamma, exp_to_last, jnp.exp(gamma_last - restart)
 
 
 def _walk_kernel(
@@ -144,8 +162,9 @@ def _walk_kernel(
     q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
     h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, state in/out
     loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
-    *p_scratch,  # p_in_walk: gamma [stages, 64] f32 twice (SMEM: rows, columns) and their barrier with Q's
-    group, scale, stages, packed, chunk_offset=0, p_in_walk=False,
+    *p_scratch,  # p_in_walk: gamma [stages, 64] f32 twice (SMEM: rows, columns) and their barrier with Q's;
+    # restart: then gamma [2, 64] f32 of the walk's first and last chunk and their two barriers
+    group, scale, stages, packed, chunk_offset=0, p_in_walk=False, restart=False,
 ):
     # Three warpgroups: 0 walks (h^T, V'^T: the critical path), 1 forms the output from the h^T and V'^T that
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
@@ -158,6 +177,9 @@ def _walk_kernel(
     # P, the decays) one piece of it starting at that chunk (`pallas_triton._pipelined_walk`)
     # p_in_walk: p_ref holds gamma [b, v_heads, t] f32 instead of P, and a fourth warpgroup forms each chunk's
     # P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and K tiles warpgroup 2 streams, into p_smem
+    # restart (own grid, p_in_walk): eg_ref, ed_ref hold the chunk grid's decay factors (`decay_factors(gamma)`);
+    # in the walk's first and last chunk warpgroups 0 and 1 form the sequence's own (restarting at its first
+    # token, ending at its last) from that chunk's gamma, `_own_decays`
     b = 0 if packed else row
     start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
     if packed == "own_grid":
@@ -182,8 +204,16 @@ def _walk_kernel(
     def lc(x):  # layout annotations: Mosaic GPU's layout inference runs out of search steps without them
         return plgpu.layout_cast(x, layout)
 
+    if restart:
+        ends_smem, ends_loaded = p_scratch[3:]
+
+    def own_decays(n, end, axis):  # restart: (e^gamma', e^(gamma'_last - gamma'), e^gamma'_last) of chunk n
+        plgpu.barrier_wait(ends_loaded.at[end])
+        _, first, last = own_rows(n)
+        return _own_decays(ends_smem.at[end], first, last, layout.reduce(axis))
+
     if p_in_walk:  # a fourth warpgroup forms P
-        gm_rows_smem, gm_cols_smem, qg_loaded = p_scratch
+        gm_rows_smem, gm_cols_smem, qg_loaded = p_scratch[:3]
 
         def form_p(n):  # chunk n's P from its Q, K and gamma tiles, into p_smem; then P counts as loaded
             s = lax.rem(n - lo, stages)
@@ -217,6 +247,11 @@ def _walk_kernel(
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
+        if restart:  # gamma of the walk's first and last chunk (the same chunk: only the first)
+            for end, n, present in ((0, lo, hi > lo), (1, hi - 1, hi - 1 > lo)):
+                pl.when(present)(functools.partial(
+                    plgpu.copy_gmem_to_smem, p_ref.at[b, h, pl.ds(n * CHUNK, CHUNK)], ends_smem.at[end],
+                    ends_loaded.at[end]))
 
         @pl.loop(lo, hi)
         def _(n):
@@ -253,8 +288,9 @@ def _walk_kernel(
         state0 = lc(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False))
         shape = (BLOCK_V, CHUNK)
 
-        def step(n, state, boundary=True):
-            # boundary=False (own grid): a chunk strictly between the walk's first and last, all its own tokens
+        def step(n, state, boundary=True, end=0):
+            # boundary=False (own grid): a chunk strictly between the walk's first and last, all its own tokens;
+            # end: with restart, the walk's first (0) or last (1) chunk
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded0.at[s])
             state = lc(state)
@@ -262,7 +298,9 @@ def _walk_kernel(
             # e^gamma and e^(gamma_last - gamma) over the columns (tokens), e^gamma_last as a scalar
             exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
             exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
-            if packed == "own_grid" and boundary:  # only the own sequence's tokens update the state, its decay ends there
+            if restart and boundary:  # the sequence's own factors, other tokens' 0
+                exp_gamma, exp_to_last, exp_last = own_decays(n, end, 0)
+            elif packed == "own_grid" and boundary:  # only the own sequence's tokens update the state, its decay ends there
                 _, first, last = own_rows(n)
                 token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout.reduce(0))
                 exp_to_last = jnp.where((token >= first) & (token < last), exp_to_last, 0.0)
@@ -304,7 +342,7 @@ def _walk_kernel(
         if packed == "own_grid":  # the mask only in the first and last chunk: the step is the walk's critical path
             state = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), step, state0)
             state = lax.fori_loop(lo + 1, hi - 1, functools.partial(step, boundary=False), state)
-            state = lax.fori_loop(jnp.maximum(hi - 1, lo + 1), hi, step, state)
+            state = lax.fori_loop(jnp.maximum(hi - 1, lo + 1), hi, functools.partial(step, end=1), state)
         else:
             state = lax.fori_loop(lo, hi, step, state0)
         state_smem.T[...] = plgpu.layout_cast(state, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -317,14 +355,15 @@ def _walk_kernel(
         plgpu.set_max_registers(P_OUTPUT_REGISTERS if p_in_walk else 232, action="increase")
         shape = (CHUNK, BLOCK_V)
 
-        @pl.loop(lo, hi)
-        def _(n):
+        def output_step(n, end=None):  # end: with restart, the walk's first (0) or last (1) chunk
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded1.at[s])
             if p_in_walk:
                 plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's is loaded1 above: formed by warpgroup 3)
             plgpu.barrier_wait(h_ready.at[hb])
             exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
+            if end is not None:
+                exp_gamma = own_decays(n, end, 1)[0]
 
             def inter(acc_ref):  # Q h, scaled by rows
                 plgpu.wgmma(acc_ref, q_smem.at[s], h_smem.at[hb].transpose((1, 0)))
@@ -365,6 +404,12 @@ def _walk_kernel(
                     plgpu.copy_smem_to_gmem(o_smem.at[hb, pl.ds(r, 1)], o_ref.at[0, pl.ds(row0 + r, 1), h, cols],
                                             predicate=(r >= first) & (r < last))
 
+        if restart:  # the first and last chunk with the sequence's own factors
+            loops = ((lo, jnp.minimum(lo + 1, hi), 0), (lo + 1, hi - 1, None), (jnp.maximum(hi - 1, lo + 1), hi, 1))
+            for first_n, end_n, end in loops:
+                pl.loop(first_n, end_n)(functools.partial(output_step, end=end))
+        else:
+            pl.loop(lo, hi)(output_step)
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -372,8 +417,8 @@ def _walk_kernel(
 # chunk's first row) is lowered by this much, so that exp(gamma_i - gamma_j) = exp(<= -256) = 0 in f32 for every
 # token j of an earlier sequence in the chunk: the prepare's T and P come out block-diagonal over the chunk's
 # sequences with no mask. Within a sequence the offsets cancel, at an f32 rounding cost of ~256 m * 6e-8 in the
-# exponent after m breaks in the chunk (1.5e-5 relative per break, under bf16's 4e-3); `decay_factors` (and
-# `restart_decays`, in the chunks where a sequence starts inside) add them back for the walk's own factors.
+# exponent after m breaks in the chunk (1.5e-5 relative per break, under bf16's 4e-3); `decay_factors` (and the
+# walk in each sequence's first and last chunk, `_own_decays`) add them back for the walk's own factors.
 SEQUENCE_BREAK = 256.0
 
 
@@ -422,46 +467,12 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
     if cu_seqlens is None:
         gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
         return jnp.exp(gamma), jnp.exp(gamma_last - gamma)
-    return _restarting_factors(gamma, cu_seqlens, seq)
-
-
-def _restarting_factors(gamma, cu_seqlens, seq, token=None):
-    """`decay_factors` with cu_seqlens at token slots `token` (int32 [...], slots < t; None: every slot):
-    [batch, v_heads, *token.shape] f32 each."""
     t = gamma.shape[2]
-    ranges = _common.grid_ranges(cu_seqlens, seq, t, CHUNK, token=token)
-    here = gamma if token is None else jnp.take(gamma, token, axis=2)
-    token = jnp.arange(t, dtype=jnp.int32) if token is None else token
+    ranges = _common.grid_ranges(cu_seqlens, seq, t, CHUNK)
+    token = jnp.arange(t, dtype=jnp.int32)
     before = jnp.take(gamma, jnp.maximum(ranges.first - 1, 0), axis=2)  # gamma just before the restart
     restart = jnp.where(ranges.first > token - token % CHUNK, before - SEQUENCE_BREAK, 0.0)
-    return jnp.exp(here - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - here)
-
-
-def restart_decays(exp_gamma, exp_to_last, gamma, cu_seqlens, seq):
-    """`decay_factors(gamma, cu_seqlens, seq)` from `decay_factors(gamma)`, the chunk grid's factors that the
-    prepare writes (`pallas_triton._prepare` with decay_factors): the two differ only in the chunks where a
-    sequence starts inside (not at a chunk's first row), at most one per sequence. Those chunks' factors are
-    formed here from their gamma (a [num_seqs, 64] slab per v-head) and written over the others' (XLA
-    scatter), instead of every token's.
-
-    Args:
-      exp_gamma, exp_to_last: [1, v_heads, t] f32, `decay_factors(gamma)` (no cu_seqlens); t a multiple of 64.
-      gamma: [1, v_heads, t] f32, chunk-local prefix sums of the log decay of `break_sequences`.
-      cu_seqlens: int32 [num_seqs + 1] token offsets (cu[-1] == seq <= t).
-      seq: the packed length (static).
-
-    Returns:
-      (e^gamma', e^(gamma'_last - gamma')) [1, v_heads, t] f32, as `decay_factors(gamma, cu_seqlens, seq)`.
-    """
-    t = gamma.shape[2]
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    starts = cu[:-1]
-    inside = (starts % CHUNK != 0) & (starts < seq)
-    chunk_first = jnp.minimum(starts - starts % CHUNK, t - CHUNK)
-    tokens = chunk_first[:, None] + jnp.arange(CHUNK, dtype=jnp.int32)  # [num_seqs, 64]: the start's chunk
-    mended = _restarting_factors(gamma, cu, seq, token=tokens)  # [1, v_heads, num_seqs, 64] each
-    slots = jnp.where(inside[:, None], tokens, t)  # chunks without a start inside: nothing to write (dropped)
-    return tuple(x.at[:, :, slots].set(y, mode="drop") for x, y in zip((exp_gamma, exp_to_last), mended))
+    return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
@@ -504,9 +515,10 @@ def state_pass(
       out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
       decays: batch rows or the own grid: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as
-        `decay_factors` returns them (own grid: with cu_seqlens), formed elsewhere (the prepare writes them,
-        on the own grid mended by `restart_decays`: XLA forms only the mended chunks'); gamma is then None
-        (unless p is None). None: formed here from gamma (XLA, every token).
+        `decay_factors(gamma)` returns them (no cu_seqlens: the chunk grid's), formed elsewhere (the prepare
+        writes them); gamma is then None, unless p is None. Own grid: p must be None; each walk forms its
+        sequence's own factors (`decay_factors` with cu_seqlens) in its first and last chunk from gamma.
+        None: formed here from gamma (XLA, every token; own grid with cu_seqlens).
 
     Returns:
       output [batch, seq, v_heads, value_dim] bf16 (regathered: [1, out_seq, ...]; with `out`, None) and the
@@ -536,6 +548,9 @@ def state_pass(
         raise ValueError("state_pass: p=None (P formed in the walk) needs gamma")
     if (not p_in_walk and (decays is None) == (gamma is None)) or (decays is not None and packed == "regathered"):
         raise ValueError("state_pass: pass gamma or (batch rows, own grid) decays, one of the two")
+    restart = packed == "own_grid" and decays is not None
+    if restart and not p_in_walk:
+        raise ValueError("state_pass: decays on the own grid need p=None and gamma (the walk restarts them)")
     gamma_shape = gamma.shape if decays is None else decays[0].shape
     if t_beta.shape[1] != t or (not p_in_walk and p.shape[1] != t) or gamma_shape[2] != t or (
             decays is not None and decays[1].shape != gamma_shape) or (
@@ -558,7 +573,7 @@ def state_pass(
 
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles (the output ref the 11th either way)
         _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed,
-                     chunk_offset=chunk_offset, p_in_walk=p_in_walk)
+                     chunk_offset=chunk_offset, p_in_walk=p_in_walk, restart=restart)
 
     final_type = jax.ShapeDtypeStruct(init.shape, jnp.float32)
     out_type = (final_type,) if out is not None else (
@@ -566,7 +581,8 @@ def state_pass(
     outs = plgpu.kernel(
         gdn_state_mosaic,
         out_type=out_type,
-        scratch_types=_scratch_types(key_dim, max_concurrent_steps, packed=packed, p_in_walk=p_in_walk),
+        scratch_types=_scratch_types(key_dim, max_concurrent_steps, packed=packed, p_in_walk=p_in_walk,
+                                     restart=restart),
         grid=(init.shape[0], v_heads, value_dim // BLOCK_V),
         grid_names=("rows", "heads", "vblocks"),
         num_threads=4 if p_in_walk else 3,

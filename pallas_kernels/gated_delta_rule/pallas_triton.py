@@ -1199,8 +1199,8 @@ def _run_stages(
     if pieces > 1 and valid_rows is None:
         return _pipelined_walk(q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common)
     # batch rows, Mosaic GPU walk: the prepare writes the walk's decay factors in place of gamma (and U); on the
-    # own grid too where the walk forms P (the prepare then writes gamma as well), those of the chunks where a
-    # sequence starts inside mended in XLA from gamma (not with the Mosaic GPU prepare: T diag(beta) only)
+    # own grid too where the walk forms P (the prepare then writes gamma as well; the walk restarts the factors
+    # in each sequence's first and last chunk), not with the Mosaic GPU prepare (T diag(beta) only)
     own_grid = mosaic and packed and token_rows is None
     mosaic_prepare = _mosaic_prepare(block_sizes, packed, token_rows, chunk_size=common["chunk_size"],
                                      group=common["group"], key_dim=k.shape[3], compute_dtype=common["compute_dtype"])
@@ -1220,8 +1220,6 @@ def _run_stages(
     decays = (gamma, u) if decay_factors else None
     if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
         gamma, p = (p if decay_factors else gamma), None
-    if own_grid and decays:
-        decays = pallas_mosaic.restart_decays(*decays, gamma, cu_seqlens, q.shape[1])
     if block_sizes.wy_in_state and token_rows is None:  # w is T diag(beta); the state pass reads V for U
         u = v
     final_state = None

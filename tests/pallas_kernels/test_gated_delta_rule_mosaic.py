@@ -133,8 +133,14 @@ def test_kernel_lowers_for_cuda():
     # prepare's decay factors, and packed on the own grid; it needs gamma
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6])
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]))
-    assert "mosaic_gpu" in lowered(*(jax.ShapeDtypeStruct((1, 256) + x.shape[2:], bf16) for x in qkv),
-                                   chunked[0], None, chunked[2], state, cu)
+    own_grid = (*(jax.ShapeDtypeStruct((1, 256) + x.shape[2:], bf16) for x in qkv), chunked[0])
+    assert "mosaic_gpu" in lowered(*own_grid, None, chunked[2], state, cu)
+    # the own grid with the chunk grid's decay factors: each walk restarts them in its first and last chunk from
+    # gamma, so no XLA scatter or exp; that needs P formed in the walk
+    text = lowered(*own_grid, None, chunked[2], state, cu, decays=(chunked[2],) * 2)
+    assert "mosaic_gpu" in text and "stablehlo.scatter" not in text and "stablehlo.exponential" not in text
+    with pytest.raises(ValueError, match="decays on the own grid need p=None"):
+        lowered(*own_grid, chunked[1], None, state, cu, decays=(chunked[2],) * 2)
     with pytest.raises(ValueError, match="p=None .* needs gamma"):
         lowered(*a[:4], None, None, a[6], decays=(a[5], a[5]))
     # P's decay as one exp2 takes log2(scale): a scale <= 0 multiplies after the exp instead
@@ -201,30 +207,6 @@ def test_own_grid_prepare_and_walk_math(seqlens):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
         assert np.abs(g - w).max() / np.abs(w).max() <= 2e-2, name
-
-
-@pytest.mark.parametrize("seqlens", [(70, 0, 5, 3, 64, 188), (1, 129)])
-def test_own_grid_decays_from_the_prepare(seqlens):
-    """On the own grid the prepare (interpreter) writes the chunk grid's decay factors, and `restart_decays`
-    mends the chunks where a sequence starts inside: together what `decay_factors` forms from gamma with
-    cu_seqlens (several starts in one chunk, an empty sequence, a start at a chunk's first row, a last partial
-    chunk)."""
-    workload = dataclasses.replace(DIM128, seq=sum(seqlens), batch=1, key_dim=64, value_dim=64)
-    inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=11, seqlens=seqlens)
-    cu, seq, c = inputs["cu_seqlens"], workload.seq, pallas_mosaic.CHUNK
-    t = -(-seq // c) * c
-    g, bt = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(inputs["log_decay"], inputs["beta"], cu))
-    common = {"scale": 0.125, "chunk_size": c, "group": workload.v_heads // workload.k_heads,
-              "compute_dtype": jnp.bfloat16, "interpret": True, "valid_rows": seq if seq < t else None,
-              "block_sizes": dataclasses.replace(DEFAULT, wy_in_state=True)}
-    qkv = (inputs["query"], inputs["key"], inputs["value"])
-    gamma = pallas_triton._prepare(*qkv, g, bt, **common)[2]
-    _, exp_to_last, exp_gamma, *_ = pallas_triton._prepare(*qkv, g, bt, decay_factors=True, **common)
-    got = pallas_mosaic.restart_decays(exp_gamma, exp_to_last, gamma, cu, seq)
-    want = pallas_mosaic.decay_factors(gamma, cu, seq)
-    for name, x, w in zip(("e^gamma", "e^(gamma_last - gamma)"), got, want, strict=True):
-        assert x.shape == w.shape == (1, workload.v_heads, t) and np.isfinite(np.asarray(x)).all(), name
-        np.testing.assert_allclose(np.asarray(x), np.asarray(w), rtol=2e-6, atol=1e-30, err_msg=name)
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (H100 / H200)")
