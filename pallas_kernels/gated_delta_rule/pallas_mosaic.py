@@ -195,6 +195,11 @@ def _walk_kernel(
             return n * CHUNK, jnp.maximum(start - n * CHUNK, 0), jnp.minimum(end - n * CHUNK, CHUNK)
         row0 = start + (n - lo) * CHUNK
         return row0, 0, jnp.minimum(end - row0, CHUNK)
+
+    # own grid: the walk's chunks in three parts (first, stop, which): its first chunk (which 0), the middle ones
+    # (None: all their tokens its own) and its last (1; empty when the first is also the last)
+    walk_parts = ((lo, jnp.minimum(lo + 1, hi), 0), (lo + 1, hi - 1, None),
+                  (jnp.maximum(hi - 1, lo + 1), hi, 1)) if packed == "own_grid" else None
     wg = lax.axis_index("wg")
     kh = lax.div(h, jnp.array(group, h.dtype))
     cols = pl.ds(vb * BLOCK_V, BLOCK_V)
@@ -207,10 +212,10 @@ def _walk_kernel(
     if restart:
         ends_smem, ends_loaded = p_scratch[3:]
 
-    def own_decays(n, end, axis):  # restart: (e^gamma', e^(gamma'_last - gamma'), e^gamma'_last) of chunk n
-        plgpu.barrier_wait(ends_loaded.at[end])
+    def own_decays(n, which, axis):  # restart: (e^gamma', e^(gamma'_last - gamma'), e^gamma'_last) of chunk n
+        plgpu.barrier_wait(ends_loaded.at[which])
         _, first, last = own_rows(n)
-        return _own_decays(ends_smem.at[end], first, last, layout.reduce(axis))
+        return _own_decays(ends_smem.at[which], first, last, layout.reduce(axis))
 
     if p_in_walk:  # a fourth warpgroup forms P
         gm_rows_smem, gm_cols_smem, qg_loaded = p_scratch[:3]
@@ -248,10 +253,10 @@ def _walk_kernel(
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         if restart:  # gamma of the walk's first and last chunk (the same chunk: only the first)
-            for end, n, present in ((0, lo, hi > lo), (1, hi - 1, hi - 1 > lo)):
-                pl.when(present)(functools.partial(
-                    plgpu.copy_gmem_to_smem, p_ref.at[b, h, pl.ds(n * CHUNK, CHUNK)], ends_smem.at[end],
-                    ends_loaded.at[end]))
+            for first_n, stop_n, which in walk_parts[::2]:
+                pl.when(first_n < stop_n)(functools.partial(
+                    plgpu.copy_gmem_to_smem, p_ref.at[b, h, pl.ds(first_n * CHUNK, CHUNK)], ends_smem.at[which],
+                    ends_loaded.at[which]))
 
         @pl.loop(lo, hi)
         def _(n):
@@ -288,9 +293,10 @@ def _walk_kernel(
         state0 = lc(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False))
         shape = (BLOCK_V, CHUNK)
 
-        def step(n, state, boundary=True, end=0):
-            # boundary=False (own grid): a chunk strictly between the walk's first and last, all its own tokens;
-            # end: with restart, the walk's first (0) or last (1) chunk
+        def step(n, state, which=0):
+            # which (own grid, `walk_parts`): the walk's first (0) or last (1) chunk, or None, a chunk strictly
+            # between them (all its own tokens)
+            boundary = which is not None
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded0.at[s])
             state = lc(state)
@@ -299,7 +305,7 @@ def _walk_kernel(
             exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
             exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
             if restart and boundary:  # the sequence's own factors, other tokens' 0
-                exp_gamma, exp_to_last, exp_last = own_decays(n, end, 0)
+                exp_gamma, exp_to_last, exp_last = own_decays(n, which, 0)
             elif packed == "own_grid" and boundary:  # only the own sequence's tokens update the state, its decay ends there
                 _, first, last = own_rows(n)
                 token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout.reduce(0))
@@ -340,9 +346,9 @@ def _walk_kernel(
             return lc(state)
 
         if packed == "own_grid":  # the mask only in the first and last chunk: the step is the walk's critical path
-            state = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), step, state0)
-            state = lax.fori_loop(lo + 1, hi - 1, functools.partial(step, boundary=False), state)
-            state = lax.fori_loop(jnp.maximum(hi - 1, lo + 1), hi, functools.partial(step, end=1), state)
+            state = state0
+            for first_n, stop_n, which in walk_parts:
+                state = lax.fori_loop(first_n, stop_n, functools.partial(step, which=which), state)
         else:
             state = lax.fori_loop(lo, hi, step, state0)
         state_smem.T[...] = plgpu.layout_cast(state, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -355,15 +361,15 @@ def _walk_kernel(
         plgpu.set_max_registers(P_OUTPUT_REGISTERS if p_in_walk else 232, action="increase")
         shape = (CHUNK, BLOCK_V)
 
-        def output_step(n, end=None):  # end: with restart, the walk's first (0) or last (1) chunk
+        def output_step(n, which=None):  # which: with restart, the walk's first (0) or last (1) chunk
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded1.at[s])
             if p_in_walk:
                 plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's is loaded1 above: formed by warpgroup 3)
             plgpu.barrier_wait(h_ready.at[hb])
             exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
-            if end is not None:
-                exp_gamma = own_decays(n, end, 1)[0]
+            if which is not None:
+                exp_gamma = own_decays(n, which, 1)[0]
 
             def inter(acc_ref):  # Q h, scaled by rows
                 plgpu.wgmma(acc_ref, q_smem.at[s], h_smem.at[hb].transpose((1, 0)))
@@ -405,9 +411,8 @@ def _walk_kernel(
                                             predicate=(r >= first) & (r < last))
 
         if restart:  # the first and last chunk with the sequence's own factors
-            loops = ((lo, jnp.minimum(lo + 1, hi), 0), (lo + 1, hi - 1, None), (jnp.maximum(hi - 1, lo + 1), hi, 1))
-            for first_n, end_n, end in loops:
-                pl.loop(first_n, end_n)(functools.partial(output_step, end=end))
+            for first_n, stop_n, which in walk_parts:
+                pl.loop(first_n, stop_n)(functools.partial(output_step, which=which))
         else:
             pl.loop(lo, hi)(output_step)
         plgpu.wait_smem_to_gmem(0)
