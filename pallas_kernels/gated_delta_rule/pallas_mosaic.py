@@ -427,13 +427,24 @@ def _walk_kernel(
 SEQUENCE_BREAK = 256.0
 
 
+# Up to this many packed sequences `break_sequences` compares each token with every start (elementwise, so that
+# XLA fuses the penalty into its consumer, g's transpose); more, and it scatters the penalty (two small kernels).
+BREAK_COMPARES = 16
+
+
 def break_sequences(log_decay, cu_seqlens, seq):
     """log_decay [1, t, v_heads] f32 (t = seq rounded up to chunks) with -SEQUENCE_BREAK added at each packed
     sequence's first token that is not a chunk's first row (cu_seqlens int32 [num_seqs + 1])."""
     t = log_decay.shape[1]
     starts = jnp.asarray(cu_seqlens, jnp.int32)[:-1]
     inside = (starts % CHUNK != 0) & (starts < seq)
-    penalty = jnp.zeros((t,), jnp.float32).at[jnp.where(inside, starts, t)].set(-SEQUENCE_BREAK, mode="drop")
+    if starts.shape[0] <= BREAK_COMPARES:
+        token = jnp.arange(t, dtype=jnp.int32)
+        hit = functools.reduce(jnp.logical_or, [(token == starts[i]) & inside[i] for i in range(starts.shape[0])],
+                               jnp.zeros((t,), bool))
+        penalty = jnp.where(hit, -SEQUENCE_BREAK, 0.0).astype(jnp.float32)
+    else:
+        penalty = jnp.zeros((t,), jnp.float32).at[jnp.where(inside, starts, t)].set(-SEQUENCE_BREAK, mode="drop")
     return log_decay + penalty[None, :, None]
 
 

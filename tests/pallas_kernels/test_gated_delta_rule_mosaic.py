@@ -181,6 +181,20 @@ def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scal
     return out[None], jnp.stack(finals)
 
 
+def test_break_sequences_compares_or_scatters_alike(monkeypatch):
+    """The sequence breaks as elementwise compares (few sequences) and as a scatter (many) are the same: the
+    penalty at each start inside a chunk only (not at a chunk's first row, an empty sequence's start once, none
+    at the packed length)."""
+    cu = jnp.asarray([0, 70, 70, 75, 78, 128, 192, 330], jnp.int32)
+    g = -jnp.abs(jax.random.normal(jax.random.key(0), (1, 384, 3), jnp.float32))
+    compared = pallas_mosaic.break_sequences(g, cu, 330)
+    monkeypatch.setattr(pallas_mosaic, "BREAK_COMPARES", 0)
+    scattered = pallas_mosaic.break_sequences(g, cu, 330)
+    np.testing.assert_array_equal(np.asarray(compared), np.asarray(scattered))
+    broken = np.flatnonzero(np.asarray(compared - g)[0, :, 0])
+    np.testing.assert_array_equal(broken, [70, 75, 78])
+
+
 @pytest.mark.parametrize("seqlens", [(70, 0, 5, 3, 64, 188), (64, 128), (1, 129)])
 def test_own_grid_prepare_and_walk_math(seqlens):
     """The packed path of the Mosaic walk, its math on the CPU: the prepare on the packed array's own chunk
