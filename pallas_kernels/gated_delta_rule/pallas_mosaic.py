@@ -581,8 +581,9 @@ def state_pass(
     own = packed == "own_grid"
     exp_gamma, exp_to_last = decays or decay_factors(gamma, cu_seqlens if own else None, seq)
     init = initial_state.astype(jnp.float32)
-    cu, bounds = (jnp.asarray(jnp.zeros((2,), jnp.int32) if x is None else x, jnp.int32)
-                  for x in (cu_seqlens, chunk_bounds))
+    cu = jnp.zeros((2,), jnp.int32) if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+    # chunk_bounds is read only when regathered; else cu stands in for it (no zeros kernel for packed sequences)
+    bounds = cu if chunk_bounds is None else jnp.asarray(chunk_bounds, jnp.int32)
     out_rows = out_seq if packed == "regathered" else seq
     if seq % 8:  # TMA into 8-row tiles needs whole tiles in GMEM too: copies of q, k, v (the output is untiled)
         q, k, v = (jnp.pad(x, [(0, 0), (0, (-seq) % 8), (0, 0), (0, 0)]) for x in (q, k, v))
