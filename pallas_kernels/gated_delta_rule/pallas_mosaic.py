@@ -302,17 +302,19 @@ def _walk_kernel(
             state = lc(state)
             state_in = lc(state.astype(bf16))
             # e^gamma and e^(gamma_last - gamma) over the columns (tokens), e^gamma_last as a scalar
-            exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
-            exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
-            if restart and boundary:  # the sequence's own factors, other tokens' 0
+            if restart and boundary:  # the sequence's own factors, other tokens' 0 (the prepare's not loaded)
                 exp_gamma, exp_to_last, exp_last = own_decays(n, which, 0)
-            elif packed == "own_grid" and boundary:  # only the own sequence's tokens update the state, its decay ends there
-                _, first, last = own_rows(n)
-                token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout.reduce(0))
-                exp_to_last = jnp.where((token >= first) & (token < last), exp_to_last, 0.0)
-                exp_last = eg0_smem[s, last - 1]
             else:
-                exp_last = eg0_smem[s, CHUNK - 1]
+                exp_gamma = plgpu.load(eg0_smem.at[s], layout=layout.reduce(0))
+                exp_to_last = plgpu.load(ed_smem.at[s], layout=layout.reduce(0))
+                if packed == "own_grid" and boundary:  # only the own sequence's tokens update the state, its
+                    # decay ends there
+                    _, first, last = own_rows(n)
+                    token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout.reduce(0))
+                    exp_to_last = jnp.where((token >= first) & (token < last), exp_to_last, 0.0)
+                    exp_last = eg0_smem[s, last - 1]
+                else:
+                    exp_last = eg0_smem[s, CHUNK - 1]
 
             def products(kh_ref, u_ref):  # the first two products, with the elementwise work while they run
                 plgpu.wgmma(kh_ref, state_in, k_smem.at[s].transpose((1, 0)))  # h^T K^T
@@ -367,9 +369,9 @@ def _walk_kernel(
             if p_in_walk:
                 plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's is loaded1 above: formed by warpgroup 3)
             plgpu.barrier_wait(h_ready.at[hb])
-            exp_gamma = plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))  # over the rows (tokens)
-            if which is not None:
-                exp_gamma = own_decays(n, which, 1)[0]
+            # e^gamma over the rows (tokens): the prepare's, or in the walk's first and last chunk its own
+            exp_gamma = (plgpu.load(eg1_smem.at[s], layout=layout.reduce(1)) if which is None
+                         else own_decays(n, which, 1)[0])
 
             def inter(acc_ref):  # Q h, scaled by rows
                 plgpu.wgmma(acc_ref, q_smem.at[s], h_smem.at[hb].transpose((1, 0)))
