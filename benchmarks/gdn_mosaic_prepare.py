@@ -35,7 +35,9 @@ def inputs_for(workload, seed, key_cosine=0.0):
 
 
 def triton_t(inputs, g, bt, group, inverse_slabs):
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes(), wy_in_state=True, inverse_slabs=inverse_slabs)
+    # libdevice's expf, as the Mosaic GPU prepare's A has it (not `prepare_fast_exp`'s ex2.approx)
+    block_sizes = dataclasses.replace(pallas_triton.BlockSizes(), wy_in_state=True, inverse_slabs=inverse_slabs,
+                                      prepare_fast_exp=False)
     seq, t = inputs["key"].shape[1], g.shape[2]
     out = pallas_triton._prepare(inputs["query"], inputs["key"], inputs["value"], g, bt, scale=0.1, chunk_size=C,
                                  group=group, compute_dtype=jnp.bfloat16, block_sizes=block_sizes, interpret=False,

@@ -197,6 +197,28 @@ def test_pallas_decode_step_lowers_for_cuda():
                                                   interpret=False)
 
 
+@pytest.mark.parametrize("cu_seqlens", [None, (0, 100, 256)])
+def test_prepare_fast_exp_lowers_for_cuda(cu_seqlens):
+    """`BlockSizes.prepare_fast_exp` puts `ex2.approx` (inline PTX, which the interpreter cannot run) into the
+    compiled bf16 prepare, batch rows (P formed there too) and packed sequences (T alone); not for f32 inputs
+    nor with the field off. The numbers were checked on an H100 (docs/benchmarks.md, 2026-11-26)."""
+    t, kh, vh, d = 256, 2, 4, 64
+    f32 = jnp.float32
+
+    def lowered(dtype, fast_exp):
+        args = (jax.ShapeDtypeStruct((1, t, kh, d), dtype), jax.ShapeDtypeStruct((1, t, kh, d), dtype),
+                jax.ShapeDtypeStruct((1, t, vh, d), dtype), jax.ShapeDtypeStruct((1, t, vh), f32),
+                jax.ShapeDtypeStruct((1, t, vh), f32))
+        cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+        block_sizes = dataclasses.replace(pallas_triton.BlockSizes(), prepare_fast_exp=fast_exp)
+        return support.lowered_for_h100(lambda *a: pallas_triton.gated_delta_rule_pallas(
+            *a, cu_seqlens=cu, interpret=False, block_sizes=block_sizes), *args)
+
+    assert "ex2.approx" in lowered(jnp.bfloat16, True)
+    assert "ex2.approx" not in lowered(jnp.bfloat16, False)
+    assert "ex2.approx" not in lowered(f32, True)
+
+
 def test_nan_output_fails_the_check():
     with pytest.raises(AssertionError, match="NaN/Inf"):
         assert_close("output", jnp.array([1.0, jnp.nan]), jnp.array([1.0, 1.0]), jnp.float32)
