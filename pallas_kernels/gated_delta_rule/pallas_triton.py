@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import _common, pallas_mosaic, pallas_mosaic_prepare
+from pallas_kernels.gated_delta_rule import _common, gates, pallas_mosaic, pallas_mosaic_prepare
 
 LOG2_E = 1.4426950408889634  # exp(x) = 2^(x log2(e))
 _PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
@@ -1483,19 +1483,29 @@ def gated_delta_rule_pallas(
     layout = _common.packed_layout(cu_seqlens, seq, c) if packed and not own_grid else None
     q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
     g, bt = log_decay.astype(jnp.float32), beta.astype(jnp.float32)
-    if own_grid:  # (chunk_size is the walk's 64)
+    # the gates heads-major in one kernel (`gates.heads_major_gates`), unless regathered or cut into segments
+    gates_kernel = layout is None and block_sizes.segments == 1 and (
+        not packed or cu_seqlens.shape[0] - 1 <= gates.MAX_SEQS)
+    if gates_kernel:
+        if not own_grid:  # (own grid: q, k, v stay as they are)
+            q, k, v, *_ = _common.pad_to_chunks(q, k, v, g, bt, c, None)
+        padded = q.shape[1] if not own_grid else -(-seq // c) * c
+        g, bt = gates.heads_major_gates(log_decay, beta, cu_seqlens if own_grid else None, padded=padded,
+                                        interpret=interpret)
+    elif own_grid:  # (chunk_size is the walk's 64)
         g, bt = pallas_mosaic.own_grid_gates(g, bt, cu_seqlens)
     elif in_place:
         g, bt = (_common.regather(x, layout) for x in (g, bt))
     else:
         q, k, v, g, bt = _common.pad_to_chunks(q, k, v, g, bt, c, layout)
-    extra = (-g.shape[1]) % (c * block_sizes.segments)
+    extra = 0 if gates_kernel else (-g.shape[1]) % (c * block_sizes.segments)
     if extra:  # whole zero chunks (identity transitions) so that every segment has as many chunks
         q, k, v, g, bt = (
             jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, bt)
         )
-    g = jnp.swapaxes(g, 1, 2)  # [batch, v_heads, padded]
-    bt = jnp.swapaxes(bt, 1, 2)
+    if not gates_kernel:
+        g = jnp.swapaxes(g, 1, 2)  # [batch, v_heads, padded]
+        bt = jnp.swapaxes(bt, 1, 2)
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, key_dim, value_dim), jnp.float32)
     initial_state = initial_state.astype(jnp.float32)
