@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import support
 
-from pallas_kernels.gated_delta_rule import api, pallas_step, pallas_triton, reference, workloads
+from pallas_kernels.gated_delta_rule import (
+    api,
+    gates,
+    pallas_mosaic,
+    pallas_step,
+    pallas_triton,
+    reference,
+    workloads,
+)
 
 # Max |got - want| / max |want| against the f32 reference, by input dtype. The bf16 bound covers bf16 tiles
 # (W, U, V', chunk states) feeding the matrix products; the f32 bound is f32 rounding over ~100 tokens.
@@ -195,6 +203,31 @@ def test_pallas_decode_step_lowers_for_cuda():
             jax.ShapeDtypeStruct((b, vh), f32), jax.ShapeDtypeStruct((b, vh, d, d), f32))
     assert "gdn_step" in support.lowered_for_h100(pallas_step.gated_delta_rule_step_pallas, *args,
                                                   interpret=False)
+
+
+@pytest.mark.parametrize("seq,heads,cu_seqlens", [
+    (300, 5, (0, 70, 75, 200, 300)),   # two starts in one chunk, a last partial chunk, heads not a power of 2
+    (128, 3, (0, 0, 5, 128)),   # an empty sequence, a start at a chunk's first row
+    (1000, 4, None),   # batch rows: padding only
+])
+def test_heads_major_gates_match_xla(seq, heads, cu_seqlens):
+    """`gates.heads_major_gates` (interpreter) writes what XLA's pad, sequence breaks and transposes
+    (`pallas_mosaic.own_grid_gates`, then [batch, v_heads, t]) give, bit for bit; bad lengths raise."""
+    rng = np.random.default_rng(seq)
+    batch = 2 if cu_seqlens is None else 1
+    g = jnp.asarray(-np.abs(rng.standard_normal((batch, seq, heads))), jnp.float32)
+    beta = jnp.asarray(rng.random((batch, seq, heads)), jnp.bfloat16)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+    padded = -(-seq // 64) * 64
+    got = gates.heads_major_gates(g, beta, cu, padded=padded, interpret=True)
+    want = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(g, beta, cu))
+    for name, a, e in zip(("log decay", "beta"), got, want, strict=True):
+        support.assert_finite(np.asarray(a), name)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gates.heads_major_gates(g, beta, cu, padded=padded + 8, interpret=True)
+    with pytest.raises(ValueError, match=">= seq"):
+        gates.heads_major_gates(g, beta, cu, padded=16 * (seq // 16 - 1), interpret=True)
 
 
 @pytest.mark.parametrize("cu_seqlens", [None, (0, 100, 256)])
