@@ -114,7 +114,12 @@ class BlockSizes:
     # Warps per prepare program. 2 since 2026-11-25 (H100, docs/benchmarks.md; the same outputs bit for bit):
     # packed 8 x 8192 prepare 0.453 -> 0.310 ms (whole call 1.293 -> 1.150), T=16384 0.436 -> 0.425 and
     # T=4096 0.138 -> 0.128 ms with 2 pipeline stages (below); 1 warp 0.325 packed, 8 warps 1.06.
-    prepare_warps: int = 2
+    # None (the default since 2026-11-26): 1 for the dense prepare that writes T diag(beta) alone (no P: the
+    # Mosaic GPU walk forms it, packed sequences on their own grid), else 2. H100, after `prepare_fast_exp`
+    # (docs/benchmarks.md): packed 8 x 8192 prepare 0.278 -> 0.241 ms (14 alternating rounds), whole call
+    # 1.079 / 1.082 -> 1.043 / 1.036 ms, each order once; with P (batch rows) 1 warp is slower: T=16384
+    # 0.421 -> 0.451, T=4096 0.125 -> 0.135.
+    prepare_warps: int | None = None
     state_warps: int = 4
     output_warps: int = 4
     # Software-pipelining depth of the state pass's chunk loop. 3 since 2026-11-23 (H100, docs/benchmarks.md):
@@ -1107,7 +1112,7 @@ def _prepare(
         grid=(batch * v_heads, pl.cdiv(num_chunks, chunks_per_program)) if heads_fastest
         else (pl.cdiv(num_chunks, chunks_per_program), batch * v_heads),
         compiler_params=plgpu.CompilerParams(
-            num_warps=block_sizes.prepare_warps,
+            num_warps=block_sizes.prepare_warps or (1 if wy_in_state and not with_p else 2),
             num_stages=block_sizes.prepare_pipeline_stages or (2 if with_p else None)),
         interpret=interpret,
         name="gdn_prepare",
