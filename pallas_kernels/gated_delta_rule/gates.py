@@ -52,7 +52,7 @@ def heads_major_gates(log_decay, beta, cu_seqlens=None, *, padded: int, interpre
       cu_seqlens: None, or int32 [num_seqs + 1] offsets of packed sequences (batch == 1): the log decay then
         gets -`pallas_mosaic.SEQUENCE_BREAK` at each sequence's first token that is not a chunk's first row,
         as `pallas_mosaic.own_grid_gates` (the XLA form, bit for bit) adds it.
-      padded: the output length, a multiple of 16 (>= seq; the chunks').
+      padded: the output length (seq padded to whole chunks), a multiple of 16 and >= seq.
       interpret: run in the Pallas interpreter.
 
     Returns:

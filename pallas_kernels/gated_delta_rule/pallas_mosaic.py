@@ -453,7 +453,9 @@ def break_sequences(log_decay, cu_seqlens, seq):
 
 
 def own_grid_gates(log_decay, beta, cu_seqlens=None):
-    """The gates as the prepare and the walk take them on the packed array's own chunk grid.
+    """The gates as the prepare and the walk take them on the packed array's own chunk grid, in XLA (before the
+    heads-major transpose). `gates.heads_major_gates` does the same and the transpose in one kernel; this form
+    serves more than `gates.MAX_SEQS` sequences, and is the kernel's test reference.
 
     Args:
       log_decay, beta: [batch, seq, v_heads], any float dtype.

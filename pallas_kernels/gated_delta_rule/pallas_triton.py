@@ -115,7 +115,9 @@ class BlockSizes:
     # packed 8 x 8192 prepare 0.453 -> 0.310 ms (whole call 1.293 -> 1.150), T=16384 0.436 -> 0.425 and
     # T=4096 0.138 -> 0.128 ms with 2 pipeline stages (below); 1 warp 0.325 packed, 8 warps 1.06.
     # None (the default since 2026-11-26): 1 for the dense prepare that writes T diag(beta) alone (no P: the
-    # Mosaic GPU walk forms it, packed sequences on their own grid), else 2. H100, after `prepare_fast_exp`
+    # Mosaic GPU walk forms it, packed sequences on their own grid), else 2 (1 warp sums the chunk's prefix sums
+    # and products in another order: not bit for bit, the same error against the f32 recurrence). H100, after
+    # `prepare_fast_exp`
     # (docs/benchmarks.md): packed 8 x 8192 prepare 0.278 -> 0.241 ms (14 alternating rounds), whole call
     # 1.079 / 1.082 -> 1.043 / 1.036 ms, each order once; with P (batch rows) 1 warp is slower: T=16384
     # 0.421 -> 0.451, T=4096 0.125 -> 0.135.
@@ -538,14 +540,10 @@ def _prepare_dense_kernel(
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
 
-        if fast_exp:  # one ex2.approx per element, log2(e) applied to the [c] vector
-
-            def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
+        def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
+            if fast_exp:  # one ex2.approx per element, log2(e) applied to the [c] vector
                 return _exp2_approx(jnp.where(incl, gamma2[:, None] - gamma2[None, :], 0.0))
-        else:
-
-            def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
-                return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
+            return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
 
         if fast_exp and not with_p:  # beta and the mask in A's exponent: beta_i e^(gamma_i - gamma_j) =
             # 2^(gamma2_i + log2(beta_i) - gamma2_j), -inf off the strict lower triangle (and for beta_i = 0) ->
@@ -1492,7 +1490,7 @@ def gated_delta_rule_pallas(
     gates_kernel = layout is None and block_sizes.segments == 1 and (
         not packed or cu_seqlens.shape[0] - 1 <= gates.MAX_SEQS)
     if gates_kernel:
-        if not own_grid:  # (own grid: q, k, v stay as they are)
+        if not own_grid:  # (own grid: q, k, v stay as they are; the padded g, bt are unused)
             q, k, v, *_ = _common.pad_to_chunks(q, k, v, g, bt, c, None)
         padded = q.shape[1] if not own_grid else -(-seq // c) * c
         g, bt = gates.heads_major_gates(log_decay, beta, cu_seqlens if own_grid else None, padded=padded,
