@@ -58,6 +58,8 @@ DEFAULT_VARIANTS = [
     "fused:32:wy_in_state=1",   # T on packed sequences too (V copied chunk-aligned by the prepare)
     "fused:32:p_in_walk=0",   # the prepare writes P (packed: the default before 2026-11-25 15:10 UTC)
     "fused:32:p_in_walk=1",   # the walk kernel forms P in a fourth warpgroup (batch rows too)
+    "fused:32:prepare_fast_exp=0",   # libdevice expf for the prepare's decay (the default before 2026-11-26 12:00)
+    "fused:32:prepare_warps=2",   # 2 warps for the prepare of T alone too (the default before 2026-11-26 12:45)
 ]
 # --check: every new option at once on the tiny shapes (seq 130 = 3 chunks = 3 segments), against the
 # f32 reference; f32 inputs take the IEEE products (and the 3xTF32 segment combine).
