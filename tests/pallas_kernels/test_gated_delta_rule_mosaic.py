@@ -8,6 +8,7 @@ numerical checks run on an H100 / H200 (and in `benchmarks/gated_delta_rule.py -
 (passed on an H100 on 2026-11-26; tests/conftest.py otherwise pins JAX to the CPU)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -280,6 +281,27 @@ def test_prepare_of_a_piece_is_that_piece_of_the_whole_prepare():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
     with pytest.raises(ValueError, match="chunk_offset=4, num_chunks=2"):
         pallas_triton._prepare(*qkv, g, bt, chunk_offset=4, num_chunks=2, **common)
+
+
+def test_prepare_warps_by_what_it_writes(monkeypatch):
+    """`BlockSizes.prepare_warps` None: the prepare of T diag(beta) alone (packed sequences on their own grid,
+    the Mosaic GPU walk forming P) runs 1 warp per program, the prepare that forms P (batch rows) 2; an explicit
+    value holds for both. Lowered for an H100 (abstract device)."""
+    monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: True)
+    t, bf16, f32 = 1024, jnp.bfloat16, jnp.float32
+    args = (jax.ShapeDtypeStruct((1, t, 2, 128), bf16),) * 2 + (
+        jax.ShapeDtypeStruct((1, t, 4, 128), bf16), jax.ShapeDtypeStruct((1, t, 4), f32),
+        jax.ShapeDtypeStruct((1, t, 4), f32))
+
+    def prepare_warps(cu, block_sizes=None):
+        text = support.lowered_for_h100(lambda *a: pallas_triton.gated_delta_rule_pallas(
+            *a, cu_seqlens=cu, interpret=False, block_sizes=block_sizes), *args)
+        return {int(w) for w in re.findall(r'name = "gdn_prepare[^"]*"[^}]*?num_warps = (\d+)', text)}
+
+    packed = jnp.asarray([0, 300, t], jnp.int32)
+    assert prepare_warps(packed) == {1}
+    assert prepare_warps(None) == {2}
+    assert prepare_warps(packed, dataclasses.replace(DEFAULT, prepare_warps=2)) == {2}
 
 
 def test_pipelined_walk_lowers_for_cuda():

@@ -67,7 +67,8 @@ def packed_args(seq=1000, k_heads=2, v_heads=4):
 
 def test_opt_in_on_the_packed_own_grid_call(monkeypatch):
     """`BlockSizes.mosaic_prepare=True`: the packed own-grid call is two Mosaic GPU kernels (prepare, walk) and
-    no Triton one; off (the default), the Triton prepare; where it does not apply, a ValueError naming why."""
+    no Triton prepare (the gates' transpose is the one Triton kernel); off (the default), the Triton prepare;
+    where it does not apply, a ValueError naming why."""
     monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: True)
     cu = jnp.asarray([0, 300, 1000], jnp.int32)
 
@@ -76,7 +77,6 @@ def test_opt_in_on_the_packed_own_grid_call(monkeypatch):
             *a, cu_seqlens=cu, interpret=False, block_sizes=block_sizes), *args)
 
     on = lowered(dataclasses.replace(pallas_triton.BlockSizes(), mosaic_prepare=True), packed_args())
-    # (the one Triton kernel left is the gates' transpose, `gates.heads_major_gates`)
     assert on.count("custom_call @mosaic_gpu") == 2 and on.count("xla.gpu.triton") == 1
     off = lowered(pallas_triton.BlockSizes(), packed_args())
     assert off.count("custom_call @mosaic_gpu") == 1 and off.count("xla.gpu.triton") == 2
