@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gated_delta_rule import pallas_mosaic
 
-BLOCK_TOKENS = 256  # tokens per program
+BLOCK_TOKENS = 256  # tokens per program (fewer above 32 v-heads)
 # Packed sequences compared per token (a [tokens, sequences] compare per program); more go through XLA.
 MAX_SEQS = 64
 
@@ -66,7 +66,8 @@ def heads_major_gates(log_decay, beta, cu_seqlens=None, *, padded: int, interpre
         raise ValueError(f"padded={padded} must be a multiple of 16 and >= seq={seq}")
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs batch 1, got {batch}")
-    block = min(BLOCK_TOKENS, padded & -padded)  # the largest power of two dividing padded, at most 256
+    # the largest power of two dividing padded, at most 256 tokens and 8192 elements a tile (32 v-heads: 256)
+    block = min(BLOCK_TOKENS, max(16, 8192 // pl.next_power_of_2(heads)), padded & -padded)
     num_seqs = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     cu = jnp.zeros((1,), jnp.int32) if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
     out = jax.ShapeDtypeStruct((batch, heads, padded), jnp.float32)

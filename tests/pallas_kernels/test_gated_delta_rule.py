@@ -209,6 +209,7 @@ def test_pallas_decode_step_lowers_for_cuda():
     (300, 5, (0, 70, 75, 200, 300)),   # two starts in one chunk, a last partial chunk, heads not a power of 2
     (128, 3, (0, 0, 5, 128)),   # an empty sequence, a start at a chunk's first row
     (1000, 4, None),   # batch rows: padding only
+    (520, 96, None),   # more than 32 heads: 64-token tiles
 ])
 def test_heads_major_gates_match_xla(seq, heads, cu_seqlens):
     """`gates.heads_major_gates` (interpreter) writes what XLA's pad, sequence breaks and transposes
