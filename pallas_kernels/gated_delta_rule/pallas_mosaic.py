@@ -429,26 +429,15 @@ def _walk_kernel(
 SEQUENCE_BREAK = 256.0
 
 
-# Up to this many packed sequences `break_sequences` compares each token with every start (elementwise: one small
-# XLA kernel); more, and it scatters the penalty into zeros (two). H100, packed 8 x 8192, 2026-11-26: XLA 0.018 /
-# 0.019 ms against 0.021 (docs/benchmarks.md). XLA does not fuse the compares into g's transpose, even when they
-# are written in g's own shape.
-BREAK_COMPARES = 16
-
-
 def break_sequences(log_decay, cu_seqlens, seq):
     """log_decay [1, t, v_heads] f32 (t = seq rounded up to chunks) with -SEQUENCE_BREAK added at each packed
-    sequence's first token that is not a chunk's first row (cu_seqlens int32 [num_seqs + 1])."""
+    sequence's first token that is not a chunk's first row (cu_seqlens int32 [num_seqs + 1]). The compiled call
+    takes this form only beyond `gates.MAX_SEQS` sequences (`gates.heads_major_gates` does it in its kernel
+    below that), so it scatters the penalty rather than comparing every token with every start."""
     t = log_decay.shape[1]
     starts = jnp.asarray(cu_seqlens, jnp.int32)[:-1]
     inside = (starts % CHUNK != 0) & (starts < seq)
-    if starts.shape[0] <= BREAK_COMPARES:
-        token = jnp.arange(t, dtype=jnp.int32)
-        hit = functools.reduce(jnp.logical_or, [(token == starts[i]) & inside[i] for i in range(starts.shape[0])],
-                               jnp.zeros((t,), bool))
-        penalty = jnp.where(hit, -SEQUENCE_BREAK, 0.0).astype(jnp.float32)
-    else:
-        penalty = jnp.zeros((t,), jnp.float32).at[jnp.where(inside, starts, t)].set(-SEQUENCE_BREAK, mode="drop")
+    penalty = jnp.zeros((t,), jnp.float32).at[jnp.where(inside, starts, t)].set(-SEQUENCE_BREAK, mode="drop")
     return log_decay + penalty[None, :, None]
 
 

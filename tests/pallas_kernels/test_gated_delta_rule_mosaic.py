@@ -17,7 +17,7 @@ import pytest
 import support
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import pallas_mosaic, pallas_triton, reference, workloads
+from pallas_kernels.gated_delta_rule import gates, pallas_mosaic, pallas_triton, reference, workloads
 
 DIM128 = dataclasses.replace(workloads.TINY, name="dim128", seq=200, batch=2, key_dim=128, value_dim=128)
 DEFAULT = pallas_triton.BlockSizes.get_default()
@@ -182,17 +182,16 @@ def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scal
     return out[None], jnp.stack(finals)
 
 
-def test_break_sequences_compares_or_scatters_alike(monkeypatch):
-    """The sequence breaks as elementwise compares (few sequences) and as a scatter (many) are the same: the
-    penalty at each start inside a chunk only (not at a chunk's first row, an empty sequence's start once, none
-    at the packed length)."""
+def test_break_sequences_in_xla_and_in_the_gates_kernel_alike():
+    """The sequence breaks as XLA's scatter (`break_sequences`, beyond `gates.MAX_SEQS` sequences) and as the
+    gates kernel's compares (interpreter) are the same: the penalty at each start inside a chunk only (not at a
+    chunk's first row, an empty sequence's start once, none at the packed length)."""
     cu = jnp.asarray([0, 70, 70, 75, 78, 128, 192, 330], jnp.int32)
     g = -jnp.abs(jax.random.normal(jax.random.key(0), (1, 384, 3), jnp.float32))
-    compared = pallas_mosaic.break_sequences(g, cu, 330)
-    monkeypatch.setattr(pallas_mosaic, "BREAK_COMPARES", 0)
     scattered = pallas_mosaic.break_sequences(g, cu, 330)
-    np.testing.assert_array_equal(np.asarray(compared), np.asarray(scattered))
-    broken = np.flatnonzero(np.asarray(compared - g)[0, :, 0])
+    compared, _ = gates.heads_major_gates(g[:, :330], jnp.ones_like(g[:, :330]), cu, padded=384, interpret=True)
+    np.testing.assert_array_equal(np.asarray(compared)[..., :330], np.swapaxes(np.asarray(scattered), 1, 2)[..., :330])
+    broken = np.flatnonzero(np.asarray(scattered - g)[0, :, 0])
     np.testing.assert_array_equal(broken, [70, 75, 78])
 
 
