@@ -122,13 +122,15 @@ def parse_config(name: str) -> BlockSizes | None:
     """Inverse of `config_name`: "default" -> None, "32x128x64w4s4swpmg" -> BlockSizes(...)."""
     if name == "default":
         return None
-    mo = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(swp|blk|sad)?(mg|as|ab)?", name)
+    mo = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(swp|blk|sad)?(mg|as|ab)?(xs)?", name)
     if not mo:
-        raise ValueError(f"config {name!r}: expected MxNxKwWsS[swp|blk|sad][mg|as|ab], e.g. 32x128x64w4s4swpmg")
+        raise ValueError(f"config {name!r}: expected MxNxKwWsS[swp|blk|sad][mg|as|ab][xs], e.g. 32x128x64w4s4swpmg "
+                         f"(xs: the exact silu, fast_silu=False)")
     m, n, k, w, st = (int(v) for v in mo.groups()[:5])
     mode = {None: "tile", "swp": "tile_swapped", "blk": "block", "sad": "scale_after_dot"}[mo.group(6)]
     return BlockSizes(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, quant_mode=mode,
-                      int_to_float={None: "convert", "mg": "magic", "as": "asm", "ab": "asm_bf16"}[mo.group(7)])
+                      int_to_float={None: "convert", "mg": "magic", "as": "asm", "ab": "asm_bf16"}[mo.group(7)],
+                      fast_silu=mo.group(8) is None)
 
 
 def config_name(bs):
@@ -136,7 +138,8 @@ def config_name(bs):
                                          f"w{bs.num_warps}s{bs.num_stages}"
                                          + {"tile": "", "tile_swapped": "swp", "block": "blk",
                                             "scale_after_dot": "sad"}[bs.quant_mode]
-                                         + {"convert": "", "magic": "mg", "asm": "as", "asm_bf16": "ab"}[bs.int_to_float])
+                                         + {"convert": "", "magic": "mg", "asm": "as", "asm_bf16": "ab"}[bs.int_to_float]
+                                         + ("" if bs.fast_silu else "xs"))
 
 
 def run_workload(w: workloads.Workload, peer_fns, quick: bool, rows: list, hbm: float, only_quant=False):

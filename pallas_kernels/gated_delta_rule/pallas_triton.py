@@ -51,8 +51,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import _common, gates, pallas_mosaic, pallas_mosaic_prepare
+from pallas_kernels.triton_math import LOG2_E, exp2_approx
 
-LOG2_E = 1.4426950408889634  # exp(x) = 2^(x log2(e))
 _PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
 _TRANS_A = (((0,), (0,)), ((), ()))  # dot_general dims for a^T b
 _TRANS_B = (((1,), (1,)), ((), ()))  # dot_general dims for a b^T
@@ -64,15 +64,6 @@ def _dot(a, b, dims=_PLAIN, exact=False):
     bf16 anyway). bf16 operands are unaffected."""
     precision = jax.lax.Precision.HIGHEST if exact else None
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _exp2_approx(x):
-    """2^x for f32 `x` by one `ex2.approx.ftz.f32` per element (relative error ~2^-22; inline PTX, compiled
-    kernels only). Pallas Triton lowers `jnp.exp` and `jnp.exp2` to libdevice calls: `expf` is eight
-    instructions (range reduction and corrections) around the same `MUFU.EX2`."""
-    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-    return y
 
 
 def _token_rows(n, chunk_size, src_ref, len_ref, in_place, src_len=None):
@@ -213,7 +204,7 @@ class BlockSizes:
     prepare_heads_fastest: bool = True
     # Dense prepare, bf16, compiled: the chunk's decay exp(gamma_i - gamma_j) (A's, and P's where the prepare
     # forms P) and the decay factors it writes as one `ex2.approx` per element of log2(e)-scaled gamma
-    # (`_exp2_approx`) instead of libdevice's `expf` (eight instructions each); without P, beta and A's mask go
+    # (`exp2_approx`) instead of libdevice's `expf` (eight instructions each); without P, beta and A's mask go
     # into the exponent. The interpreter and f32 inputs keep `jnp.exp`. H100, 2026-11-26 (docs/benchmarks.md),
     # on / off, each order once: packed 8 x 8192 1.073 / 1.098 and 1.081 / 1.091 ms (prepare 0.278 / 0.314,
     # 0.297 / 0.318), T=4096 0.128 / 0.131; the prepare alone ~3% faster over 10 alternating rounds.
@@ -527,8 +518,8 @@ def _prepare_dense_kernel(
         if decay_factors:
             last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1, gamma, 0.0))
             if fast_exp:
-                gamma_ref[b, h, rows] = _exp2_approx(gamma2)
-                u_ref[b, h, rows] = _exp2_approx((last - gamma) * LOG2_E)
+                gamma_ref[b, h, rows] = exp2_approx(gamma2)
+                u_ref[b, h, rows] = exp2_approx((last - gamma) * LOG2_E)
             else:
                 gamma_ref[b, h, rows] = jnp.exp(gamma)
                 u_ref[b, h, rows] = jnp.exp(last - gamma)
@@ -542,7 +533,7 @@ def _prepare_dense_kernel(
 
         def decay():  # exp(gamma_i - gamma_j) on and below the diagonal (<= 1), 1 above
             if fast_exp:  # one ex2.approx per element, log2(e) applied to the [c] vector
-                return _exp2_approx(jnp.where(incl, gamma2[:, None] - gamma2[None, :], 0.0))
+                return exp2_approx(jnp.where(incl, gamma2[:, None] - gamma2[None, :], 0.0))
             return jnp.exp(jnp.where(incl, gamma[:, None] - gamma[None, :], 0.0))
 
         if fast_exp and not with_p:  # beta and the mask in A's exponent: beta_i e^(gamma_i - gamma_j) =
@@ -550,7 +541,7 @@ def _prepare_dense_kernel(
             # 0: one subtraction, select, ex2 and multiply per element (P, where formed here, shares the decay)
             rows_exp = gamma2 + jnp.log2(beta)
             exponent = jnp.where(strict, rows_exp[:, None] - gamma2[None, :], -jnp.inf)
-            a = _dot(k, k, _TRANS_B, exact) * _exp2_approx(exponent)
+            a = _dot(k, k, _TRANS_B, exact) * exp2_approx(exponent)
         else:
             gamma_diff = decay()
             a = jnp.where(strict, (beta[:, None] * _dot(k, k, _TRANS_B, exact)) * gamma_diff, 0.0)

@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_limits
 from pallas_kernels.quantized import QuantizedWeights
+from pallas_kernels.triton_math import silu_approx
 
 # Triton computes element offsets in int32: an operand of 2**31 elements or more would be read at wrapped
 # offsets (silently wrong output, seen on an H100 with a 12 GiB pool of 4-bit experts as one rhs).
@@ -142,6 +143,9 @@ class BlockSizes:
     the weight rounded once in bf16: each weight within (15 |scale| + |offset| + |weight|) 2**-9 of the exact
     value, against |weight| 2**-9 for the other modes (for Q4_0's offset -8 scale at most ~6% of the
     quantization step), so not their weights bit for bit; the interpreter runs the same arithmetic in jnp.
+    fast_silu (gmm_swiglu, bf16 lhs, compiled kernels): the epilogue's silu by `triton_math.silu_approx` (one
+    ex2.approx and one rcp.approx per output) instead of `jax.nn.sigmoid`, which lowers to libdevice's expf and an
+    IEEE division (~20 instructions); the interpreter and f32 lhs keep the exact form.
     """
 
     block_m: int = 128
@@ -151,6 +155,7 @@ class BlockSizes:
     num_stages: int = 3
     quant_mode: Literal["tile", "tile_swapped", "block", "scale_after_dot"] = "tile"
     int_to_float: Literal["convert", "magic", "asm", "asm_bf16"] = "convert"
+    fast_silu: bool = True
 
     @classmethod
     def get_default(cls, m: int, k: int, n: int, groups: int, *, bits: int | None = None,
@@ -251,7 +256,7 @@ def make_schedule(group_sizes: jax.Array, m: int, block_m: int, search: str | No
 
 def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, n_tiles,
             bs: BlockSizes, swiglu: bool, bits: int | None, quant_block: int, dot_dtype, precision,
-            gather: bool, asm: bool, k_major: bool):
+            gather: bool, asm: bool, k_major: bool, fast_silu: bool):
     if gather:                                 # rows of the product are lhs rows index_ref[r]
         index_ref, *rest = rest
     if bits is None:
@@ -400,7 +405,12 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         accs = jax.lax.fori_loop(0, pl.cdiv(k_rows, bk), step, zeros)
         if swapped:
             accs = tuple(acc.T for acc in accs)
-        out = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1] if swiglu else accs[0]
+        if not swiglu:
+            out = accs[0]
+        elif fast_silu:
+            out = silu_approx(accs[0]) * accs[1]
+        else:
+            out = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]
         plgpu.store(out_ref.at[pl.ds(first_row, bm), pl.ds(j * bn, bn)], out.astype(out_ref.dtype),
                     mask=out_mask)
 
@@ -493,7 +503,8 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     kernel = functools.partial(
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
-        gather=lhs_index is not None, asm=asm, k_major=k_major)
+        gather=lhs_index is not None, asm=asm, k_major=k_major,
+        fast_silu=swiglu and bs.fast_silu and not interpret and dot_dtype == jnp.bfloat16)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),

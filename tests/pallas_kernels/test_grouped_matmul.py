@@ -307,6 +307,25 @@ def test_asm_dequantization_lowers_to_ptx(bits):
     assert ("0x4B000000" in text) == (bits == 8)
 
 
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_swiglu_fast_silu_lowers_to_ptx(weights):
+    # Lowered for an H100: the compiled bf16 gmm_swiglu's epilogue takes silu from ex2.approx and rcp.approx
+    # (`BlockSizes.fast_silu`), with no libdevice expf left; off, or with f32 operands, the exact sigmoid stays.
+    # The products were checked against the reference on an H100 (docs/benchmarks_gmm.md, 2026-11-26).
+    w = workloads.WORKLOADS["tiny_partial"]
+
+    def lowered(dtype, fast_silu):
+        lhs, rhs, gs = workloads.make_inputs(w, dtype=dtype, weights=weights, swiglu=True, seed=5)
+        bs = pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64, fast_silu=fast_silu)
+        return support.lowered_for_h100(pallas_triton.gmm_swiglu_pallas, lhs, rhs, gs, interpret=False,
+                                        block_sizes=bs)
+
+    fast = lowered(jnp.bfloat16, True)
+    assert "rcp.approx.ftz.f32" in fast and "__nv_expf" not in fast
+    assert "rcp.approx" not in lowered(jnp.bfloat16, False) and "__nv_expf" in lowered(jnp.bfloat16, False)
+    assert "rcp.approx" not in lowered(jnp.float32, True)
+
+
 # The bf16-pair dequantization of 4-bit codes ("asm_bf16"): its PTX (compiled, on a GPU) and its jnp form (the
 # interpreter) agree over every byte value, and the product is within bf16 tolerance of dequantize-then-matmul
 # (its weights are not the other modes' bit for bit: the scale and offset are rounded to bf16 first).
