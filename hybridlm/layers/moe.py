@@ -5,6 +5,7 @@
 
 The routed part never computes every expert for every token: token copies are sorted by expert
 (dispatch), run through two grouped matmuls (GMM: `gmm_swiglu` then `gmm`), and un-permuted and combined.
+A few copies (a decode step) skip the sort: each (token, expert) row names its expert (`row_groups`).
 Source: HF `Qwen3_5MoeSparseMoeBlock.forward`, `Qwen3_5MoeTopKRouter.forward`.
 """
 
@@ -23,6 +24,11 @@ from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
 # which XLA runs as a sort of every row on the GPU. H100, 256 experts, top-8 (2026-11-25): 32 768 tokens 0.300 ->
 # 0.102 ms per layer; 8 192 tokens 0.079 -> 0.095 (so not there). Same ids and weights, ties included.
 ARGMAX_TOP_K_MIN_TOKENS = 32768
+
+# Up to this many token copies (tokens x top_k) `routed_experts` runs the grouped matmuls on the copies in
+# (token, slot) order with each row's expert given (`row_groups`): no sort, no inverse permutation, and the
+# combine a plain weighted sum. Each copy then reads its expert's weights alone, so larger batches sort.
+UNSORTED_MAX_ROWS = 64
 
 
 def top_k_by_argmax(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -89,7 +95,8 @@ def dispatch(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = 
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate_up, down, *,
-                   valid: jax.Array | None = None, implementation: str | None = None) -> jax.Array:
+                   valid: jax.Array | None = None, implementation: str | None = None,
+                   sort: bool | None = None) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU expert(x), through sort-by-expert + GMM.
 
     Args:
@@ -99,12 +106,24 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
       down: [experts, ffn, hidden] or a `QuantizedWeights`.
       valid: [tokens] bool, padding tokens get zero output; None: all valid.
       implementation: grouped-matmul implementation (see `pallas_kernels.grouped_matmul.gmm`).
+      sort: sort the token copies by expert (True) or run them in (token, slot) order with each row's expert
+        named (False; decode); None: sort above `UNSORTED_MAX_ROWS` copies.
 
     Returns:
       [tokens, hidden] in x.dtype.
     """
     tokens, top_k = expert_ids.shape
-    d = dispatch(expert_ids, gate_up.shape[0], valid)
+    num_experts = gate_up.shape[0]
+    if not (tokens * top_k > UNSORTED_MAX_ROWS if sort is None else sort):
+        ids = expert_ids if valid is None else jnp.where(valid[:, None], expert_ids, num_experts)
+        rows = ids.reshape(-1)                                           # [tokens*top_k], out of range: zero row
+        token_of_row = jnp.arange(tokens * top_k, dtype=jnp.int32) // top_k
+        h = gmm_swiglu(x, gate_up, row_groups=rows, lhs_index=token_of_row, implementation=implementation)
+        y = gmm(h.astype(x.dtype), down, row_groups=rows, implementation=implementation)
+        out = jnp.einsum("tk,tkh->th", weights.astype(y.dtype), y.reshape(tokens, top_k, -1),
+                         preferred_element_type=jnp.float32)
+        return out.astype(x.dtype)
+    d = dispatch(expert_ids, num_experts, valid)
     token_of_row = d.order // top_k              # [tokens*top_k]: the GMM gathers these rows of x itself
     h = gmm_swiglu(x, gate_up, d.group_sizes, lhs_index=token_of_row,
                    implementation=implementation)                              # [tokens*top_k, ffn]

@@ -31,11 +31,18 @@ def _pick(table: dict[str, Callable[..., jax.Array]], implementation: str | None
     return table[implementation]
 
 
-def _check(lhs, rhs, group_sizes, name: str, lhs_index) -> None:
+def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
     if lhs_index is not None and (lhs_index.ndim != 1 or not jnp.issubdtype(lhs_index.dtype, jnp.integer)):
         raise ValueError(f"lhs_index must be [m] integers, got {lhs_index.dtype} {lhs_index.shape}")
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
+    if row_groups is not None:
+        m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
+        if row_groups.shape != (m,) or not jnp.issubdtype(row_groups.dtype, jnp.integer):
+            raise ValueError(f"row_groups must be [{m}] integers (one group per row of the product), got "
+                             f"{row_groups.dtype} {row_groups.shape}")
     if isinstance(rhs, QuantizedWeights):
         rhs.check()
     elif rhs.ndim != 3:
@@ -43,17 +50,20 @@ def _check(lhs, rhs, group_sizes, name: str, lhs_index) -> None:
     groups, k, _ = rhs.shape
     if k != lhs.shape[1]:
         raise ValueError(f"lhs.shape={lhs.shape} and {name}.shape={tuple(rhs.shape)} disagree on k")
-    if group_sizes.shape != (groups,):
+    if group_sizes is not None and group_sizes.shape != (groups,):
         raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array, *,
-        lhs_index: jax.Array | None = None, preferred_element_type=None,
+def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
+        row_groups: jax.Array | None = None, lhs_index: jax.Array | None = None, preferred_element_type=None,
         implementation: Implementation | None = None, interpret: bool | None = None) -> jax.Array:
     """Grouped matmul: each row of lhs times the matrix of its group.
 
     out[i] = lhs[i] @ rhs[g] for starts[g] <= i < ends[g] (ends = cumsum(group_sizes)); rows at or past
     sum(group_sizes) belong to no group and come out zero (the MoE drops padding tokens this way).
+    Or, with `row_groups` instead of group_sizes, out[i] = lhs[i] @ rhs[row_groups[i]], rows in any order:
+    what a decode step's few (token, expert) pairs need, with no sort (llama.cpp's `mul_mat_id`); each row is
+    then its own work item, so a group's weights are read once per row (use it for a few rows only).
     Accumulation is float32.
 
     Args:
@@ -61,6 +71,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
       rhs: `[groups, k, n]` float array (experts, hidden, ffn), or a `QuantizedWeights` of that shape
         (int8 Q8_0 or 4-bit; the kernel dequantizes tiles in registers).
       group_sizes: `[groups]` int32 on device, rows per group, sum <= m. Never read on the host.
+      row_groups: instead of group_sizes, `[m]` int32 on device: the group of each row of the product (any
+        order); a value outside [0, groups) gives a zero row.
       lhs_index: optional `[m]` int32: row i of the product is lhs[lhs_index[i]] (lhs then has any number
         of rows; out-of-range indices are clamped, as by jnp's gather). The MoE dispatch passes
         sorted-copy -> token, so the kernel gathers token rows itself and the [m, k] sorted copy of the
@@ -74,19 +86,19 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
       `[m, n]` in preferred_element_type (or lhs.dtype); m = len(lhs_index) when given.
 
     Raises:
-      ValueError: unknown implementation, shapes that disagree, or (Pallas) an operand of 2**31 elements or
-        more (the Triton kernel's offsets are int32).
+      ValueError: unknown implementation, shapes that disagree, both or neither of group_sizes and
+        row_groups, or (Pallas) an operand of 2**31 elements or more (the Triton kernel's offsets are int32).
 
     Source: megablox `gmm` / tokamax `ragged_dot` semantics; docs/benchmarks_gmm.md for speed.
     """
     fn = _pick(_GMM, implementation)
-    _check(lhs, rhs, group_sizes, "rhs", lhs_index)
-    return fn(lhs, rhs, group_sizes, lhs_index=lhs_index, preferred_element_type=preferred_element_type,
-              interpret=interpret)
+    _check(lhs, rhs, group_sizes, "rhs", lhs_index, row_groups)
+    return fn(lhs, rhs, group_sizes, row_groups=row_groups, lhs_index=lhs_index,
+              preferred_element_type=preferred_element_type, interpret=interpret)
 
 
-def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_sizes: jax.Array, *,
-               lhs_index: jax.Array | None = None, preferred_element_type=None,
+def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
+               row_groups: jax.Array | None = None, lhs_index: jax.Array | None = None, preferred_element_type=None,
                implementation: Implementation | None = None, interpret: bool | None = None) -> jax.Array:
     """Fused expert up-projection: silu(x @ W_gate) * (x @ W_up) per row's group.
 
@@ -97,6 +109,7 @@ def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_si
       w_gate_up: `[groups, k, 2 * ffn]`; `[..., :ffn]` is the gate projection, `[..., ffn:]` the up
         projection; float array or QuantizedWeights.
       group_sizes: `[groups]` int32 on device, sum <= m.
+      row_groups: instead of group_sizes, each row's group, as in `gmm`.
       lhs_index: as in `gmm` (the gather of the MoE dispatch, fused).
       preferred_element_type: output dtype; None = lhs.dtype.
       implementation: as in `gmm`.
@@ -106,13 +119,14 @@ def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_si
       `[m, ffn]`; rows past sum(group_sizes) are zero.
 
     Raises:
-      ValueError: unknown implementation, shapes that disagree, or an odd number of columns.
+      ValueError: unknown implementation, shapes that disagree, both or neither of group_sizes and
+        row_groups, or an odd number of columns.
 
     Source: SwiGLU, Shazeer 2020 (arXiv:2002.05202); Qwen3-MoE expert MLP.
     """
     fn = _pick(_GMM_SWIGLU, implementation)
-    _check(lhs, w_gate_up, group_sizes, "w_gate_up", lhs_index)
+    _check(lhs, w_gate_up, group_sizes, "w_gate_up", lhs_index, row_groups)
     if w_gate_up.shape[2] % 2:
         raise ValueError(f"w_gate_up has {w_gate_up.shape[2]} columns; expected 2 * ffn")
-    return fn(lhs, w_gate_up, group_sizes, lhs_index=lhs_index, preferred_element_type=preferred_element_type,
-              interpret=interpret)
+    return fn(lhs, w_gate_up, group_sizes, row_groups=row_groups, lhs_index=lhs_index,
+              preferred_element_type=preferred_element_type, interpret=interpret)

@@ -49,6 +49,9 @@ from pallas_kernels import gpu_limits
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
+# Rows per tensor-core tile where each work item is one row (`row_groups`): the smallest M of a Triton dot.
+ROW_BLOCK_M = 16
+
 # Triton computes element offsets in int32: an operand of 2**31 elements or more would be read at wrapped
 # offsets (silently wrong output, seen on an H100 with a 12 GiB pool of 4-bit experts as one rhs).
 MAX_OPERAND_ELEMENTS = 2**31
@@ -174,6 +177,23 @@ class BlockSizes:
         return cls._get_default(m, k, n, groups, rows_per_group, bits, swiglu)
 
     @classmethod
+    def get_default_rows(cls, k: int, n: int, *, bits: int | None = None, swiglu: bool = False,
+                         k_major: bool = False) -> BlockSizes:
+        """A tile shape for rows in any order with their groups given (`row_groups`: a decode step's (token,
+        expert) pairs, one row per item, block_m `ROW_BLOCK_M`): each program reads one expert's [k, block_n]
+        weight tile for one row. H100 sweep of 2026-11-26 (1 and 8 tokens x top-8, 8 layers' distinct weights,
+        docs/benchmarks_gmm.md): the weight-read-bound tiles, except 4-bit (block_n 64, block_k 128: gate_up
+        18 against 31 us at 1 token, level at 8; down 20 against 21, 30 against 35) and the bf16 gate_up
+        (block_n 128, block_k 128: 22 against 25 us at 1 token, level at 8)."""
+        del k, n
+        bs = cls.get_default(1, 1, 1, 1, bits=bits, swiglu=swiglu, k_major=k_major)
+        if bits == 4 and k_major:
+            return dataclasses.replace(bs, block_n=64, block_k=128)
+        if bits is None and swiglu:
+            return dataclasses.replace(bs, block_k=128)
+        return bs
+
+    @classmethod
     def _get_default_k_major(cls, rows_per_group, bits, swiglu) -> BlockSizes:
         # H100 sweeps of 2026-11-25 (benchmarks/gmm_tiles.py, k-major codes; docs/benchmarks_gmm.md), ms.
         # Weight-read bound (m = 4096, 16 rows per group): int8 gate_up 32x64x128 0.249 (32x128x128 0.264,
@@ -252,6 +272,21 @@ def make_schedule(group_sizes: jax.Array, m: int, block_m: int, search: str | No
     row_end = jnp.minimum(ends[g], row_start + block_m)
     used = group <= groups
     return group, jnp.where(used, row_start, 0), jnp.where(used, row_end, 0)
+
+
+def row_schedule(row_groups: jax.Array, groups: int):
+    """Work items for rows in any order with their groups given (`gmm(..., row_groups=)`): one item per row.
+
+    Args:
+      row_groups: `[m]` integer group of each row; a value outside [0, groups) makes a zero row.
+      groups: number of groups.
+
+    Returns:
+      (group, row_start, row_end), each `[m]` int32, as `make_schedule`'s: item i is row i alone.
+    """
+    g = row_groups.astype(jnp.int32)
+    rows = jnp.arange(g.shape[0], dtype=jnp.int32)
+    return jnp.where((g >= 0) & (g < groups), g, groups), rows, rows + 1
 
 
 def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, n_tiles,
@@ -445,28 +480,35 @@ def within_shared_memory(bs: BlockSizes, limit: int | None, **sizes) -> BlockSiz
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "block_sizes", "interpret"))
-def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferred_element_type, block_sizes,
-                interpret):
+def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, row_groups=None, *, swiglu: bool, preferred_element_type,
+                block_sizes, interpret):
     m, k = lhs.shape
     if lhs_index is not None:
         if lhs_index.ndim != 1:
             raise ValueError(f"lhs_index must be [m], got shape {lhs_index.shape}")
         m = lhs_index.shape[0]
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("give exactly one of group_sizes and row_groups")
+    if row_groups is not None and row_groups.shape != (m,):
+        raise ValueError(f"row_groups.shape={row_groups.shape}, expected ({m},) (one group per row)")
     quantized = isinstance(rhs, QuantizedWeights)
     if quantized:
         rhs.check()
     groups, k_rhs, n_rhs = rhs.shape
     if k_rhs != k:
         raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
-    if group_sizes.shape != (groups,):
+    if group_sizes is not None and group_sizes.shape != (groups,):
         raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
     if swiglu and n_rhs % 2:
         raise ValueError(f"w_gate_up has {n_rhs} columns; expected 2 * ffn")
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
     k_major = quantized and rhs.k_major
-    bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu,
-                                               k_major=k_major)
+    if row_groups is not None:   # one row per item: the smallest tensor-core tile
+        bs = dataclasses.replace(block_sizes or BlockSizes.get_default_rows(k, n_out, bits=bits, swiglu=swiglu,
+                                                                            k_major=k_major), block_m=ROW_BLOCK_M)
+    else:
+        bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu, k_major=k_major)
     # Triton blocks are powers of two; do not use blocks far larger than the problem.
     bs = dataclasses.replace(bs, block_m=min(bs.block_m, max(16, pl.next_power_of_2(m))),
                              block_n=min(bs.block_n, max(16, pl.next_power_of_2(n_out))))
@@ -488,7 +530,10 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
     asm = quantized and bs.int_to_float in ("asm", "asm_bf16") and not interpret and dot_dtype == jnp.bfloat16
 
-    schedule = make_schedule(group_sizes, m, bs.block_m)       # (group, row_start, row_end)
+    if row_groups is None:
+        schedule = make_schedule(group_sizes, m, bs.block_m)   # (group, row_start, row_end)
+    else:
+        schedule = row_schedule(row_groups, groups)
     n_tiles = pl.cdiv(n_out, bs.block_n)
     grid = (schedule[0].shape[0] * n_tiles,)
     if quantized:
@@ -515,27 +560,28 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, *, swiglu: bool, preferre
     )(*schedule, lhs, *(() if lhs_index is None else (lhs_index.astype(jnp.int32),)), *weights)
 
 
-def gmm_pallas(lhs, rhs, group_sizes, *, lhs_index=None, preferred_element_type=None, interpret=None,
-               block_sizes: BlockSizes | None = None) -> jax.Array:
+def gmm_pallas(lhs, rhs, group_sizes=None, *, row_groups=None, lhs_index=None, preferred_element_type=None,
+               interpret=None, block_sizes: BlockSizes | None = None) -> jax.Array:
     """Grouped matmul kernel; arguments and result as `reference.gmm_reference`.
 
     Args (beyond the shared ones):
-      block_sizes: tile shape; None = `BlockSizes.get_default`.
+      block_sizes: tile shape; None = `BlockSizes.get_default` (`get_default_rows` with row_groups, whose items
+        are single rows: block_m is then always `ROW_BLOCK_M`).
       interpret: run in the Pallas interpreter; None = only when no GPU is present.
 
     Raises:
-      ValueError: shapes that disagree.
+      ValueError: shapes that disagree, or both or neither of group_sizes and row_groups.
     """
-    return _gmm_pallas(lhs, rhs, group_sizes, lhs_index, swiglu=False,
+    return _gmm_pallas(lhs, rhs, group_sizes, lhs_index, row_groups, swiglu=False,
                        preferred_element_type=preferred_element_type, block_sizes=block_sizes, interpret=interpret)
 
 
-def gmm_swiglu_pallas(lhs, w_gate_up, group_sizes, *, lhs_index=None, preferred_element_type=None,
-                      interpret=None, block_sizes: BlockSizes | None = None) -> jax.Array:
+def gmm_swiglu_pallas(lhs, w_gate_up, group_sizes=None, *, row_groups=None, lhs_index=None,
+                      preferred_element_type=None, interpret=None, block_sizes: BlockSizes | None = None) -> jax.Array:
     """Fused silu(x @ W_gate) * (x @ W_up); arguments and result as `reference.gmm_swiglu_reference`.
 
     Raises:
-      ValueError: shapes that disagree.
+      ValueError: shapes that disagree, or both or neither of group_sizes and row_groups.
     """
-    return _gmm_pallas(lhs, w_gate_up, group_sizes, lhs_index, swiglu=True,
+    return _gmm_pallas(lhs, w_gate_up, group_sizes, lhs_index, row_groups, swiglu=True,
                        preferred_element_type=preferred_element_type, block_sizes=block_sizes, interpret=interpret)

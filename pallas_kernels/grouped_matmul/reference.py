@@ -4,7 +4,9 @@ Row i of lhs belongs to group g when starts[g] <= i < ends[g], with ends = cumsu
 starts = ends - group_sizes (rows are sorted by group). Then
     out[i] = lhs[i] @ rhs[g]                     (gmm)
     out[i] = silu(lhs[i] @ Wg[g]) * (lhs[i] @ Wu[g]),  [Wg | Wu] = w_gate_up[g]   (gmm_swiglu)
-and rows i >= sum(group_sizes) belong to no group and give zeros.
+and rows i >= sum(group_sizes) belong to no group and give zeros. Instead of group_sizes, `row_groups` may give
+each row's group directly (rows in any order, as a decode step's few (token, expert) pairs come unsorted); a
+value outside [0, groups) then gives a zero row.
 
 It computes only each row's own group (m * k * n multiply-adds, not groups times that): rows are processed
 in fixed-size batches, each row gathering its group's matrix. Everything is float32 at Precision.HIGHEST.
@@ -25,21 +27,25 @@ from pallas_kernels.quantized import QuantizedWeights
 _ROWS_PER_BATCH = 32  # rows multiplied together; bounds the gathered weights to 32 * k * n floats
 
 
-def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+def groups_of_rows(group_sizes: jax.Array, m: int) -> jax.Array:
     """Group of each row, `[m]` int32; rows past sum(group_sizes) get `groups` (no group)."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
-def _rowwise(lhs: jax.Array, rhs_f32: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """out[i] = lhs[i] @ rhs[group(i)] in f32, zero for rows in no group. [m, k] x [g, k, n] -> [m, n]."""
+def _rowwise(lhs: jax.Array, rhs_f32: jax.Array, group_sizes: jax.Array | None,
+             gid: jax.Array | None = None) -> jax.Array:
+    """out[i] = lhs[i] @ rhs[group(i)] in f32, zero for rows in no group. [m, k] x [g, k, n] -> [m, n].
+    The groups come from group_sizes (sorted rows) or, when it is None, from gid `[m]` (any order)."""
     m, k = lhs.shape
     groups, _, n = rhs_f32.shape
-    gid = row_groups(group_sizes, m)                                   # [m]
-    valid = gid < groups
+    if (group_sizes is None) == (gid is None):
+        raise ValueError("give exactly one of group_sizes and row_groups")
+    gid = groups_of_rows(group_sizes, m) if gid is None else gid.astype(jnp.int32)   # [m]
+    valid = (gid >= 0) & (gid < groups)
     pad = -m % _ROWS_PER_BATCH
     x = jnp.pad(lhs.astype(jnp.float32), ((0, pad), (0, 0))).reshape(-1, _ROWS_PER_BATCH, k)
-    g = jnp.pad(jnp.minimum(gid, groups - 1), (0, pad)).reshape(-1, _ROWS_PER_BATCH)
+    g = jnp.pad(jnp.clip(gid, 0, groups - 1), (0, pad)).reshape(-1, _ROWS_PER_BATCH)
 
     def batch(args):
         xb, gb = args                                                  # [r, k], [r]
@@ -58,44 +64,52 @@ def _gathered(lhs, lhs_index):
 
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
-def gmm_reference(lhs, rhs, group_sizes, *, lhs_index=None, preferred_element_type=None,
+def gmm_reference(lhs, rhs, group_sizes=None, *, row_groups=None, lhs_index=None, preferred_element_type=None,
                   interpret=None) -> jax.Array:
     """Grouped matmul, float32 accumulation, only each row's own group.
 
     Args:
       lhs: `[m, k]` rows sorted by group, any float dtype (or any rows, gathered by lhs_index).
-      lhs_index: optional `[m]` int32: row i of the product is lhs[lhs_index[i]] (clamped into range).
       rhs: `[groups, k, n]` float array, or QuantizedWeights (dequantized to float32 first).
-      group_sizes: `[groups]` int32 on device, rows per group; sum may be < m.
+      group_sizes: `[groups]` int32 on device, rows per group; sum may be < m. None when row_groups is given.
+      row_groups: `[m]` int32, each row's group, rows in any order; outside [0, groups): a zero row.
+      lhs_index: optional `[m]` int32: row i of the product is lhs[lhs_index[i]] (clamped into range).
       preferred_element_type: output dtype; None = lhs.dtype.
       interpret: ignored (the signature is shared with the kernels).
 
     Returns:
-      `[m, n]`; rows past sum(group_sizes) are zero.
+      `[m, n]`; rows past sum(group_sizes), or of no group, are zero.
+
+    Raises:
+      ValueError: both or neither of group_sizes and row_groups.
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    return _rowwise(_gathered(lhs, lhs_index), _as_f32(rhs), group_sizes).astype(out_dtype)
+    return _rowwise(_gathered(lhs, lhs_index), _as_f32(rhs), group_sizes, row_groups).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
-def gmm_swiglu_reference(lhs, w_gate_up, group_sizes, *, lhs_index=None, preferred_element_type=None,
-                         interpret=None) -> jax.Array:
+def gmm_swiglu_reference(lhs, w_gate_up, group_sizes=None, *, row_groups=None, lhs_index=None,
+                         preferred_element_type=None, interpret=None) -> jax.Array:
     """silu(x @ W_gate) * (x @ W_up) per row's group, float32 throughout.
 
     Args:
       lhs: `[m, k]` rows sorted by group (or any rows, gathered by lhs_index).
-      lhs_index: optional `[m]` int32, as in `gmm_reference`.
       w_gate_up: `[groups, k, 2 * ffn]` (gate = [..., :ffn], up = [..., ffn:]) or QuantizedWeights.
-      group_sizes: `[groups]` int32.
+      group_sizes: `[groups]` int32, or None when row_groups is given.
+      row_groups: `[m]` int32, as in `gmm_reference`.
+      lhs_index: optional `[m]` int32, as in `gmm_reference`.
       preferred_element_type: output dtype; None = lhs.dtype.
       interpret: ignored.
 
     Returns:
-      `[m, ffn]`; rows past sum(group_sizes) are zero.
+      `[m, ffn]`; rows past sum(group_sizes), or of no group, are zero.
+
+    Raises:
+      ValueError: both or neither of group_sizes and row_groups.
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    h = _rowwise(_gathered(lhs, lhs_index), _as_f32(w_gate_up), group_sizes)   # [m, 2 * ffn]
+    h = _rowwise(_gathered(lhs, lhs_index), _as_f32(w_gate_up), group_sizes, row_groups)   # [m, 2 * ffn]
     gate, up = jnp.split(h, 2, axis=-1)
     return (jax.nn.silu(gate) * up).astype(out_dtype)

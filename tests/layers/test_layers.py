@@ -92,16 +92,20 @@ def test_routing_softmax_topk_renormalised():
     np.testing.assert_allclose(np.asarray(w), top / top.sum(-1, keepdims=True), rtol=1e-5)
 
 
+# sort=False: the copies in (token, slot) order with each row's expert named (decode's path, the default up to
+# moe.UNSORTED_MAX_ROWS copies); True: sorted by expert (dispatch), as longer chunks run.
+@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("with_padding", [False, True])
-def test_routed_experts_match_per_token_loop(with_padding):
-    tokens, hidden, ffn, experts, top_k = 13, 8, 6, 5, 2
+def test_routed_experts_match_per_token_loop(with_padding, sort, implementation):
+    tokens, hidden, ffn, experts, top_k = 13, 16, 16, 5, 2
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     gate_up = rng.standard_normal((experts, hidden, 2 * ffn)).astype(np.float32)
     down = rng.standard_normal((experts, ffn, hidden)).astype(np.float32)
     w, ids = route_top_k(jnp.asarray(rng.standard_normal((tokens, experts)).astype(np.float32)), top_k)
     valid = np.arange(tokens) < (9 if with_padding else tokens)
     got = np.asarray(routed_experts(jnp.asarray(x), w, ids, jnp.asarray(gate_up), jnp.asarray(down),
-                                    valid=jnp.asarray(valid), implementation="reference"))
+                                    valid=jnp.asarray(valid), implementation=implementation, sort=sort))
     assert_finite(got)
     want = np.zeros_like(x)
     for t in range(tokens):

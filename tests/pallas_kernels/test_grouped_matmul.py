@@ -202,6 +202,58 @@ def test_lhs_index_gathers_rows(weights, implementation):
     assert_close(out, numpy_gmm(gathered, dense, gs), jnp.bfloat16, "gmm")
 
 
+def numpy_row_groups(lhs, rhs, row_groups, swiglu=False):
+    """Each row times its own group's matrix (float64), rows in any order; a group outside the range: zeros."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
+    out = np.zeros((lhs.shape[0], n))
+    for i, g in enumerate(np.asarray(row_groups)):
+        if 0 <= g < rhs.shape[0]:
+            h = lhs[i] @ rhs[g]
+            out[i] = h[:n] / (1.0 + np.exp(-h[:n])) * h[n:] if swiglu else h
+    return out
+
+
+# Decode: a step's (token, expert) pairs come unsorted; `row_groups` names each row's group instead of sorted
+# group sizes (repeated groups, groups out of range -> zero rows, the token gather fused).
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("weights,dtype", [("float", jnp.float32), ("float", jnp.bfloat16), ("int8", jnp.bfloat16),
+                                           ("int4", jnp.bfloat16)], ids=["f32", "bf16", "int8", "int4"])
+def test_row_groups_any_order(weights, dtype, implementation):
+    w = workloads.WORKLOADS["tiny_partial"]
+    _, rhs, _ = workloads.make_inputs(w, dtype=dtype, weights=weights, swiglu=True, seed=8)
+    rng = np.random.default_rng(9)
+    tokens = jnp.asarray(rng.standard_normal((3, w.k), np.float32), dtype)
+    groups = rng.integers(0, w.groups, 24).astype(np.int32)          # 3 tokens x top-8, unsorted
+    groups[[2, 5]] = groups[0]                                       # one group twice more
+    groups[7], groups[11] = -1, w.groups                             # no group: zero rows
+    index = np.repeat(np.arange(3, dtype=np.int32), 8)
+    dense = as_float(rhs) if weights == "float" else np.asarray(rhs.dequantize(jnp.float32))
+    x = as_float(tokens)[index]
+    h = gmm_swiglu(tokens, rhs, row_groups=jnp.asarray(groups), lhs_index=jnp.asarray(index),
+                   implementation=implementation)
+    assert h.shape == (24, w.n) and h.dtype == dtype
+    assert_close(h, numpy_row_groups(x, dense, groups, swiglu=True), dtype, "gmm_swiglu")
+    assert not np.asarray(h[7:8], np.float32).any() and not np.asarray(h[11:12], np.float32).any()
+    y = gmm(tokens, rhs, row_groups=jnp.asarray(groups), lhs_index=jnp.asarray(index), implementation=implementation)
+    assert y.shape == (24, 2 * w.n)
+    assert_close(y, numpy_row_groups(x, dense, groups), dtype, "gmm")
+    y = gmm(jnp.asarray(x, dtype), rhs, row_groups=jnp.asarray(groups), implementation=implementation)
+    assert_close(y, numpy_row_groups(x, dense, groups), dtype, "gmm, rows given")
+
+
+def test_row_groups_errors():
+    lhs, rhs, gs = workloads.make_inputs(workloads.WORKLOADS["tiny_router"], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="exactly one"):
+        gmm(lhs, rhs)
+    with pytest.raises(ValueError, match="exactly one"):
+        gmm(lhs, rhs, gs, row_groups=jnp.zeros((lhs.shape[0],), jnp.int32))
+    with pytest.raises(ValueError, match="row_groups"):
+        gmm(lhs, rhs, row_groups=jnp.zeros((lhs.shape[0] + 1,), jnp.int32))
+    with pytest.raises(ValueError, match="row_groups"):
+        gmm(lhs, rhs, row_groups=jnp.zeros((lhs.shape[0],), jnp.float32))
+
+
 def test_lhs_index_with_swapped_operands():
     # The 4-bit prefill default multiplies out^T = W^T x^T ("tile_swapped"); gathered rows go through it too.
     w = workloads.WORKLOADS["tiny_partial"]
