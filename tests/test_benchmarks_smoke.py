@@ -19,6 +19,17 @@ def test_moe_layer_breakdown_smoke(tmp_path):
     assert (tmp_path / "moe.json").exists()
 
 
+def test_moe_decode_smoke(tmp_path):
+    doc = _load("moe_decode").main(["--preset", "tiny", "--layers", "2", "--tokens", "1", "3", "--formats", "int4",
+                                    "--out", str(tmp_path / "decode.json")])
+    assert [(r["tokens"], r["path"]) for r in doc["rows"]] == [(1, "sorted"), (1, "unsorted"), (3, "sorted"),
+                                                               (3, "unsorted")]
+    for row in doc["rows"]:
+        assert row["finite"] and row["us_per_layer"] > 0 and row["active_experts"] >= 1
+        assert row["path"] == "sorted" or row["rel_diff_vs_sorted"] < 1e-2
+    assert (tmp_path / "decode.json").exists()
+
+
 def test_h2d_copies_smoke(tmp_path):
     doc = _load("h2d_copies").main(["--experts", "16", "--expert-bytes", "1024", "--rows", "3", "8",
                                     "--repeats", "1", "--out", str(tmp_path / "h2d.json")])
