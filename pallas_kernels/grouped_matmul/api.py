@@ -36,13 +36,6 @@ def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
         raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
     if lhs_index is not None and (lhs_index.ndim != 1 or not jnp.issubdtype(lhs_index.dtype, jnp.integer)):
         raise ValueError(f"lhs_index must be [m] integers, got {lhs_index.dtype} {lhs_index.shape}")
-    if (group_sizes is None) == (row_groups is None):
-        raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
-    if row_groups is not None:
-        m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
-        if row_groups.shape != (m,) or not jnp.issubdtype(row_groups.dtype, jnp.integer):
-            raise ValueError(f"row_groups must be [{m}] integers (one group per row of the product), got "
-                             f"{row_groups.dtype} {row_groups.shape}")
     if isinstance(rhs, QuantizedWeights):
         rhs.check()
     elif rhs.ndim != 3:
@@ -50,8 +43,8 @@ def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
     groups, k, _ = rhs.shape
     if k != lhs.shape[1]:
         raise ValueError(f"lhs.shape={lhs.shape} and {name}.shape={tuple(rhs.shape)} disagree on k")
-    if group_sizes is not None and group_sizes.shape != (groups,):
-        raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
+    reference.check_groups(group_sizes, row_groups, lhs.shape[0] if lhs_index is None else lhs_index.shape[0],
+                           groups)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
@@ -116,7 +109,7 @@ def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_si
       interpret: as in `gmm`.
 
     Returns:
-      `[m, ffn]`; rows past sum(group_sizes) are zero.
+      `[m, ffn]`; rows past sum(group_sizes), or of no group, are zero.
 
     Raises:
       ValueError: unknown implementation, shapes that disagree, both or neither of group_sizes and

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_limits
+from pallas_kernels.grouped_matmul import reference
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
@@ -177,16 +178,14 @@ class BlockSizes:
         return cls._get_default(m, k, n, groups, rows_per_group, bits, swiglu)
 
     @classmethod
-    def get_default_rows(cls, k: int, n: int, *, bits: int | None = None, swiglu: bool = False,
-                         k_major: bool = False) -> BlockSizes:
+    def get_default_rows(cls, *, bits: int | None = None, swiglu: bool = False, k_major: bool = False) -> BlockSizes:
         """A tile shape for rows in any order with their groups given (`row_groups`: a decode step's (token,
         expert) pairs, one row per item, block_m `ROW_BLOCK_M`): each program reads one expert's [k, block_n]
         weight tile for one row. H100 sweep of 2026-11-26 (1 and 8 tokens x top-8, 8 layers' distinct weights,
         docs/benchmarks_gmm.md): the weight-read-bound tiles, except 4-bit (block_n 64, block_k 128: gate_up
         18 against 31 us at 1 token, level at 8; down 20 against 21, 30 against 35) and the bf16 gate_up
         (block_n 128, block_k 128: 22 against 25 us at 1 token, level at 8)."""
-        del k, n
-        bs = cls.get_default(1, 1, 1, 1, bits=bits, swiglu=swiglu, k_major=k_major)
+        bs = cls.get_default(1, 1, 1, 1, bits=bits, swiglu=swiglu, k_major=k_major)   # one row per group
         if bits == 4 and k_major:
             return dataclasses.replace(bs, block_n=64, block_k=128)
         if bits is None and swiglu:
@@ -487,26 +486,21 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, row_groups=None, *, swigl
         if lhs_index.ndim != 1:
             raise ValueError(f"lhs_index must be [m], got shape {lhs_index.shape}")
         m = lhs_index.shape[0]
-    if (group_sizes is None) == (row_groups is None):
-        raise ValueError("give exactly one of group_sizes and row_groups")
-    if row_groups is not None and row_groups.shape != (m,):
-        raise ValueError(f"row_groups.shape={row_groups.shape}, expected ({m},) (one group per row)")
     quantized = isinstance(rhs, QuantizedWeights)
     if quantized:
         rhs.check()
     groups, k_rhs, n_rhs = rhs.shape
     if k_rhs != k:
         raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
-    if group_sizes is not None and group_sizes.shape != (groups,):
-        raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
+    reference.check_groups(group_sizes, row_groups, m, groups)
     if swiglu and n_rhs % 2:
         raise ValueError(f"w_gate_up has {n_rhs} columns; expected 2 * ffn")
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
     k_major = quantized and rhs.k_major
     if row_groups is not None:   # one row per item: the smallest tensor-core tile
-        bs = dataclasses.replace(block_sizes or BlockSizes.get_default_rows(k, n_out, bits=bits, swiglu=swiglu,
-                                                                            k_major=k_major), block_m=ROW_BLOCK_M)
+        bs = block_sizes or BlockSizes.get_default_rows(bits=bits, swiglu=swiglu, k_major=k_major)
+        bs = dataclasses.replace(bs, block_m=ROW_BLOCK_M)
     else:
         bs = block_sizes or BlockSizes.get_default(m, k, n_out, groups, bits=bits, swiglu=swiglu, k_major=k_major)
     # Triton blocks are powers of two; do not use blocks far larger than the problem.

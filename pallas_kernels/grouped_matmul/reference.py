@@ -27,6 +27,22 @@ from pallas_kernels.quantized import QuantizedWeights
 _ROWS_PER_BATCH = 32  # rows multiplied together; bounds the gathered weights to 32 * k * n floats
 
 
+def check_groups(group_sizes, row_groups, m: int, groups: int) -> None:
+    """Validates the two ways to give rows their groups (every implementation calls it).
+
+    Raises:
+      ValueError: both or neither of group_sizes and row_groups, group_sizes not `[groups]`, or row_groups not
+        `[m]` integers.
+    """
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
+    if group_sizes is not None and group_sizes.shape != (groups,):
+        raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
+    if row_groups is not None and (row_groups.shape != (m,) or not jnp.issubdtype(row_groups.dtype, jnp.integer)):
+        raise ValueError(f"row_groups must be [{m}] integers (one group per row of the product), got "
+                         f"{row_groups.dtype} {row_groups.shape}")
+
+
 def groups_of_rows(group_sizes: jax.Array, m: int) -> jax.Array:
     """Group of each row, `[m]` int32; rows past sum(group_sizes) get `groups` (no group)."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
@@ -39,8 +55,7 @@ def _rowwise(lhs: jax.Array, rhs_f32: jax.Array, group_sizes: jax.Array | None,
     The groups come from group_sizes (sorted rows) or, when it is None, from gid `[m]` (any order)."""
     m, k = lhs.shape
     groups, _, n = rhs_f32.shape
-    if (group_sizes is None) == (gid is None):
-        raise ValueError("give exactly one of group_sizes and row_groups")
+    check_groups(group_sizes, gid, m, groups)
     gid = groups_of_rows(group_sizes, m) if gid is None else gid.astype(jnp.int32)   # [m]
     valid = (gid >= 0) & (gid < groups)
     pad = -m % _ROWS_PER_BATCH
