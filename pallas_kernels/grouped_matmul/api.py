@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_matmul import pallas_triton, reference
 from pallas_kernels.quantized import QuantizedWeights
 
-Implementation = Literal["reference", "pallas"]
+Implementation = Literal["auto", "reference", "pallas"]
 
 _GMM: dict[str, Callable[..., jax.Array]] = {
     "reference": reference.gmm_reference,
@@ -24,7 +24,7 @@ _GMM_SWIGLU: dict[str, Callable[..., jax.Array]] = {
 
 
 def _pick(table: dict[str, Callable[..., jax.Array]], implementation: str | None) -> Callable[..., jax.Array]:
-    if implementation is None:
+    if implementation in (None, "auto"):
         implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
     if implementation not in table:
         raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(table)}")
@@ -49,7 +49,7 @@ def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
 
 def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
         row_groups: jax.Array | None = None, lhs_index: jax.Array | None = None, preferred_element_type=None,
-        implementation: Implementation | None = None, interpret: bool | None = None) -> jax.Array:
+        implementation: Implementation | None = "auto", interpret: bool | None = None) -> jax.Array:
     """Grouped matmul: each row of lhs times the matrix of its group.
 
     out[i] = lhs[i] @ rhs[g] for starts[g] <= i < ends[g] (ends = cumsum(group_sizes)); rows at or past
@@ -72,7 +72,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
         activations never reaches memory.
       preferred_element_type: output dtype; None = lhs.dtype.
       implementation: "reference" (pure JAX, float32, Precision.HIGHEST; the oracle) or "pallas"
-        (Pallas Triton kernel; interpreter when no GPU). None = "pallas" on GPU, "reference" elsewhere.
+        (Pallas Triton kernel; interpreter when no GPU). "auto" (or None) = "pallas" on GPU, "reference"
+        elsewhere.
       interpret: Pallas only: run the kernel in the interpreter; None = only when no GPU is present.
 
     Returns:
@@ -92,7 +93,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
 
 def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
                row_groups: jax.Array | None = None, lhs_index: jax.Array | None = None, preferred_element_type=None,
-               implementation: Implementation | None = None, interpret: bool | None = None) -> jax.Array:
+               implementation: Implementation | None = "auto", interpret: bool | None = None) -> jax.Array:
     """Fused expert up-projection: silu(x @ W_gate) * (x @ W_up) per row's group.
 
     The Pallas kernel keeps both projections in registers and never writes the [m, 2 * ffn] intermediate.

@@ -128,7 +128,9 @@ def test_default_implementation_off_gpu_is_reference(monkeypatch):
     monkeypatch.setitem(api._GMM, "reference", lambda *a, **k: calls.append(1) or reference.gmm_reference(*a, **k))
     lhs, rhs, gs = workloads.make_inputs(workloads.WORKLOADS["tiny_router"], dtype=jnp.float32)
     gmm(lhs, rhs, gs)
-    assert calls == [1]
+    gmm(lhs, rhs, gs, implementation="auto")      # the spelling of the default
+    gmm(lhs, rhs, gs, implementation=None)
+    assert calls == [1, 1, 1]
 
 
 def test_unknown_implementation_lists_choices():
