@@ -2,7 +2,7 @@
 
 A decode step sends each of a few tokens to top-8 of 256 experts. `moe.routed_experts` either sorts the
 (token, slot) copies by expert (dispatch, the grouped matmuls on sorted rows, the inverse permutation) or, up to
-`moe.UNSORTED_MAX_ROWS` copies, runs the grouped matmuls on the copies as they come with each row's expert given
+`moe.UNSORTED_MAX_ROWS` copies (`UNSORTED_MAX_ROWS_QUANTIZED` with quantized experts), runs the grouped matmuls on the copies as they come with each row's expert given
 (`row_groups`). This times route + routed experts (the shared expert left out) over `--layers` layers, each with
 its own weights (unrolled in one jitted function: a scan over stacked weights would copy each layer's slice, and
 one layer repeated would be served from L2), per weight format, token count and path; "active" bytes are the
@@ -145,7 +145,8 @@ def main(argv=None):
     config = hybridlm.get_config(args.preset)
     doc = {"benchmark": "moe_decode", "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "preset": args.preset,
-           "layers": args.layers, "unsorted_max_rows": moe_lib.UNSORTED_MAX_ROWS, "rows": []}
+           "layers": args.layers, "unsorted_max_rows": moe_lib.UNSORTED_MAX_ROWS,
+           "unsorted_max_rows_quantized": moe_lib.UNSORTED_MAX_ROWS_QUANTIZED, "rows": []}
     for fmt in args.formats:
         weights = layer_weights(config, args.layers, fmt)
         doc["rows"] += (sweep_rows if args.sweep else layer_rows)(config, fmt, weights, args.tokens)

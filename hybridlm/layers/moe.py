@@ -19,6 +19,7 @@ from flax import nnx
 
 from hybridlm.config import ModelConfig, MoEConfig
 from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
+from pallas_kernels.quantized import QuantizedWeights
 
 # From this many tokens on, route_top_k selects its k experts by k rounds of argmax instead of jax.lax.top_k,
 # which XLA runs as a sort of every row on the GPU. H100, 256 experts, top-8 (2026-11-25): 32 768 tokens 0.300 ->
@@ -27,8 +28,12 @@ ARGMAX_TOP_K_MIN_TOKENS = 32768
 
 # Up to this many token copies (tokens x top_k) `routed_experts` runs the grouped matmuls on the copies in
 # (token, slot) order with each row's expert given (`row_groups`): no sort, no inverse permutation, and the
-# combine a plain weighted sum. Each copy then reads its expert's weights alone, so larger batches sort.
+# combine a plain weighted sum. Each copy then reads its expert's weights alone, so larger batches sort. H100,
+# 2026-11-26 (benchmarks/moe_decode.py, two runs, docs/benchmarks_gmm.md): unsorted faster up to 8 tokens for
+# every format; at 16 tokens faster for int8 (167 against 181-182 us per layer) and 4-bit (147-153 against
+# 175-177), level for bf16 (276 against 264-268); at 32 tokens the sort wins for all.
 UNSORTED_MAX_ROWS = 64
+UNSORTED_MAX_ROWS_QUANTIZED = 128
 
 
 def top_k_by_argmax(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -107,14 +112,18 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
       valid: [tokens] bool, padding tokens get zero output; None: all valid.
       implementation: grouped-matmul implementation (see `pallas_kernels.grouped_matmul.gmm`).
       sort: sort the token copies by expert (True) or run them in (token, slot) order with each row's expert
-        named (False; decode); None: sort above `UNSORTED_MAX_ROWS` copies.
+        named (False; decode); None: sort above `UNSORTED_MAX_ROWS` copies (`UNSORTED_MAX_ROWS_QUANTIZED` with
+        quantized experts).
 
     Returns:
       [tokens, hidden] in x.dtype.
     """
     tokens, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
-    if not (tokens * top_k > UNSORTED_MAX_ROWS if sort is None else sort):
+    if sort is None:
+        quantized = isinstance(gate_up, QuantizedWeights)
+        sort = tokens * top_k > (UNSORTED_MAX_ROWS_QUANTIZED if quantized else UNSORTED_MAX_ROWS)
+    if not sort:
         ids = expert_ids if valid is None else jnp.where(valid[:, None], expert_ids, num_experts)
         rows = ids.reshape(-1)                                           # [tokens*top_k], out of range: zero row
         token_of_row = jnp.arange(tokens * top_k, dtype=jnp.int32) // top_k
