@@ -123,24 +123,22 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
     if sort is None:
         quantized = isinstance(gate_up, QuantizedWeights)
         sort = tokens * top_k > (UNSORTED_MAX_ROWS_QUANTIZED if quantized else UNSORTED_MAX_ROWS)
-    if not sort:
+    if sort:   # copies sorted by expert; the GMM gathers their token rows of x itself
+        d = dispatch(expert_ids, num_experts, valid)
+        groups = {"group_sizes": d.group_sizes}
+        token_of_row = d.order // top_k
+    else:      # copies in (token, slot) order, each row's expert named (out of range: a zero row)
         ids = expert_ids if valid is None else jnp.where(valid[:, None], expert_ids, num_experts)
-        rows = ids.reshape(-1)                                           # [tokens*top_k], out of range: zero row
+        groups = {"row_groups": ids.reshape(-1)}
         token_of_row = jnp.arange(tokens * top_k, dtype=jnp.int32) // top_k
-        h = gmm_swiglu(x, gate_up, row_groups=rows, lhs_index=token_of_row, implementation=implementation)
-        y = gmm(h.astype(x.dtype), down, row_groups=rows, implementation=implementation)
-        out = jnp.einsum("tk,tkh->th", weights.astype(y.dtype), y.reshape(tokens, top_k, -1),
-                         preferred_element_type=jnp.float32)
-        return out.astype(x.dtype)
-    d = dispatch(expert_ids, num_experts, valid)
-    token_of_row = d.order // top_k              # [tokens*top_k]: the GMM gathers these rows of x itself
-    h = gmm_swiglu(x, gate_up, d.group_sizes, lhs_index=token_of_row,
-                   implementation=implementation)                              # [tokens*top_k, ffn]
-    y = gmm(h.astype(x.dtype), down, d.group_sizes, implementation=implementation)  # [tokens*top_k, hidden]
-    # Un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows).
-    inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
-    per_token = y[inverse].reshape(tokens, top_k, -1)                            # [tokens, top_k, hidden]
-    out = jnp.einsum("tk,tkh->th", weights.astype(y.dtype), per_token, preferred_element_type=jnp.float32)
+    # [tokens*top_k, ffn], then [tokens*top_k, hidden]
+    h = gmm_swiglu(x, gate_up, **groups, lhs_index=token_of_row, implementation=implementation)
+    y = gmm(h.astype(x.dtype), down, **groups, implementation=implementation)
+    if sort:   # un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows)
+        inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
+        y = y[inverse]
+    out = jnp.einsum("tk,tkh->th", weights.astype(y.dtype), y.reshape(tokens, top_k, -1),
+                     preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 
 
