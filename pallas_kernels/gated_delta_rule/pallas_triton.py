@@ -108,10 +108,9 @@ class BlockSizes:
     # None (the default since 2026-11-26): 1 for the dense prepare that writes T diag(beta) alone (no P: the
     # Mosaic GPU walk forms it, packed sequences on their own grid), else 2 (1 warp sums the chunk's prefix sums
     # and products in another order: not bit for bit, the same error against the f32 recurrence). H100, after
-    # `prepare_fast_exp`
-    # (docs/benchmarks.md): packed 8 x 8192 prepare 0.278 -> 0.241 ms (14 alternating rounds), whole call
-    # 1.079 / 1.082 -> 1.043 / 1.036 ms, each order once; with P (batch rows) 1 warp is slower: T=16384
-    # 0.421 -> 0.451, T=4096 0.125 -> 0.135.
+    # `prepare_fast_exp` (docs/benchmarks.md): packed 8 x 8192 prepare 0.278 -> 0.241 ms (14 alternating
+    # rounds), whole call 1.079 / 1.082 -> 1.043 / 1.036 ms, each order once; with P (batch rows) 1 warp is
+    # slower: T=16384 0.421 -> 0.451, T=4096 0.125 -> 0.135.
     prepare_warps: int | None = None
     state_warps: int = 4
     output_warps: int = 4
