@@ -29,8 +29,7 @@ def decode_step(runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerSt
     Returns:
       logits [batch, vocab] float32 for the next position, and the new states.
     """
-    x, states = runner.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
-    return runner.head_logits(x[:, 0]), states
+    return runner.decode_step(tokens, states, position)
 
 
 @dataclasses.dataclass
@@ -73,13 +72,15 @@ def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: in
     out = []
     t0 = time.perf_counter()
     for i in range(max_new_tokens):
-        key, sub = jax.random.split(key)
+        sub = None
+        if not (isinstance(temperature, (int, float)) and temperature == 0):   # greedy needs no key (a dispatch)
+            key, sub = jax.random.split(key)
         token = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         out.append(token)
-        if eos_token_id is not None and bool(jnp.all(token == eos_token_id)):
-            break
-        if i + 1 < max_new_tokens:
+        if i + 1 < max_new_tokens:   # queued before the host reads the token, so the device keeps busy
             logits, states = decode_step(runner, token, states, position)
             position += 1
+        if eos_token_id is not None and bool(jnp.all(token == eos_token_id)):
+            break
     tokens = np.asarray(jnp.stack(out, axis=1))
     return GenerateResult(tokens=tokens, prefill=pre, decode_s=time.perf_counter() - t0)

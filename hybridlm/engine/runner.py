@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hybridlm.model import HybridLM
@@ -22,15 +23,43 @@ from hybridlm.state import LayerState
 PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
 
 
+class StaticGraph:
+    """An nnx `GraphDef` as a static jit argument whose hash is computed once.
+
+    jit hashes its static arguments on every call, and a GraphDef hashes its whole node list each time: ~1 ms per
+    call for the whole 40-layer model on this repository's CI machine, ~3 ms of host time per one-token step
+    through the 121 layer-phase calls on the H100 machine (2026-11-26, docs/benchmarks.md, "Decode"). The runner
+    makes one `StaticGraph` per distinct graph, so that layers of one type pass the same object and jit's key
+    comparison stops at identity.
+    """
+
+    __slots__ = ("_hash", "graphdef")
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
+
+    def merge(self, params):
+        """The module: `nnx.merge(graphdef, params)`."""
+        return nnx.merge(self.graphdef, params)
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _mix(graphdef, params, x, state, start, num_valid):
-    layer = nnx.merge(graphdef, params)
+def _mix(graph: StaticGraph, params, x, state, start, num_valid):
+    layer = graph.merge(params)
     return layer.mix(x, state, start, num_valid)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _route(graphdef, params, h):
-    layer = nnx.merge(graphdef, params)
+def _route(graph: StaticGraph, params, h):
+    layer = graph.merge(params)
     batch, seq, hidden = h.shape
     u = layer.post_norm(h).reshape(batch * seq, hidden)
     weights, ids = layer.ffn.route(u)
@@ -38,10 +67,10 @@ def _route(graphdef, params, h):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _experts(graphdef, params, h, u, weights, ids, num_valid, experts=None):
+def _experts(graph: StaticGraph, params, h, u, weights, ids, num_valid, experts=None):
     """The layer's routed experts on h (post-attention residual); `experts` = (gate_up, down) replaces the
     layer's own expert weights (the offload runner passes weights held outside the layer)."""
-    layer = nnx.merge(graphdef, params)
+    layer = graph.merge(params)
     if experts is not None:
         layer.ffn.experts_gate_up.set_value(experts[0])
         layer.ffn.experts_down.set_value(experts[1])
@@ -51,8 +80,8 @@ def _experts(graphdef, params, h, u, weights, ids, num_valid, experts=None):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _dense_ffn(graphdef, params, h):
-    layer = nnx.merge(graphdef, params)
+def _dense_ffn(graph: StaticGraph, params, h):
+    layer = graph.merge(params)
     return h + layer.ffn(layer.post_norm(h))
 
 
@@ -62,8 +91,20 @@ def _embed(table, ids):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _head(graphdef, params, x_last):
-    return nnx.merge(graphdef, params).logits(x_last)
+def _head(graph: StaticGraph, params, x_last):
+    return graph.merge(params).logits(x_last)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
+def _decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
+    """Every layer and the head for one token per sequence, in one program (`LayerwiseRunner.decode_step`)."""
+    model = graph.merge(jax.tree_util.tree_unflatten(treedef, leaves))
+    x = model.embed[...][tokens[:, None]]
+    new_states = []
+    for layer, state in zip(model.layers, states):
+        x, state = layer(x, state, position, 1)
+        new_states.append(state)
+    return model.logits(x[:, 0]), new_states
 
 
 class PhaseTimer:
@@ -92,9 +133,18 @@ class LayerwiseRunner:
     def __init__(self, model: HybridLM):
         self.model = model
         self.config = model.config
-        self.layers = [nnx.split(layer) for layer in model.layers]          # [(graphdef, params)]
+        graphs: dict = {}      # one StaticGraph per distinct graph (all GDN layers share one)
+        self.layers = [(graphs.setdefault(g, StaticGraph(g)), p)                # [(graph, params)]
+                       for g, p in (nnx.split(layer) for layer in model.layers)]
         self.embed_table = model.embed[...]
-        self.whole = nnx.split(model)
+        graphdef, params = nnx.split(model)
+        self.whole = (StaticGraph(graphdef), params)
+
+    @functools.cached_property
+    def _flat_weights(self) -> tuple:
+        """(treedef, leaves) of the whole model's weights: a flat list is quicker to pass to jit per step."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.whole[1])
+        return treedef, leaves
 
     def on_prefill_start(self, num_chunks: int = 1) -> None:
         """Hook called by `prefill` before the first of its `num_chunks` chunks (no-op; the offload runner resets
@@ -103,6 +153,31 @@ class LayerwiseRunner:
     def head_logits(self, x_last: jax.Array) -> jax.Array:
         """Final norm + lm head: [batch, hidden] -> [batch, vocab] float32."""
         return _head(*self.whole, x_last)
+
+    def decode_step(self, tokens: jax.Array, states: list[LayerState], position) -> tuple[jax.Array, list[LayerState]]:
+        """One decode step: every layer and the head in one jitted program (one dispatch per token).
+
+        Args:
+          tokens: [batch] int32, one token per sequence.
+          states: per-layer states holding positions [0, position) (donated: do not reuse them).
+          position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one compilation
+            serves every step).
+
+        Returns:
+          logits [batch, vocab] float32 for the next position, and the new states.
+        """
+        treedef, leaves = self._flat_weights
+        if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
+            tokens = jnp.asarray(tokens, jnp.int32)    # (a no-op asarray still costs a dispatch)
+        return _decode(self.whole[0], treedef, leaves, tokens, states,
+                       position if isinstance(position, jax.Array) else np.int32(position))
+
+    def decode_step_layerwise(self, tokens: jax.Array, states: list[LayerState],
+                              position) -> tuple[jax.Array, list[LayerState]]:
+        """`decode_step` through `forward_chunk` (three programs per layer, the seams where the offload runner
+        pages experts) and the head: the same results, with ~120 dispatches a step instead of one."""
+        x, states = self.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
+        return self.head_logits(x[:, 0]), states
 
     def forward_chunk(self, ids: jax.Array, states: list[LayerState], start, num_valid: int,
                       timer: PhaseTimer | None = None) -> tuple[jax.Array, list[LayerState]]:
@@ -123,14 +198,14 @@ class LayerwiseRunner:
         num_valid = jnp.asarray(num_valid, jnp.int32)
         x = timer("embed", _embed, self.embed_table, ids)
         new_states = []
-        for (graphdef, params), state, layer_type in zip(self.layers, states, self.config.layer_types):
+        for (graph, params), state, layer_type in zip(self.layers, states, self.config.layer_types):
             phase = "gdn" if layer_type == "linear_attention" else "attention"
-            x, state = timer(phase, _mix, graphdef, params, x, state, start, num_valid)
+            x, state = timer(phase, _mix, graph, params, x, state, start, num_valid)
             new_states.append(state)
             if self.config.moe is None:
-                x = timer("experts", _dense_ffn, graphdef, params, x)
+                x = timer("experts", _dense_ffn, graph, params, x)
                 continue
-            u, weights, expert_ids = timer("router", _route, graphdef, params, x)
-            x = timer("experts", _experts, graphdef, params, x, u, weights, expert_ids, num_valid)
+            u, weights, expert_ids = timer("router", _route, graph, params, x)
+            x = timer("experts", _experts, graph, params, x, u, weights, expert_ids, num_valid)
         return x, new_states
 

@@ -38,7 +38,6 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, _embed, _experts, _mix, _route
 from hybridlm.model import HybridLM
@@ -242,15 +241,15 @@ def _unpack_all(layout: ExpertLayout, staged):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _predict_ids(graphdef, params, h):
-    """Layer graphdef/params's router on h [batch, seq, hidden] (a guess of its experts before its mixer ran)."""
-    layer = nnx.merge(graphdef, params)
+def _predict_ids(graph, params, h):
+    """Layer graph/params's router on h [batch, seq, hidden] (a guess of its experts before its mixer ran)."""
+    layer = graph.merge(params)
     batch, seq, hidden = h.shape
     return layer.ffn.route(layer.post_norm(h).reshape(batch * seq, hidden))[1]
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _pool_experts(graphdef, params, pool, gather, remap, h, u, weights, ids, num_valid):
+def _pool_experts(graph, params, pool, gather, remap, h, u, weights, ids, num_valid):
     """`_experts` of the all-resident runner on experts in the pool.
 
     gather: int32 [groups] pool slots copied out of the pool into a contiguous [groups, ...] array (a device
@@ -263,7 +262,7 @@ def _pool_experts(graphdef, params, pool, gather, remap, h, u, weights, ids, num
         pool = jax.tree_util.tree_map(lambda p: p[gather], pool)     # [groups, ...]
     if remap is not None:
         ids = remap[ids]                                               # [tokens, top_k] expert id -> group
-    return _experts(graphdef, params, h, u, weights, ids, num_valid, pool)
+    return _experts(graph, params, h, u, weights, ids, num_valid, pool)
 
 
 def _to_device(host_parts):
@@ -273,40 +272,40 @@ def _to_device(host_parts):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _mix_copying(graphdef, params, x, state, start, num_valid, host_parts):
+def _mix_copying(graph, params, x, state, start, num_valid, host_parts):
     """`_mix`, and host expert buffers (a tuple) copied to the device beside it (returned third)."""
-    x, state = _mix(graphdef, params, x, state, start, num_valid)
+    x, state = _mix(graph, params, x, state, start, num_valid)
     return x, state, _to_device(host_parts)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _pool_experts_copying(graphdef, params, pool, gather, remap, h, u, weights, ids, num_valid, host_parts):
+def _pool_experts_copying(graph, params, pool, gather, remap, h, u, weights, ids, num_valid, host_parts):
     """`_pool_experts`, and host expert buffers (a tuple) copied to the device beside it (returned second)."""
-    out = _pool_experts(graphdef, params, pool, gather, remap, h, u, weights, ids, num_valid)
+    out = _pool_experts(graph, params, pool, gather, remap, h, u, weights, ids, num_valid)
     return out, _to_device(host_parts)
 
 
-def _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts):
+def _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts):
     """`_experts` with the weights `experts`, and host buffers `host_parts` copied to the device beside it."""
-    return _experts(graphdef, params, h, u, weights, ids, num_valid, experts), _to_device(host_parts)
+    return _experts(graph, params, h, u, weights, ids, num_valid, experts), _to_device(host_parts)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _held_experts(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts=()):
+def _held_experts(graph, params, experts, h, u, weights, ids, num_valid, host_parts=()):
     """`_experts` with the layer's experts (gate_up, down) [experts, ...] held on the device outside the pool
     (`OffloadedRunner.held_layers`, held as the all-resident model holds them: no gather out of the pool).
     Host buffers `host_parts` are copied to the device beside it (returned second)."""
-    return _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts)
+    return _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _staged_experts(layout: ExpertLayout, graphdef, params, staged, h, u, weights, ids, num_valid, host_parts=()):
+def _staged_experts(layout: ExpertLayout, graph, params, staged, h, u, weights, ids, num_valid, host_parts=()):
     """The experts of a layer run straight from its staged parts (a tuple of uint8 [rows, nbytes] device
     arrays covering experts 0..E-1 in order), unpacked in this program: no pool write, no gather (whole-layer
     mode, for a layer whose experts are all dropped after use). Host buffers `host_parts` are copied to the
     device beside it (returned second)."""
     experts = layout.unpack(jnp.concatenate(staged))
-    return _experts_copying(graphdef, params, experts, h, u, weights, ids, num_valid, host_parts)
+    return _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
 def _placeholder_experts(params):
@@ -526,8 +525,8 @@ class OffloadedRunner(LayerwiseRunner):
         return logits
 
     # ----- the schedule -----
-    def _compile_twins(self, name: str, graphdef, args, run, copies: int) -> None:
-        """The first time program `name` runs for `graphdef` and these argument shapes, runs its variants
+    def _compile_twins(self, name: str, graph, args, run, copies: int) -> None:
+        """The first time program `name` runs for `graph` and these argument shapes, runs its variants
         with the other numbers of in-program copies (0..MAX_PARTS_PER_PROGRAM; results discarded).
 
         In whole-layer mode a layer's mixer and experts programs copy 0, 1 or 2 host parts of later layers
@@ -536,7 +535,7 @@ class OffloadedRunner(LayerwiseRunner):
         12.8 s instead of ~0.6 s). Running every variant during the first prompt's compilation keeps
         compilation out of every later prefill. run(parts) runs the program with host parts `parts`.
         """
-        key = (name, graphdef, tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
+        key = (name, graph, tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
         if key not in self._twins_run:
             self._twins_run.add(key)
             spare = [buf for layer in self.host.layers for buf in layer][:MAX_PARTS_PER_PROGRAM]
@@ -678,6 +677,10 @@ class OffloadedRunner(LayerwiseRunner):
                 demand.append(key)
         return demand
 
+    def decode_step(self, tokens: jax.Array, states: list[LayerState], position) -> tuple[jax.Array, list[LayerState]]:
+        """`LayerwiseRunner.decode_step` layer by layer (`decode_step_layerwise`), so that experts are paged."""
+        return self.decode_step_layerwise(tokens, states, position)
+
     def forward_chunk(self, ids: jax.Array, states: list[LayerState], start, num_valid: int,
                       timer: PhaseTimer | None = None) -> tuple[jax.Array, list[LayerState]]:
         """`LayerwiseRunner.forward_chunk` with experts paged from host memory (same arguments and results)."""
@@ -706,7 +709,7 @@ class OffloadedRunner(LayerwiseRunner):
         new_states = []
         use_router = self.prefetch in ("auto", "router") and not whole
         stream_layers = self.prefetch == "layer" or (self.prefetch != "none" and whole)
-        for i, ((graphdef, params), state, layer_type) in enumerate(zip(self.layers, states, self.config.layer_types)):
+        for i, ((graph, params), state, layer_type) in enumerate(zip(self.layers, states, self.config.layer_types)):
             s = stats.layers[i]
             phase = "gdn" if layer_type == "linear_attention" else "attention"
             batches: list[Staged] = []
@@ -738,20 +741,20 @@ class OffloadedRunner(LayerwiseRunner):
                                 self._record_prefetch(pending, stats)
             twins = whole and stream_layers and self.in_program_copies
             taken = self._pop_parts(i, 0) if twins else []
-            mix_args = (graphdef, params, x, state, start, num_valid_dev)
+            mix_args = (graph, params, x, state, start, num_valid_dev)
 
             def run_mix(parts, mix_args=mix_args):
                 return _mix_copying(*mix_args, parts) if parts else _mix(*mix_args)
 
             if twins:
-                self._compile_twins("mix", graphdef, mix_args[2:], run_mix, len(taken))
+                self._compile_twins("mix", graph, mix_args[2:], run_mix, len(taken))
             if taken:
                 x, state, copied = timer(phase, run_mix, tuple(self.host.layers[j][p] for j, p in taken))
                 self._record_in_program(taken, copied, stats)
             else:
                 x, state = timer(phase, _mix, *mix_args)
             new_states.append(state)
-            u, weights, expert_ids = timer("router", _route, graphdef, params, x)
+            u, weights, expert_ids = timer("router", _route, graph, params, x)
 
             if not whole:
                 # Which experts (this layer, from the router: a device -> host sync) and which to prefetch.
@@ -798,7 +801,7 @@ class OffloadedRunner(LayerwiseRunner):
                       and all(b.keys == self._part_keys(i, p) for p, b in enumerate(batches))
                       and not any((i, e) in cache.pinned for e in range(E)))
             if i in self.held_layers:
-                args = (graphdef, params, self._hold(i, s, E if whole else len(keys)), x, u, weights, expert_ids,
+                args = (graph, params, self._hold(i, s, E if whole else len(keys)), x, u, weights, expert_ids,
                         num_valid_dev)
 
                 def run_experts(parts, args=args):
@@ -807,7 +810,7 @@ class OffloadedRunner(LayerwiseRunner):
                 name, shapes = "held_experts", args[2:7]
             elif direct:
                 staged = tuple(b.buf for b in batches)
-                args = (self.host.layout, graphdef, params, staged, x, u, weights, expert_ids, num_valid_dev)
+                args = (self.host.layout, graph, params, staged, x, u, weights, expert_ids, num_valid_dev)
 
                 def run_experts(parts, args=args):
                     out = _staged_experts(*args, parts)
@@ -817,14 +820,14 @@ class OffloadedRunner(LayerwiseRunner):
                 for b in batches:
                     cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
                 gather, remap = self._pool_tables(i, None if whole else [e for _, e in keys])
-                args = (graphdef, params, cache.pool, gather, remap, x, u, weights, expert_ids, num_valid_dev)
+                args = (graph, params, cache.pool, gather, remap, x, u, weights, expert_ids, num_valid_dev)
 
                 def run_experts(parts, args=args):
                     return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
                 name, shapes = ("experts", gather is None, remap is None), args[2:9]
             taken = self._pop_parts(i, 1) if twins else []
             if twins:
-                self._compile_twins(name, graphdef, shapes, run_experts, len(taken))
+                self._compile_twins(name, graph, shapes, run_experts, len(taken))
             if taken:
                 x, copied = timer("experts", run_experts, tuple(self.host.layers[j][p] for j, p in taken))
                 self._record_in_program(taken, copied, stats)

@@ -57,6 +57,22 @@ def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, recurr
                                    err_msg=f"position {pos}")
 
 
+def test_one_program_decode_step_equals_layer_by_layer(tiny_runner, prompt):
+    """`LayerwiseRunner.decode_step` (all layers in one program) against `decode_step_layerwise` (forward_chunk +
+    head) over 4 steps: the same logits and states (the layers' own code in both; only the program boundaries
+    differ)."""
+    result = hybridlm.prefill(tiny_runner, prompt[:, :40], chunk_size=16, max_new_tokens=8)
+    copy = lambda states: jax.tree_util.tree_map(jnp.copy, states)
+    ref_states, states = copy(result.states), copy(result.states)
+    for pos in range(40, 44):
+        ref, ref_states = tiny_runner.decode_step_layerwise(prompt[:, pos], ref_states, pos)
+        logits, states = tiny_runner.decode_step(prompt[:, pos], states, pos)
+        assert_finite(logits)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=0, err_msg=f"position {pos}")
+    for got, want in zip(jax.tree_util.tree_leaves(states), jax.tree_util.tree_leaves(ref_states)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0)
+
+
 def test_prefill_in_two_calls_equals_one(tiny_runner, prompt):
     """prefill(a + b) == prefill(a) then feeding b token by token (state carried)."""
     whole = hybridlm.prefill(tiny_runner, prompt, chunk_size=32)
