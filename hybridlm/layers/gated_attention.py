@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybridlm.config import ModelConfig
+from hybridlm.layers.linear import linear
 from hybridlm.layers.norms import rms_norm
 from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
 from hybridlm.state import KVCache
@@ -141,10 +142,10 @@ class GatedAttention(nnx.Module):
         """
         a, eps = self.config.attention, self.config.rms_norm_eps
         batch, seq, _ = x.shape
-        qg = (x @ self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
+        qg = linear(x, self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
         q, gate = qg[..., :a.head_dim], qg[..., a.head_dim:]
-        k = (x @ self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
-        v = (x @ self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        k = linear(x, self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        v = linear(x, self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
         q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
         positions = start + jnp.arange(seq)
         cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
@@ -161,4 +162,4 @@ class GatedAttention(nnx.Module):
                 value=jax.lax.dynamic_update_slice_in_dim(cache.value, v.astype(cache.value.dtype), start, axis=1))
         out = out.reshape(batch, seq, a.num_heads * a.head_dim) * jax.nn.sigmoid(
             gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)).astype(x.dtype)
-        return out @ self.o_proj[...], new_cache
+        return linear(out, self.o_proj[...]), new_cache

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybridlm.config import ModelConfig
+from hybridlm.layers.linear import linear
 from hybridlm.layers.norms import gated_rms_norm
 from hybridlm.state import GatedDeltaNetState
 from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
@@ -122,10 +123,10 @@ class GatedDeltaNet(nnx.Module):
                 recurrent=jnp.zeros((batch, cfg.num_v_heads, cfg.key_dim, cfg.value_dim), jnp.float32))
         num_valid = seq if num_valid is None else num_valid
 
-        mixed = x @ self.qkv_proj[...]                                              # [b, t, conv_dim]
-        z = (x @ self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        beta = jax.nn.sigmoid((x @ self.beta_proj[...]).astype(jnp.float32))       # [b, t, v_heads]
-        a = (x @ self.decay_proj[...]).astype(jnp.float32)
+        mixed = linear(x, self.qkv_proj[...])                                       # [b, t, conv_dim]
+        z = linear(x, self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))   # [b, t, v_heads]
+        a = linear(x, self.decay_proj[...]).astype(jnp.float32)
         log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.delta_time_bias[...].astype(jnp.float32))                       # g <= 0, [b, t, v_heads]
 
@@ -154,5 +155,5 @@ class GatedDeltaNet(nnx.Module):
             o, recurrent = gated_delta_rule(q, k, v, log_decay, beta, initial_state=state.recurrent,
                                             implementation=self.config.gdn_implementation)
         o = gated_rms_norm(o.astype(x.dtype), z, self.output_norm[...], self.config.rms_norm_eps)
-        out = o.reshape(batch, seq, vd) @ self.out_proj[...]
+        out = linear(o.reshape(batch, seq, vd), self.out_proj[...])
         return out, GatedDeltaNetState(conv=new_conv.astype(state.conv.dtype), recurrent=recurrent)

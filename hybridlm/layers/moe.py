@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybridlm.config import ModelConfig, MoEConfig
+from hybridlm.layers.linear import linear
 from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
 from pallas_kernels.quantized import QuantizedWeights
 
@@ -144,9 +145,9 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
 
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """Dense SwiGLU MLP: down(silu(x W_gate) * (x W_up)); gate_up [hidden, 2*ffn], down [ffn, hidden]."""
-    h = x @ gate_up
+    h = linear(x, gate_up)
     ffn = down.shape[0]
-    return (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]) @ down
+    return linear(jax.nn.silu(h[..., :ffn]) * h[..., ffn:], down)
 
 
 class SparseMoE(nnx.Module):
@@ -168,7 +169,7 @@ class SparseMoE(nnx.Module):
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [tokens, hidden] -> (weights [tokens, top_k], expert ids [tokens, top_k] int32)."""
         m = self.config.moe
-        return route_top_k(x @ self.router[...], m.top_k, normalize=m.normalize_top_k)
+        return route_top_k(linear(x, self.router[...]), m.top_k, normalize=m.normalize_top_k)
 
     def experts(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                 valid: jax.Array | None = None) -> jax.Array:
