@@ -94,3 +94,13 @@ def test_gdn_sustained_clock_reads_nvidia_smi_samples(tmp_path):
                                            {"start": start, "end": start + 2.0}], samples)
     assert burst["sm_clock_mean_mhz"] == 1980 and burst["power_capped"] == 0.0
     assert sustained["samples"] == 2 and sustained["sm_clock_min_mhz"] == 1545 and sustained["power_capped"] == 1.0
+
+
+def test_decode_smoke(tmp_path):
+    doc = _load("decode").main(["--preset", "tiny", "--num-layers", "4", "--expert-formats", "int4",
+                                "--prompt-tokens", "16", "--new-tokens", "4", "--repeats", "1",
+                                "--out", str(tmp_path / "decode.json")])
+    assert [r["mode"] for r in doc["rows"]] == ["one_program", "layerwise", "generate"]
+    assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
+    assert doc["rows"][1]["same_tokens_as_one_program"] == 4   # greedy: the same 4 tokens both ways
+    assert (tmp_path / "decode.json").exists()

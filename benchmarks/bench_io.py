@@ -1,0 +1,30 @@
+"""What every benchmark script's JSON document starts with, and how it is written.
+
+    doc = run_header("decode", preset="qwen3.6-35b-a3b", rows=[])
+    ...
+    write_json(doc, args.out)      # also printed last, as the scripts promise
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import jax
+
+
+def run_header(benchmark: str, **fields) -> dict:
+    """{"benchmark", "device" (its kind, e.g. "NVIDIA H100 80GB HBM3"), "jax_version", "date" (UTC, ISO seconds),
+    then `fields`}: the figures of docs/benchmarks.md name their device, JAX version and date."""
+    return {"benchmark": benchmark, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **fields}
+
+
+def write_json(doc: dict, path: str | None, *, echo: bool = True) -> None:
+    """Writes `doc` (indented JSON) to `path` if given, and prints it if `echo`."""
+    text = json.dumps(doc, indent=1)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    if echo:
+        print(text)
