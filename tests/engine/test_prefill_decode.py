@@ -114,6 +114,9 @@ def test_prefill_rejects_bad_prompts(tiny_runner, bad, match):
 def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt):
     out = hybridlm.generate(tiny_runner, prompt[0, :20], max_new_tokens=4, chunk_size=16)
     assert out.tokens.shape == (1, 4)
+    # 3 decode steps: the rate counts the 2 after the first (timed apart: it compiles on a first call)
+    assert 0 < out.first_step_s < out.decode_s
+    assert out.decode_tokens_per_s == pytest.approx(2 / (out.decode_s - out.first_step_s))
     seq = list(prompt[0, :20])
     for tok in out.tokens[0]:
         logits = np.asarray(tiny_model(jnp.asarray([seq])))[0, -1]
