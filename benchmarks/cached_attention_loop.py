@@ -12,13 +12,13 @@ device time per call at each chunk start and whether dispatch blocks the host.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import time
 
 import jax
 import jax.numpy as jnp
+from bench_io import run_header, write_json
 
 from hybridlm.layers.gated_attention import _attention, merge_cached_block
 from hybridlm.state import KVCache
@@ -85,12 +85,8 @@ def main(argv=None):
                    "finite": finite}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    result = {"benchmark": "cached_attention_loop", "device": jax.devices()[0].device_kind,
-              "jax_version": jax.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-              "chunk": a.chunk, "capacity": a.capacity, "results": rows}
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    result = run_header("cached_attention_loop", chunk=a.chunk, capacity=a.capacity, results=rows)
+    write_json(result, a.out, echo=False)
     return result
 
 

@@ -23,9 +23,7 @@ usage (on the GPU machine; FLA from the wheel the repo carries, torch and triton
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import os
 import pathlib
 import tempfile
@@ -35,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import trace_summary
+from bench_io import run_header, write_json
 
 from pallas_kernels import gpu_limits
 from pallas_kernels.gated_delta_rule import api, pallas_triton, reference, workloads
@@ -394,13 +393,7 @@ def main():
     args = parser.parse_args()
     if not args.no_concurrent_regions:
         gpu_limits.enable_concurrent_regions()   # before the first computation starts the backend
-    result = {
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "rows": [],
-    }
+    result = run_header("gated_delta_rule", xla_flags=os.environ.get("XLA_FLAGS", ""), rows=[])
     default = pallas_triton.BlockSizes.get_default()
     if args.check:
         checks = {variant: parse_variant(variant, default) for variant in args.check_variants}
@@ -428,16 +421,7 @@ def main():
             split=not args.no_split,
         )
     result["total_s"] = round(time.monotonic() - START, 1)
-    emit(result, args.json)
-
-
-def emit(result: dict, path: str | None) -> None:
-    """Prints the JSON document (last, as the scripts promise) and also writes it to `path` if given."""
-    text = json.dumps(result, indent=1)
-    if path:
-        with open(path, "w") as f:
-            f.write(text)
-    print(text)
+    write_json(result, args.json)   # printed last, as the docstring promises
 
 
 if __name__ == "__main__":

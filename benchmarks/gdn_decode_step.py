@@ -11,9 +11,7 @@ usage (GPU machine): PYTHONPATH=. python3 benchmarks/gdn_decode_step.py [--batch
 """
 
 import argparse
-import datetime
 import functools
-import json
 import pathlib
 import sys
 
@@ -21,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling benchmark's timing helpers
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the sibling modules: timing helpers, JSON output
+from bench_io import run_header, write_json
 from gated_delta_rule import jax_sync, rel_err, wall_ms
 
 from pallas_kernels.gated_delta_rule import pallas_step, reference, workloads
@@ -76,8 +75,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": []}
+    doc = run_header("gdn_decode_step", rows=[])
     fla = None
     if on_gpu and not args.no_fla:
         try:
@@ -102,9 +100,7 @@ def main(argv=None):
         if fla is not None:
             doc["rows"].append({"batch": batch, **time_fla(fla, token, want, args.reps, state_bytes)})
             print(doc["rows"][-1], flush=True)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps(doc, indent=1))
+    write_json(doc, args.out)
     return doc
 
 

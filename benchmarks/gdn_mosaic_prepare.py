@@ -13,12 +13,12 @@ usage (H100 / H200): XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:benchmarks
 
 import argparse
 import dataclasses
-import datetime
 import functools
 
 import jax
 import jax.numpy as jnp
-from gated_delta_rule import emit, rel_err, wall_ms
+from bench_io import run_header, write_json
+from gated_delta_rule import rel_err, wall_ms
 
 from pallas_kernels.gated_delta_rule import pallas_mosaic, pallas_mosaic_prepare, pallas_triton, workloads
 
@@ -116,11 +116,10 @@ def main():
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    result = run_header("gdn_mosaic_prepare")
     result["checks"] = checks()
     result["packed_8x8192_prepare_ms"] = timings([tuple(map(int, c.split(","))) for c in args.configs], args.reps)
-    emit(result, args.out)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

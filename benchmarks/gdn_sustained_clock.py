@@ -17,7 +17,6 @@ fraction of samples with the software power cap active), the device and the date
 import argparse
 import datetime
 import functools
-import json
 import os
 import subprocess
 import tempfile
@@ -25,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_io import run_header, write_json
 
 from pallas_kernels.gated_delta_rule import pallas_triton, workloads
 
@@ -111,10 +111,8 @@ def main(argv=None):
         smi.terminate()
         smi.wait()
     summarize(phases, read_samples(smi_path))
-    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "phases": phases}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    doc = run_header("gdn_sustained_clock", torch=torch.__version__, phases=phases)
+    write_json(doc, args.out, echo=False)
     for p in phases:
         print(p["impl"], p["workload"], p["reps"], round(p["ms"], 4), p.get("sm_clock_mean_mhz"),
               p.get("power_capped"))

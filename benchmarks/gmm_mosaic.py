@@ -13,7 +13,6 @@ usage (GPU machine): python benchmarks/gmm_mosaic.py [--m 4096] [--out gmm_mosai
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_io import run_header, write_json
 from grouped_matmul import copy_bandwidth, rel_err, timeit
 
 from pallas_kernels.grouped_matmul import pallas_mosaic, pallas_triton, reference, workloads
@@ -115,11 +115,8 @@ def main():
     hbm = copy_bandwidth()
     print(json.dumps({"copy_GBps": round(hbm / 1e9, 1)}), flush=True)
     rows += time_rows(args.m, configs)
-    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "copy_GBps": round(hbm / 1e9, 1),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    doc = run_header("gmm_mosaic", copy_GBps=round(hbm / 1e9, 1), rows=rows)
+    write_json(doc, args.out, echo=False)
     bad = [r for r in rows if "check" in r and not r["ok"]]
     print(f"checks failed: {len(bad)}", flush=True)
     np.testing.assert_equal(len(bad), 0)

@@ -14,7 +14,6 @@ usage (GPU machine): python benchmarks/gmm_tiles.py [--m 65536 262144] [--format
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
+from bench_io import run_header, write_json
 from grouped_matmul import config_name, parse_config, rel_err, timeit
 
 from pallas_kernels.grouped_matmul import pallas_triton, workloads
@@ -180,11 +180,8 @@ def main():
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 del lhs, rhs
-    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    doc = run_header("gmm_tiles", rows=rows)
+    write_json(doc, args.out, echo=False)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 One process, one GPU, the same router-skewed group sizes (workloads.py). For each workload it times every
 implementation, checks that the outputs agree (relative Frobenius error against the first peer that ran),
-and prints one JSON document with the device, JAX version and date.
+writes one JSON document with the device, JAX version and date to --out, and prints a short table.
 
 usage (GPU machine; tokamax needs its wheels and benchmarks/peers_stub on PYTHONPATH):
   python benchmarks/grouped_matmul.py [--workloads a,b] [--quick] [--out results.json]
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import re
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_io import run_header, write_json
 
 from pallas_kernels.grouped_matmul import pallas_triton, workloads
 from pallas_kernels.grouped_matmul.pallas_triton import BlockSizes
@@ -237,15 +237,10 @@ def main():
     rows: list = []
     for name in args.workloads.split(","):
         run_workload(workloads.WORKLOADS[name], peer_fns, args.quick, rows, hbm, args.only_quant)
-    doc = {"device": dev.device_kind, "jax": jax.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "copy_GBps": round(hbm / 1e9, 1), "dense_8192_tflops": round(peak / 1e12, 1),
-           "workloads": {n: dataclasses.asdict(workloads.WORKLOADS[n]) for n in args.workloads.split(",")},
-           "rows": rows}
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    doc = run_header("grouped_matmul", copy_GBps=round(hbm / 1e9, 1), dense_8192_tflops=round(peak / 1e12, 1),
+                     workloads={n: dataclasses.asdict(workloads.WORKLOADS[n]) for n in args.workloads.split(",")},
+                     rows=rows)
+    write_json(doc, args.out, echo=False)
     # Short table last (the tail of the output is what comes back first).
     print("\nworkload            impl                  config              weights    ms   TFLOP/s  "
           "wGB/s  rel_err")

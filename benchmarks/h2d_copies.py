@@ -24,8 +24,6 @@ usage: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/h2d_c
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -35,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
+from bench_io import run_header, write_json
 
 from hybridlm.offload import HostExperts
 from hybridlm.offload.expert_cache import ExpertLayout
@@ -114,9 +113,7 @@ def main(argv=None) -> dict:
     layout = ExpertLayout.of(np.zeros((E, nb), np.uint8), np.zeros((E, 0), np.uint8))
     host = HostExperts(layout, [jax.device_put(host_np, pinned_host_sharding())])
     dev = device_sharding()
-    res = {"benchmark": "h2d_copies", "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "experts": E,
-           "expert_bytes": nb, "gbps": {}}
+    res = run_header("h2d_copies", experts=E, expert_bytes=nb, gbps={})
     per_expert = [jax.device_put(host_np[e], pinned_host_sharding()) for e in range(E)]
     res["gbps"]["per_expert_buffers"] = E * nb / median_s(lambda: jax.device_put(per_expert, dev), a.repeats) / 1e9
     res["gbps"]["layer_buffer"] = E * nb / median_s(lambda: host.to_device(0)[0][0], a.repeats) / 1e9
@@ -134,11 +131,7 @@ def main(argv=None) -> dict:
     res["gbps"] = {k: float(f"{v:.4g}") for k, v in res["gbps"].items()}   # 4 significant digits (tiny CPU runs too)
     if jax.default_backend() != "cpu":
         res["overlap"] = measure_overlap(host, host_np, a.compute_ms, a.repeats)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    write_json(res, a.out)
     return res
 
 

@@ -18,7 +18,6 @@ usage (GPU machine): python benchmarks/moe_decode.py [--formats bf16 int8 int4] 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_io import run_header, write_json
 from grouped_matmul import rel_err, timeit
 
 import hybridlm
@@ -143,17 +143,14 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     config = hybridlm.get_config(args.preset)
-    doc = {"benchmark": "moe_decode", "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "preset": args.preset,
-           "layers": args.layers, "unsorted_max_rows": moe_lib.UNSORTED_MAX_ROWS,
-           "unsorted_max_rows_quantized": moe_lib.UNSORTED_MAX_ROWS_QUANTIZED, "rows": []}
+    doc = run_header("moe_decode", preset=args.preset, layers=args.layers,
+                     unsorted_max_rows=moe_lib.UNSORTED_MAX_ROWS,
+                     unsorted_max_rows_quantized=moe_lib.UNSORTED_MAX_ROWS_QUANTIZED, rows=[])
     for fmt in args.formats:
         weights = layer_weights(config, args.layers, fmt)
         doc["rows"] += (sweep_rows if args.sweep else layer_rows)(config, fmt, weights, args.tokens)
         del weights
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_json(doc, args.out, echo=False)
     return doc
 
 

@@ -23,13 +23,13 @@ usage: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/moe_l
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import time
 
 import jax
 import jax.numpy as jnp
+from bench_io import run_header, write_json
 
 import hybridlm
 from hybridlm.layers import moe as moe_lib
@@ -145,18 +145,12 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     config = hybridlm.get_config(args.preset)
-    doc = {"benchmark": "moe_layer", "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "preset": args.preset,
-           "hidden": config.hidden_dim, "experts": config.moe.num_experts, "top_k": config.moe.top_k,
-           "expert_ffn": config.moe.expert_ffn_dim, "rows": []}
+    doc = run_header("moe_layer", preset=args.preset, hidden=config.hidden_dim, experts=config.moe.num_experts,
+                     top_k=config.moe.top_k, expert_ffn=config.moe.expert_ffn_dim, rows=[])
     for fmt in args.expert_formats:
         doc["rows"].append(run(config, args.tokens, fmt, args.reps, args.implementation))
         print(json.dumps(doc["rows"][-1]), flush=True)
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    write_json(doc, args.out)
     return doc
 
 

@@ -12,7 +12,8 @@ Run on the GPU machine, e.g.:
 CPU smoke test:
     JAX_PLATFORMS=cpu python benchmarks/offload.py --preset tiny --budgets 1MiB 3MiB --prompt-tokens 256 512 \
         --chunk-size 128
-Prints one JSON object per configuration, then the whole result (device, JAX version, date); --out writes it.
+Prints one JSON object per configuration, then the whole result (device, JAX version, date) on one line, or
+with --out writes it there (indented) instead.
 Compilation is excluded: before each timed prompt the runner prefills a different warm-up prompt of the same
 length (this also warms its cache, as a previous request would); the cache is shared across prompts (reuse
 across prompts is part of the design).
@@ -21,7 +22,6 @@ across prompts is part of the design).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_io import run_header, write_json
 from flax import nnx
 
 import hybridlm
@@ -148,11 +149,8 @@ def main(argv=None):
     t_start = time.perf_counter()
     config = hybridlm.get_config(a.preset, **({"num_layers": a.num_layers} if a.num_layers else {}))
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    device = jax.devices()[0]
-    header = {"benchmark": "offload", "device": device.device_kind, "jax_version": jax.__version__,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-              "preset": config.name, "num_layers": config.num_layers, "dtype": jnp.dtype(dtype).name,
-              "chunk_size": a.chunk_size, "prefetch": a.prefetch, "prefetch_depth": a.prefetch_depth}
+    header = run_header("offload", preset=config.name, num_layers=config.num_layers, dtype=jnp.dtype(dtype).name,
+                        chunk_size=a.chunk_size, prefetch=a.prefetch, prefetch_depth=a.prefetch_depth)
     header["pinned_h2d_gbps"] = round(measure_h2d_gbps(), 2)
     t = time.perf_counter()
     model = build_trunk(config, dtype)
@@ -237,11 +235,10 @@ def main(argv=None):
         del host
         gc.collect()
     result = {**header, "total_s": round(time.perf_counter() - t_start, 1), "results": rows}
-    if not a.out:
-        print(json.dumps(result), flush=True)
+    if a.out:
+        write_json(result, a.out, echo=False)
     else:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        print(json.dumps(result), flush=True)   # one line, as the rows above
     return result
 
 

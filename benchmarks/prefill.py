@@ -2,7 +2,8 @@
 
 Run on the GPU machine, e.g.:
     python benchmarks/prefill.py --preset qwen3.6-35b-a3b --expert-format int8 --prompt-tokens 8192 32768
-Prints one JSON object per (prompt, chunk size) and a final JSON list with device, JAX version and date.
+Prints a header JSON object (device, JAX version, date, configuration), one per (prompt, chunk size), and a final
+one: the header with the results.
 Compilation is excluded: every configuration is run once untimed, then `--repeats` timed runs (median).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import statistics
 import time
@@ -18,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_io import run_header
 
 import hybridlm
 
@@ -52,12 +53,9 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     runner = hybridlm.LayerwiseRunner(model)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model))
-    device = jax.devices()[0]
-    header = {"device": device.device_kind, "jax_version": jax.__version__,
-              "date": datetime.date.today().isoformat(), "preset": config.name, "num_layers": config.num_layers,
-              "dtype": a.dtype, "expert_format": a.expert_format, "attention": a.attention,
-              "gdn": a.gdn or "default", "gmm": a.gmm or "default",
-              "weight_bytes": weight_bytes, "init_s": round(init_s, 1)}
+    header = run_header("prefill", preset=config.name, num_layers=config.num_layers, dtype=a.dtype,
+                        expert_format=a.expert_format, attention=a.attention, gdn=a.gdn or "default",
+                        gmm=a.gmm or "default", weight_bytes=weight_bytes, init_s=round(init_s, 1))
     print(json.dumps(header), flush=True)
     rows = []
     rng = np.random.default_rng(0)
