@@ -5,7 +5,8 @@ Builds a full-size preset with random weights WITHOUT ever holding all experts o
 and packed one layer at a time, then copied to pinned host memory. For every expert format x budget x policy
 it runs prefills of each prompt length and reports tokens/s, bytes moved host -> device, and the ratio of the
 prefill time to the transfer floor (bytes / pinned host -> device bandwidth measured in the same run) and to
-the all-resident prefill (where the experts fit on the device).
+the all-resident prefill (where the experts fit on the device). With --decode-tokens it also times greedy
+decode after a short prompt (`hybridlm.generate`) per configuration, with the decode steps' cache statistics.
 
 Run on the GPU machine, e.g.:
     python benchmarks/offload.py --expert-formats int4 int8 --budgets 12GiB 24GiB --policies static slru stream
@@ -125,6 +126,21 @@ def run_prompts(runner, prompts: dict[int, np.ndarray], warmup: dict[int, np.nda
     return out
 
 
+def decode_row(runner, ids: np.ndarray, new_tokens: int, offload: bool) -> dict:
+    """`hybridlm.generate` after a prompt of ids: greedy decode tokens/s (the steps after the first, which
+    compiles on a first call) and, offloaded, the decode steps' cache statistics."""
+    hybridlm.generate(runner, ids, max_new_tokens=2, chunk_size=ids.shape[1])    # compiles the step's programs
+    g = hybridlm.generate(runner, ids, max_new_tokens=new_tokens, chunk_size=ids.shape[1])
+    row = {"decode_prompt_tokens": ids.shape[1], "decode_tokens": new_tokens,
+           "decode_tokens_per_s": round(g.decode_tokens_per_s, 2)}
+    if offload:
+        s = runner.stats(per_layer=False)["decode"]
+        row.update({f"decode_{k}": s[k] for k in ("lookups", "hits", "misses", "prefetched", "prefetch_used",
+                                                  "evictions", "bytes_h2d")})
+        row.update({"decode_hit_rate": round(s["hit_rate"], 4), "decode_stall_s": round(s["stall_s"], 4)})
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
@@ -143,6 +159,10 @@ def main(argv=None):
                    help="after each offloaded configuration, one more prefill of each prompt under jax.profiler.trace "
                         "(perfetto trace under DIR/<format>_<budget>_<policy>_<tokens>; summary: "
                         "benchmarks/trace_summary.py)")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="also greedy-decode this many tokens after a --decode-prompt-tokens prompt per configuration "
+                        "(tokens/s of the steps after the first and, offloaded, the decode cache statistics)")
+    p.add_argument("--decode-prompt-tokens", type=int, default=512)
     p.add_argument("--out", default=None, help="write the final JSON here")
     a = p.parse_args(argv)
 
@@ -161,11 +181,12 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(0, config.vocab_size, (1, n)).astype(np.int32) for n in a.prompt_tokens}
     warmup = {n: rng.integers(0, config.vocab_size, (1, n)).astype(np.int32) for n in a.prompt_tokens}
+    decode_ids = rng.integers(0, config.vocab_size, (1, a.decode_prompt_tokens)).astype(np.int32)
     rows = []
 
     short = ("expert_format", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s", "bytes_h2d",
              "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "phase_seconds", "error",
-             "skipped")
+             "skipped", "decode_tokens_per_s", "decode_hit_rate", "decode_bytes_h2d", "decode_stall_s")
 
     def emit(row):
         rows.append(row)
@@ -196,6 +217,9 @@ def main(argv=None):
                                        a.profile):
                     resident[row["prompt_tokens"]] = row["ttft_s"]
                     emit({**fmt_info, "mode": "resident", **row})
+                if a.decode_tokens:
+                    emit({**fmt_info, "mode": "resident", **decode_row(hybridlm.LayerwiseRunner(model), decode_ids,
+                                                                      a.decode_tokens, False)})
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
                 emit({**fmt_info, "mode": "resident", "error": repr(e)[:300]})
             finally:
@@ -221,6 +245,9 @@ def main(argv=None):
                         emit({**fmt_info, "mode": "offload", "budget": budget,
                               "budget_bytes": parse_bytes(budget), "policy": policy,
                               "slots": runner.cache.num_slots, "staging_slots": runner.staging_slots, **row})
+                    if a.decode_tokens:
+                        emit({**fmt_info, "mode": "offload", "budget": budget, "policy": policy,
+                              **decode_row(runner, decode_ids, a.decode_tokens, True)})
                     if a.trace:   # no Python function events: they would slow the host side being measured
                         options = jax.profiler.ProfileOptions()
                         options.python_tracer_level = 0

@@ -5,6 +5,8 @@ import json
 
 import support
 
+from hybridlm import get_config
+
 _load = support.load_benchmark
 
 
@@ -41,9 +43,13 @@ def test_h2d_copies_smoke(tmp_path):
 def test_offload_trace_and_summary_smoke(tmp_path):
     doc = _load("offload").main(["--preset", "tiny", "--num-layers", "4", "--expert-formats", "int4",
                                  "--budgets", "1MiB", "--policies", "static", "--prompt-tokens", "256",
-                                 "--chunk-size", "128", "--no-resident", "--trace", str(tmp_path / "traces")])
-    (row,) = doc["results"]
+                                 "--chunk-size", "128", "--no-resident", "--trace", str(tmp_path / "traces"),
+                                 "--decode-tokens", "4", "--decode-prompt-tokens", "16"])
+    row, decode = doc["results"]
     assert row["tokens_per_s"] > 0 and 0 <= row["hit_rate"] <= 1
+    assert decode["decode_tokens_per_s"] > 0 and 0 <= decode["decode_hit_rate"] <= 1
+    top_k = get_config("tiny").moe.top_k
+    assert decode["decode_lookups"] == 3 * 4 * top_k   # 3 steps (the first token comes from the prefill) x 4 layers
     summary = _load("trace_summary").summarize(next((tmp_path / "traces").rglob("perfetto_trace.json.gz")))
     assert summary["host_threads"] and all(t["busy_ms"] >= 0 for t in summary["host_threads"].values())
 

@@ -123,6 +123,22 @@ class PhaseTimer:
         return out
 
 
+def commit(tree):
+    """`tree` with its uncommitted device arrays committed where they lie (an alias: no copy, same buffers).
+
+    jit compiles a program once per kind of input, and an uncommitted array (made without a placement, e.g. by
+    jnp.zeros) is another kind than a committed one (placed by `jax.device_put`, or computed from one). A model
+    with both (experts placed by the offload benchmark, the rest not) gave decode states of both kinds after the
+    prefill and committed ones after the first step, so the one-program step compiled twice, the second time
+    inside the decode loop (~10 s at full size on an H100, 2026-11-26). Committing the weights makes every program
+    output committed. Arrays in host memory are left as they are."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.committed and x.sharding.memory_kind in (None, "device"):
+            return jax.device_put(x, x.sharding)
+        return x
+    return jax.tree_util.tree_map(one, tree)
+
+
 class LayerwiseRunner:
     """Runs `HybridLM` one chunk at a time through per-layer jitted phases.
 
@@ -134,11 +150,11 @@ class LayerwiseRunner:
         self.model = model
         self.config = model.config
         graphs: dict = {}      # one StaticGraph per distinct graph (all GDN layers share one)
-        self.layers = [(graphs.setdefault(g, StaticGraph(g)), p)                # [(graph, params)]
+        self.layers = [(graphs.setdefault(g, StaticGraph(g)), commit(p))        # [(graph, params)]
                        for g, p in (nnx.split(layer) for layer in model.layers)]
-        self.embed_table = model.embed[...]
+        self.embed_table = commit(model.embed[...])
         graphdef, params = nnx.split(model)
-        self.whole = (StaticGraph(graphdef), params)
+        self.whole = (StaticGraph(graphdef), commit(params))
 
     @functools.cached_property
     def _flat_weights(self) -> tuple:
@@ -169,6 +185,8 @@ class LayerwiseRunner:
         treedef, leaves = self._flat_weights
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
             tokens = jnp.asarray(tokens, jnp.int32)    # (a no-op asarray still costs a dispatch)
+        if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
+            tokens, states = commit((tokens, states))   # one kind of input every step: one compilation
         return _decode(self.whole[0], treedef, leaves, tokens, states,
                        position if isinstance(position, jax.Array) else np.int32(position))
 
@@ -194,6 +212,8 @@ class LayerwiseRunner:
           hidden [batch, chunk, hidden] after the last layer (before the final norm), and the new states.
         """
         timer = timer or PhaseTimer(False)
+        if not all(a.committed for a in jax.tree_util.tree_leaves(states)):
+            states = commit(states)   # as the programs' outputs are: the next chunk's programs compile nothing
         start = jnp.asarray(start, jnp.int32)
         num_valid = jnp.asarray(num_valid, jnp.int32)
         x = timer("embed", _embed, self.embed_table, ids)

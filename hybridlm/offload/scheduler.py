@@ -217,7 +217,7 @@ class HostExperts:
             for m in power_of_two_parts(len(mine)):
                 rows = mine[at:at + m]
                 at += m
-                local = jnp.asarray([e - self.part_start[p] for e in rows], jnp.int32)
+                local = np.asarray([e - self.part_start[p] for e in rows], np.int32)   # jit moves it
                 out.append((_gather_to_device(buf, local), rows))
         return out
 
