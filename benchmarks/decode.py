@@ -27,11 +27,9 @@ import numpy as np
 from bench_io import run_header, write_json
 
 import hybridlm
+from hybridlm.engine import sample
 
 MODES = ("one_program", "layerwise")
-
-
-_greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
 def decode_loop(runner, mode: str, ids: np.ndarray, new_tokens: int, trace: str | None = None) -> dict:
@@ -45,13 +43,13 @@ def decode_loop(runner, mode: str, ids: np.ndarray, new_tokens: int, trace: str 
         options.python_tracer_level = 0
         with jax.profiler.trace(trace, create_perfetto_trace=True, profiler_options=options):
             for i in range(new_tokens):
-                logits, states = step(_greedy(logits), states, pos + i)
+                logits, states = step(sample(logits, None), states, pos + i)
             jax.block_until_ready(logits)
         return {}
     tokens = []
     t0 = time.perf_counter()
     for i in range(new_tokens):
-        token = _greedy(logits)
+        token = sample(logits, None)                        # greedy
         tokens.append(token)
         logits, states = step(token, states, pos + i)
     enqueued = time.perf_counter() - t0

@@ -1,9 +1,11 @@
-"""Layer-by-layer jitted execution of the model over one chunk of tokens.
+"""Layer-by-layer jitted execution of the model over one chunk of tokens, and the one-program decode step.
 
 Each phase of a layer (mixer, router, experts) is one jitted function of (layer graph, layer weights,
 activations, state). All Gated DeltaNet layers share one graph, so each phase compiles once per layer type and
 chunk shape however deep the model is; the Python loop over layers only enqueues work (no host sync) unless
 per-phase timing is asked for. The same seams let the offload scheduler page expert weights between layers.
+A decode step (one token per sequence) is short enough on the device that ~120 such calls would bound it on the
+host, so `LayerwiseRunner.decode_step` runs every layer and the head in one program instead.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ class LayerwiseRunner:
     """Runs `HybridLM` one chunk at a time through per-layer jitted phases.
 
     Args:
-      model: the model; its weights are split once into per-layer pytrees (no copy).
+      model: the model; its weights are split once into per-layer pytrees and committed where they lie (no copy,
+        see `commit`).
     """
 
     def __init__(self, model: HybridLM):
@@ -175,7 +178,8 @@ class LayerwiseRunner:
 
         Args:
           tokens: [batch] int32, one token per sequence.
-          states: per-layer states holding positions [0, position) (donated: do not reuse them).
+          states: per-layer states holding positions [0, position) (donated: do not reuse them). Uncommitted
+            tokens or states are committed first (`commit`), so that every step runs one compiled program.
           position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one compilation
             serves every step).
 

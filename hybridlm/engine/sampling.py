@@ -22,11 +22,17 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: float | jax
     Returns:
       [batch] int32 token ids.
 
+    Raises:
+      ValueError: key is None where the tokens are sampled (a temperature other than a Python 0).
+
     A Python temperature of 0 runs the argmax alone, and a Python top_p of 1 skips the nucleus' sort of the
     vocabulary (a decode step's cost: 248 320 logits); array arguments take the general program.
     """
     if isinstance(temperature, (int, float)) and temperature == 0:
         return _greedy(logits)
+    if key is None:
+        raise ValueError(f"sampling at temperature={temperature!r} needs a PRNG key (key=None only for greedy "
+                         "decoding, a Python temperature of 0)")
     nucleus = not (isinstance(top_p, (int, float)) and top_p >= 1)
     return _sample(logits, key, temperature, top_p, top_k=top_k, nucleus=nucleus)
 

@@ -131,6 +131,13 @@ def test_generate_sampling_is_seeded(tiny_runner, prompt):
     np.testing.assert_array_equal(a, b)
 
 
+def test_sample_greedy_needs_no_key_and_sampling_does():
+    logits = jnp.log(jnp.array([[0.2, 0.5, 0.3]], jnp.float32))
+    assert int(hybridlm.engine.sample(logits, None, temperature=0.0)[0]) == 1
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        hybridlm.engine.sample(logits, None, temperature=0.7)
+
+
 def test_sample_top_k_and_top_p_restrict_support():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
     keys = jax.random.split(jax.random.key(0), 400)
