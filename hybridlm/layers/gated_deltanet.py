@@ -82,12 +82,6 @@ def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Arra
     return jnp.where(num_valid >= width, from_mixed, from_head)
 
 
-# Largest batch for which decode takes the fused Pallas step by default: on an H100 it beats XLA's step at 1 and 8
-# sequences (54 against 67.5 us, 61 against 75) but not at 32-128 (docs/benchmarks.md, "Decode step"); in the
-# whole-model decode step at batch 1, 4.19 against 4.27-4.31 ms (2026-11-26, "Decode, whole model").
-PALLAS_STEP_MAX_BATCH = 8
-
-
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output projection."""
 
@@ -150,13 +144,11 @@ class GatedDeltaNet(nnx.Module):
         k = jnp.where(valid[..., None, None], k, 0.0)
 
         if seq == 1:
-            # decode: the fused Pallas step where the config asks for "pallas", or by default (None) on a GPU for
-            # up to PALLAS_STEP_MAX_BATCH sequences; else the pure-JAX step (the chunked form has no single-token
+            # decode: "pallas" and None go to the step's API (None: the fused Pallas step on a GPU for few
+            # sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has no single-token
             # variant)
             impl = self.config.gdn_implementation
-            pallas = impl == "pallas" or (impl is None and batch <= PALLAS_STEP_MAX_BATCH
-                                          and jax.default_backend() == "gpu")
-            step = "pallas" if pallas else "reference"
+            step = impl if impl in (None, "pallas") else "reference"
             o, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0],
                                                  state.recurrent, implementation=step)
             o = o[:, None]

@@ -16,6 +16,12 @@ _IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
     "chunked": chunked.gated_delta_rule_chunked,
     "pallas": pallas_triton.gated_delta_rule_pallas,
 }
+# Largest batch for which `gated_delta_rule_step(implementation=None)` takes the fused Pallas step on a GPU: on an
+# H100 it beats XLA's step at 1 and 8 sequences (54 against 67.5 us, 61 against 75) but not at 32-128
+# (docs/benchmarks.md, "Decode step"); in the whole-model decode step at batch 1, 4.19 against 4.27-4.31 ms
+# (2026-11-26, "Decode, whole model").
+PALLAS_STEP_MAX_BATCH = 8
+
 _STEP_IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
     "reference": reference.gated_delta_rule_step_reference,
     "pallas": pallas_step.gated_delta_rule_step_pallas,
@@ -126,8 +132,9 @@ def gated_delta_rule_step(
       scale: multiplies the query; defaults to key_dim ** -0.5.
       implementation: "reference" (pure JAX, XLA's fusions) or "pallas" (`pallas_step`: one fused kernel,
         the state read and written once; in the Pallas interpreter where no GPU is present). None picks
-        "reference": on an H100 (2026-11-25, docs/benchmarks.md) the Pallas step took 54 / 61 / 99 / 393 us
-        at batch 1 / 8 / 32 / 128 against the JAX step's 68 / 75 / 84 / 284.
+        "pallas" on a GPU up to `PALLAS_STEP_MAX_BATCH` sequences and "reference" otherwise: on an H100
+        (2026-11-25, docs/benchmarks.md) the Pallas step took 54 / 61 / 99 / 393 us at batch 1 / 8 / 32 / 128
+        against the JAX step's 68 / 75 / 84 / 284.
 
     Returns:
       output: [batch, v_heads, value_dim] in value.dtype; new_state: same shape as state, float32.
@@ -135,7 +142,9 @@ def gated_delta_rule_step(
     Raises:
       ValueError: unknown `implementation`, or shapes that disagree.
     """
-    implementation = "reference" if implementation is None else implementation
+    if implementation is None:
+        small = query.shape[0] <= PALLAS_STEP_MAX_BATCH
+        implementation = "pallas" if small and jax.default_backend() == "gpu" else "reference"
     if implementation not in _STEP_IMPLEMENTATIONS:
         raise ValueError(
             f"unknown implementation {implementation!r}; choose from {sorted(_STEP_IMPLEMENTATIONS)}"
