@@ -32,6 +32,16 @@ from pallas_kernels.grouped_matmul import pallas_mosaic, pallas_triton, referenc
 HIDDEN, FFN, GROUPS = 2048, 512, 256
 
 
+def mosaic(lhs, rhs, gs, *, dequant, wgmma_codes=None, **kw):
+    """`gmm_mosaic`; dequant "wgmma": the codes in the wgmma register layout (`permute_codes`, computed here
+    unless given)."""
+    if dequant != "wgmma":
+        return pallas_mosaic.gmm_mosaic(lhs, rhs, gs, dequant=dequant, **kw)
+    if wgmma_codes is None:
+        wgmma_codes = pallas_mosaic.permute_codes(rhs)
+    return pallas_mosaic.gmm_mosaic(lhs, rhs, gs, wgmma_codes=wgmma_codes, **kw)
+
+
 def check_rows() -> list[dict]:
     rows = []
     shapes = [
@@ -51,8 +61,8 @@ def check_rows() -> list[dict]:
                 ref_fn = reference.gmm_swiglu_reference if swiglu else reference.gmm_reference
                 want = ref_fn(lhs.astype(jnp.float32), rhs.dequantize(jnp.bfloat16).astype(jnp.float32), gs)
                 tri = (pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas)(lhs, rhs, gs)
-                for dequant in ("f32", "bf16"):
-                    got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu, dequant=dequant)
+                for dequant in ("f32", "bf16", "wgmma"):
+                    got = mosaic(lhs, rhs, gs, swiglu=swiglu, dequant=dequant)
                     finite = bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
                     row = {"check": w.name, "weights": kind, "swiglu": swiglu, "dequant": dequant,
                            "finite": finite, "rel_err_vs_reference": round(rel_err(got, want), 6),
@@ -76,18 +86,20 @@ def time_rows(ms: list[int], configs: list[tuple]) -> list[dict]:
             for kind in ("float", "int8", "int4"):
                 lhs, rhs, gs = workloads.make_inputs(w, weights=kind, swiglu=swiglu, on_device_rng=True)
                 nbytes = rhs.nbytes if kind != "float" else rhs.size * 2
-                runs = [("triton_default", jax.jit(tri_fn))]
+                runs = [("triton_default", jax.jit(lambda a, b, g, pc, f=tri_fn: f(a, b, g)))]
+                pc = None
                 if kind != "float":
+                    pc = pallas_mosaic.permute_codes(rhs)   # a stored layout: permuted once, outside the timing
                     runs += [(f"mosaic_k{bk}_s{st}_wg{cw}_c{cps}_{dq}", jax.jit(
-                        lambda a, b, g, bk=bk, st=st, cw=cw, cps=cps, dq=dq, sw=swiglu: pallas_mosaic.gmm_mosaic(
+                        lambda a, b, g, pc, bk=bk, st=st, cw=cw, cps=cps, dq=dq, sw=swiglu: mosaic(
                             a, b, g, swiglu=sw, block_k=bk, stages=st, compute_wgs=cw, ctas_per_sm=cps,
-                            dequant=dq))) for bk, st, cw, cps, dq in configs]
+                            dequant=dq, wgmma_codes=pc))) for bk, st, cw, cps, dq in configs]
                 want = None
                 for name, f in runs:
                     try:
-                        out = f(lhs, rhs, gs)
+                        out = f(lhs, rhs, gs, pc)
                         want = out if want is None else want
-                        t = timeit(f, lhs, rhs, gs)
+                        t = timeit(f, lhs, rhs, gs, pc)
                         if kind == "float":
                             base = t
                         row = {"product": product, "m": m, "weights": kind, "impl": name, "ms": round(t * 1e3, 4),
@@ -105,8 +117,10 @@ def time_rows(ms: list[int], configs: list[tuple]) -> list[dict]:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, nargs="+", default=[4096])
-    p.add_argument("--configs", nargs="+", default=["128,4,2,1,f32", "128,4,4,1,f32", "128,4,4,1,bf16", "64,6,4,1,f32"],
-                   help="block_k,stages,compute_wgs,ctas_per_sm,dequant for gmm_mosaic")
+    p.add_argument("--configs", nargs="+",
+                   default=["128,4,2,1,wgmma", "128,4,4,1,wgmma", "64,6,4,1,wgmma", "128,4,2,1,f32", "128,4,4,1,f32"],
+                   help="block_k,stages,compute_wgs,ctas_per_sm,dequant for gmm_mosaic (dequant f32, bf16, or wgmma: "
+                        "the codes in the wgmma register layout)")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()

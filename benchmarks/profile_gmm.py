@@ -61,6 +61,10 @@ def main():
                         "profiled run only copies arrays to the device; ncu crashed in quantize_int8's program)")
     p.add_argument("--mosaic", action="store_true", help="the Hopper Mosaic GPU kernel (quantized weights only)")
     p.add_argument("--compute-wgs", type=int, default=None, help="with --mosaic: compute warpgroups")
+    p.add_argument("--mosaic-config", default=None,
+                   help="with --mosaic: block_k,stages (default: gmm_mosaic's)")
+    p.add_argument("--wgmma-codes", action="store_true",
+                   help="with --mosaic: the codes permuted to the wgmma register layout (pallas_mosaic.permute_codes)")
     p.add_argument("--kn", action="store_true",
                    help="quantized codes stored [groups, k, n] (the layout before 2026-11-25) instead of k-major")
     a = p.parse_args()
@@ -81,10 +85,19 @@ def main():
     bs = parse_config(a.config)
     fn = pallas_triton.gmm_swiglu_pallas if swiglu else pallas_triton.gmm_pallas
     f = jax.jit(lambda x, r, g: fn(x, r, g, block_sizes=bs))
+    codes = None
     if a.mosaic:
-        f = jax.jit(lambda x, r, g: pallas_mosaic.gmm_mosaic(x, r, g, swiglu=swiglu, compute_wgs=a.compute_wgs))
+        tiling = {}
+        if a.mosaic_config:
+            block_k, stages = (int(v) for v in a.mosaic_config.split(","))
+            tiling = {"block_k": block_k, "stages": stages}
+        codes = pallas_mosaic.permute_codes(rhs) if a.wgmma_codes else None
+        f = jax.jit(lambda x, r, g, c: pallas_mosaic.gmm_mosaic(x, r, g, swiglu=swiglu, compute_wgs=a.compute_wgs,
+                                                                wgmma_codes=c, **tiling))
+    else:
+        f = jax.jit(lambda x, r, g, c, f=f: f(x, r, g))
     for _ in range(a.calls):
-        jax.block_until_ready(f(lhs, rhs, gs))
+        jax.block_until_ready(f(lhs, rhs, gs, codes))
     print("ran", a, flush=True)
 
 

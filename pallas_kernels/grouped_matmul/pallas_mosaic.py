@@ -1,5 +1,5 @@
 """Quantized grouped matmul on Hopper (Pallas Mosaic GPU) with the weights as the register operand: an
-experiment for the weight-read-bound regime, correct but not yet faster than the Triton kernel.
+experiment for the weight-read-bound regime, correct, level with the Triton kernel at best.
 
 Where each expert sees a few rows (decode, small prefill chunks: ~16 rows per group at m = 4096, 256 groups),
 the grouped matmul is bound by reading the expert weights, and with 8- or 4-bit weights it should run faster
@@ -18,11 +18,19 @@ quantization blocks, w = q * scale (+ offset) in f32 rounded once to bf16 (the w
 `QuantizedWeights.dequantize` bit for bit), then issues their wgmmas. At the end of a unit its [64 columns, 32
 rows] tile is transposed by one more wgmma, [I_32; 0] times the tile^T read from shared memory (exact), and its
 own rows go to out[row, columns] by TMA, one row each (no masked stores, no other item's rows touched).
+The codes' and scales' buffers go back to the producer once the step's blocks are dequantized, x's once its
+products are done.
 
-Measured on an H100 (2026-11-25, benchmarks/gmm_mosaic.py, docs/benchmarks_gmm.md), m = 4096, ms, Triton kernel in
-the same run: int8 gate_up 0.319 against 0.254, down 0.213 against 0.138; 4-bit gate_up 0.387 against 0.260, down
-0.243 against 0.144. ncu: it has the warps (5 per scheduler for down) but issues 1.4-1.8x the Triton kernel's
-instructions. So `gmm` does not use it; what was tried and the next steps are in that document.
+With `wgmma_codes` (`permute_codes`: the codes stored in the wgmma register layout, as Marlin stores its
+weights) each thread reads its 16 codes of a block by one 16-byte shared-memory load and dequantizes them by
+inline PTX, with no shuffle; otherwise Mosaic GPU's own conversion and relayout run (`dequant`).
+
+Measured on an H100 (docs/benchmarks_gmm.md), m = 4096, ms, Triton kernel in the same run. 2026-11-25, Mosaic GPU's
+conversion: int8 gate_up 0.319 against 0.254, down 0.213 against 0.138; 4-bit gate_up 0.387 against 0.260, down
+0.243 against 0.144 (1.4-1.8x the Triton kernel's instructions). 2026-11-26, wgmma codes: int8 gate_up 0.240-0.249
+against 0.243-0.257, down 0.163-0.170 against 0.134-0.147; 4-bit gate_up 0.287-0.302 against 0.248-0.262, down
+0.189-0.200 against 0.145-0.152 (ncu: fewer instructions than the Triton kernel, DRAM 71% busy). So `gmm` does not
+use it; what was tried and the next steps are in that document.
 
 Hopper (sm_90) only; bf16 lhs, k-major int8 or 4-bit codes, quantization blocks of 32, output columns a multiple
 of 64, no `lhs_index` (`supported`). Pallas' interpreter cannot run Mosaic GPU kernels with register operands:
@@ -36,10 +44,15 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import gpu_limits
 from pallas_kernels.grouped_matmul.pallas_triton import make_schedule
@@ -73,12 +86,119 @@ def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
     return None
 
 
+# Codes in the wgmma register layout (`permute_codes`): each [64 output columns, 32 code columns] block of a
+# warpgroup's tile is stored as [128 threads, 16 bytes], thread T's 16 bytes being exactly the codes of its
+# registers in Mosaic GPU's WGMMA layout for a [64, 32] bf16 A operand (PTX ISA, "wgmma 64xNx16 A in
+# registers"): thread T = 32 warp + lane holds rows r_h = 16 warp + 8 h + lane // 4 (h = 0, 1) and columns
+# 8 c + 2 (lane % 4) + e (c = 0..3, e = 0, 1). Byte j = 8 h + 4 (c // 2) + 2 (c % 2) + e, so each 32-bit word
+# holds four codes of one row (one scale) and gives two bf16x2 registers. Marlin stores its 4-bit weights
+# pre-permuted for the same reason (Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel
+# Inference on Large Language Models", 2024): one 16-byte shared-memory load per thread and block, no shuffle.
+WGMMA_THREADS, WGMMA_BYTES = 128, 16
+WGMMA_ROW_BYTES = 256   # a block as 8 rows of 256 bytes in shared memory (and in the kernel's TMA boxes)
+
+
+def permute_codes(rhs: QuantizedWeights) -> jax.Array:
+    """`rhs`'s k-major codes in the wgmma register layout: `[groups, n // 64, k_cols // 32, 128, 16]` int8
+    (k_cols = k, or k // 2 packed bytes for 4 bits; 4-bit bytes are reinterpreted as int8).
+
+    Raises:
+      ValueError: codes not k-major, or n not a multiple of 64, or k_cols not a multiple of 32.
+    """
+    if not rhs.k_major:
+        raise ValueError("permute_codes needs k-major codes (QuantizedWeights.k_major)")
+    groups, n, kc = rhs.values.shape
+    if n % COLS or kc % QUANT_BLOCK:
+        raise ValueError(f"permute_codes: codes [{groups}, {n}, {kc}] need n % {COLS} == 0 and "
+                         f"code columns % {QUANT_BLOCK} == 0")
+    v = rhs.values if rhs.values.dtype == jnp.int8 else lax.bitcast_convert_type(rhs.values, jnp.int8)
+    # n = (block, warp 4, h 2, lane // 4 8); k = (block, c // 2 2, c % 2 2, lane % 4 4, e 2)
+    v = v.reshape(groups, n // COLS, 4, 2, 8, kc // QUANT_BLOCK, 2, 2, 4, 2)
+    v = v.transpose(0, 1, 5, 2, 4, 8, 3, 6, 7, 9)   # -> (warp, lane // 4, lane % 4), (h, c // 2, c % 2, e)
+    return v.reshape(groups, n // COLS, kc // QUANT_BLOCK, WGMMA_THREADS, WGMMA_BYTES)
+
+
+def _convert_word(word, scale, neg, offset, part):
+    """Four codes of one row (a 32-bit word) -> two bf16x2 registers by inline PTX, `QuantizedWeights.dequantize`'s
+    weights bit for bit (the constructions of `pallas_triton._dequantize_asm`): each byte permuted into a float
+    whose value is a power of two plus the byte, then one fma with the row's f32 scale and `neg` (the power of two
+    times -scale, precomputed per row), exact up to its one rounding; 4 bits add the offset; pairs rounded to
+    bf16 once. part 8 with `neg` None: float32 scales, whose bias product is not exact: subtract, then multiply."""
+    i32 = ir.IntegerType.get_signless(32)
+    lines = [".reg .b32 t, m, f<4>;", {8: "xor.b32 t, $2, 0x80808080;", "lo": "and.b32 t, $2, 0x0F0F0F0F;",
+                                       "hi": "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;"}[part]]
+    args = [word, scale]
+    if part == 8 and neg is not None:   # 2**15 + 128 + code in bits 8-15 of 2**15; neg = -(2**15 + 128) scale
+        lines.append("mov.b32 m, 0x47000000;")
+        args.append(neg)
+        ops = [f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x}; fma.rn.f32 f{i}, f{i}, $3, $4;" for i in range(4)]
+    elif part == 8:
+        lines.append("mov.b32 m, 0x4B000000;")
+        ops = [f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; sub.rn.f32 f{i}, f{i}, 0f4B000080; "
+               f"mul.rn.f32 f{i}, f{i}, $3;" for i in range(4)]
+    else:   # 2**23 + code; neg = -2**23 scale
+        lines.append("mov.b32 m, 0x4B000000;")
+        args += [neg, offset]
+        ops = [f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; fma.rn.f32 f{i}, f{i}, $3, $4; add.rn.f32 f{i}, f{i}, $5;"
+               for i in range(4)]
+    lines += ops + ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
+    struct = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), args, "{" + " ".join(lines) + "}",
+                             "=r,=r,r," + ",".join(["f"] * (len(args) - 1)))
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    return [mgpu_utils.bitcast(llvm.extractvalue(i32, struct, [e]), bf16x2) for e in range(2)]
+
+
+def _weights_from_wgmma_codes(codes_ref, scales, offsets, parts, *, int8_fma):
+    """The [64, 32] bf16 weight blocks (one per part: int8, or the 4-bit low and high nibbles) of one
+    `permute_codes` block in shared memory (`codes_ref`, its 2 048 bytes as [8, 256] int8), with `scales`
+    (`offsets`) the [64] float32 per-row values of each part in the WGMMA row layout; WGMMA layout, ready as
+    wgmma's A operand."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+    block = plgpu.ShapeDtypeStruct((COLS, QUANT_BLOCK), jnp.bfloat16, plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), (row,) * len(scales), (row,) * len(offsets)),
+                       return_type=(block,) * len(parts))
+    def convert(ctx, ref, scales, offsets):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        # this thread's 16 bytes by one 16-byte-aligned load (FragmentedArray.load_strided's vector.load of 16
+        # int8 does not know the alignment, and the backend splits it into byte loads)
+        words_ty = ir.VectorType.get((4,), i32)
+        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(WGMMA_THREADS, i32))
+        words = llvm.load(words_ty, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [thread], words_ty),
+                          alignment=16)
+        words = [vector.extract(words, [], [w]) for w in range(4)]
+
+        def per_row(fa):   # this thread's two rows (h = 0, 1)
+            return [vector.extract(r, [], [0]) for r in fa.registers.flat]
+
+        f32 = ir.F32Type.get()
+        bias = {8: -(2.0**15 + 128), "lo": -(2.0**23), "hi": -(2.0**23)}
+        out = []
+        for p, part in enumerate(parts):
+            s = per_row(scales[p])
+            o = per_row(offsets[p]) if offsets else [None, None]
+            if part == 8 and not int8_fma:
+                neg = [None, None]
+            else:   # exact products, one per row
+                neg = [arith.mulf(v, arith.constant(f32, bias[part])) for v in s]
+            regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((COLS, QUANT_BLOCK)), dtype=object)
+            for w, word in enumerate(words):
+                h, c_hi = divmod(w, 2)
+                for c_lo, r in enumerate(_convert_word(word, s[h], neg[h], o[h], part)):
+                    regs[0, 2 * c_hi + c_lo, 0, 0, h, 0, 0, 0, 0] = r
+            out.append(mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None))
+        return tuple(out)
+
+    return convert(codes_ref, tuple(scales), tuple(offsets))
+
+
 def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, groups, bits, swiglu,
-            block_k, stages, compute_wgs, units, dequant):
+            block_k, stages, compute_wgs, units, dequant, wgmma_codes, int8_fma):
     if bits == 4:
-        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, rows_smem, loaded, free = rest
+        offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, rows_smem, loaded, free_w, free_x = rest
     else:
-        out_ref, x_smem, c_smem, s_smem, o_smem, rows_smem, loaded, free = rest
+        out_ref, x_smem, c_smem, s_smem, o_smem, rows_smem, loaded, free_w, free_x = rest
         offset_ref = o_smem_off = None
     cta, ctas, wg = lax.axis_index("sm"), lax.axis_size("sm"), lax.axis_index("wg")
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -112,13 +232,18 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
 
             def step(i, count):
                 s = lax.rem(count, stages)
-                pl.when(count >= stages)(functools.partial(plgpu.barrier_wait, free.at[s]))
+                # the weights' buffers come back as soon as the step's blocks are dequantized, x's after its
+                # products: the codes of later steps are in flight meanwhile
+                pl.when(count >= stages)(functools.partial(plgpu.barrier_wait, free_w.at[s]))
+                for c in range(compute_wgs):
+                    for t in range(tiles):
+                        if wgmma_codes:   # nb blocks of `permute_codes`, as [8 nb, 256] bytes
+                            codes = codes_ref.at[g, lax.div(col0(j, c, t), COLS), pl.ds(i * nb * 8, nb * 8)]
+                        else:
+                            codes = codes_ref.at[g, pl.ds(col0(j, c, t), COLS), pl.ds(i * block_k, block_k)]
+                        plgpu.copy_gmem_to_smem(codes, c_smem.at[s, c, t], loaded.at[s])
                 for p, part in enumerate(parts):
-                    x0 = i * block_k + (k // 2 if part == "hi" else 0)   # k-row of this part's first column
-                    for b in range(nb):
-                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row0, ROWS), pl.ds(x0 + b * QUANT_BLOCK, QUANT_BLOCK)],
-                                                x_smem.at[s, p, b], loaded.at[s])
-                    kb = pl.ds(lax.div(x0, QUANT_BLOCK), nb)
+                    kb = pl.ds(lax.div(i * block_k + (k // 2 if part == "hi" else 0), QUANT_BLOCK), nb)
                     for c in range(compute_wgs):
                         for t in range(tiles):
                             cols = pl.ds(col0(j, c, t), COLS)
@@ -126,10 +251,12 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
                             if bits == 4:
                                 plgpu.copy_gmem_to_smem(offset_ref.at[g, kb, cols], o_smem_off.at[s, c, t, p],
                                                         loaded.at[s])
-                for c in range(compute_wgs):
-                    for t in range(tiles):
-                        codes = codes_ref.at[g, pl.ds(col0(j, c, t), COLS), pl.ds(i * block_k, block_k)]
-                        plgpu.copy_gmem_to_smem(codes, c_smem.at[s, c, t], loaded.at[s])
+                pl.when(count >= stages)(functools.partial(plgpu.barrier_wait, free_x.at[s]))
+                for p, part in enumerate(parts):
+                    x0 = i * block_k + (k // 2 if part == "hi" else 0)   # k-row of this part's first column
+                    for b in range(nb):
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row0, ROWS), pl.ds(x0 + b * QUANT_BLOCK, QUANT_BLOCK)],
+                                                x_smem.at[s, p, b], loaded.at[s])
                 return count + 1
 
             return lax.fori_loop(0, n, step, count)
@@ -172,12 +299,26 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
                     s = lax.rem(count, stages)
                     plgpu.barrier_wait(loaded.at[s])
                     # every block of the step dequantized first (independent chains), then the products
-                    ws = [[weights(s, t, p, part, b) for t in range(tiles)] for p, part, b in blocks]
+                    if wgmma_codes:
+                        ws = [[None] * tiles for _ in blocks]
+                        for b in range(nb):
+                            for t in range(tiles):
+                                def row(ref, p, t=t, b=b):   # [64] per-row values of a block, f32, row layout
+                                    return plgpu.load(ref.at[s, wg, t, p, b], layout=layout.reduce(1)).astype(f32)
+                                scales = [row(s_smem, p) for p in range(len(parts))]
+                                offsets = [row(o_smem_off, p) for p in range(len(parts))] if bits == 4 else []
+                                codes = c_smem.at[s, wg, t, pl.ds(b * 8, 8)]   # the block's 2 048 bytes
+                                for p, w in enumerate(_weights_from_wgmma_codes(codes, scales, offsets, parts,
+                                                                                int8_fma=int8_fma)):
+                                    ws[p * nb + b][t] = w
+                    else:
+                        ws = [[weights(s, t, p, part, b) for t in range(tiles)] for p, part, b in blocks]
+                    plgpu.barrier_arrive(free_w.at[s])   # codes, scales (offsets) read: their buffers go back
                     for (p, _, b), w in zip(blocks, ws):
                         for t in range(tiles):
                             plgpu.wgmma(acc_refs[t], w[t], x_smem.at[s, p, b].transpose((1, 0)))
                     plgpu.wgmma_wait(0)   # (the register operands hold each product to its end anyway)
-                    plgpu.barrier_arrive(free.at[s])
+                    plgpu.barrier_arrive(free_x.at[s])
                     return count + 1
 
                 count_out = lax.fori_loop(0, n, step, count)
@@ -222,7 +363,7 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
                                                "preferred_element_type", "dequant"))
 def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False, block_k: int = 128,
                stages: int = 4, compute_wgs: int | None = None, ctas_per_sm: int = 1, preferred_element_type=None,
-               dequant: str = "f32"):
+               dequant: str = "f32", wgmma_codes: jax.Array | None = None):
     """Quantized grouped matmul (or the fused SwiGLU up-projection) for the weight-read-bound regime, Hopper.
 
     Args:
@@ -240,12 +381,16 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         weights bit for bit); "bf16": the same in bf16 arithmetic, scale and offset rounded to bf16 first and
         each step rounded in bf16 (fewer instructions; not the exact weights: the products differed from the
         exact ones by 0.3-0.65% relative on an H100, 2026-11-25).
+      wgmma_codes: `permute_codes(rhs)`, the same codes in the wgmma register layout; where given, the kernel
+        reads them instead of `rhs.values` (one 16-byte load per thread and block, no shuffle) and dequantizes
+        by inline PTX, four codes per block (exact weights; `dequant` is not used).
 
     Returns:
       `[m, n]` (or `[m, ffn]`), float32 accumulation.
 
     Raises:
-      ValueError: operands `supported` refuses, or block_k not dividing the code columns.
+      ValueError: operands `supported` refuses, block_k not dividing the code columns, or `wgmma_codes` not of
+        `permute_codes`' shape.
     """
     reason = supported(lhs, rhs, swiglu=swiglu)
     if reason:
@@ -293,9 +438,11 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
     nb = block_k // QUANT_BLOCK
     per_stage_copies = parts * (nb + cw * tiles * (2 if bits == 4 else 1)) + cw * tiles
     tile = functools.partial(gpu_limits.smem_tiles, 2)  # bf16 rows of that many elements
+    # permuted codes travel as rows of 256 bytes: TMA moves boxes with 16-byte rows (a [128, 16] block) slowly
+    codes_block = (nb * 8, WGMMA_ROW_BYTES) if wgmma_codes is not None else (COLS, block_k)
     scratch = [
         plgpu.SMEM((stages, parts, nb, ROWS, QUANT_BLOCK), jnp.bfloat16, transforms=tile(QUANT_BLOCK)),    # x
-        plgpu.SMEM((stages, cw, tiles, COLS, block_k), jnp.int8),                                            # codes
+        plgpu.SMEM((stages, cw, tiles, *codes_block), jnp.int8),                                             # codes
         plgpu.SMEM((stages, cw, tiles, parts, nb, COLS), scale_dtype),                                       # scales
     ]
     if bits == 4:
@@ -304,16 +451,25 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         plgpu.SMEM((cw, COLS, ROWS), jnp.bfloat16, transforms=tile(ROWS)),                                   # out^T
         plgpu.SMEM((cw, COLS, COLS), jnp.bfloat16),                                                          # rows
         plgpu.Barrier(num_barriers=stages, num_arrivals=per_stage_copies),
-        plgpu.Barrier(num_barriers=stages, num_arrivals=cw),
+        plgpu.Barrier(num_barriers=stages, num_arrivals=cw),   # free_w: codes, scales (offsets) read
+        plgpu.Barrier(num_barriers=stages, num_arrivals=cw),   # free_x: x's products done
     ]
     units = items * (n_out // (COLS * cw))
     num_ctas = gpu_limits.sm_count() * ctas_per_sm
-    codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)   # packed bytes as int8
+    if wgmma_codes is not None:
+        want = (groups, n // COLS, k_rows // QUANT_BLOCK, WGMMA_THREADS, WGMMA_BYTES)
+        if wgmma_codes.shape != want or wgmma_codes.dtype != jnp.int8:
+            raise ValueError(f"gmm_mosaic: wgmma_codes {wgmma_codes.dtype}{list(wgmma_codes.shape)}; expected "
+                             f"int8{list(want)} (permute_codes(rhs))")
+        codes = wgmma_codes.reshape(groups, n // COLS, k_rows // QUANT_BLOCK * 8, WGMMA_ROW_BYTES)
+    else:   # packed 4-bit bytes as int8
+        codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)
     weights = (codes, rhs.scales) + ((rhs.offsets,) if bits == 4 else ())
 
     def gmm_quantized_mosaic(*refs):   # the kernel's name in profiles
         _kernel(*refs, k=k, n_out=n_out, groups=groups, bits=bits, swiglu=swiglu, block_k=block_k, stages=stages,
-                compute_wgs=cw, units=units, dequant=dequant)
+                compute_wgs=cw, units=units, dequant=dequant, wgmma_codes=wgmma_codes is not None,
+                int8_fma=jnp.dtype(scale_dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)))
 
     out = plgpu.kernel(
         gmm_quantized_mosaic,

@@ -70,6 +70,10 @@ SCHEDULE_SEARCH = "compare_all"
 # subtracted, exactly, then the scale is applied in f32 (int8: code * scale; 4 bits: code * scale + offset) and
 # pairs are rounded to bf16 by one cvt.rn.bf16x2. For 4 bits the subtraction and the scale are one fma,
 # (2**23 + code) * scale - 2**23 * scale: its one rounding is that of code * scale (2**23 * scale is exact).
+# int8 with float16 / bfloat16 scales (`int8_fma`): the byte b = code + 128 goes into bits 8-15 of 2**15
+# (prmt with 0x47000000, selector 0x76i4), so f = 2**15 + b exactly, and one fma f * scale - (2**15 + 128) * scale
+# gives round(code * scale): (2**15 + 128) * scale has at most 9 + 11 significant bits, so it is exact in f32,
+# and the fma's exact result is code * scale. (With float32 scales it would not be exact: two steps then.)
 # Operands: $0, $1 the two bf16x2 results, $2 four codes (bytes), then four f32 scales (and four f32 offsets).
 _ASM_CODES = {
     8: "xor.b32 t, $2, 0x80808080;",
@@ -78,13 +82,19 @@ _ASM_CODES = {
 }
 
 
-def _dequantize_asm(codes, scale, offset=None, *, part):
+def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False):
     """bf16 weights from codes `[rows, cols]` (int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
-    and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only)."""
-    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], "mov.b32 m, 0x4B000000;"]
+    and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only).
+    int8_fma: the scales are float16 / bfloat16 values, so int8 takes one fma per code (see above)."""
+    fma8 = part == 8 and int8_fma
+    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], "mov.b32 m, " + ("0x47000000;" if fma8 else "0x4B000000;")]
     for i in range(4):
+        if fma8:   # 2**15 + 128 + code, one fma (the four products by -(2**15 + 128) are one where scales agree)
+            lines.append(f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x}; mul.rn.f32 n{i}, ${3 + i}, 0fC7008000; "
+                         f"fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
+            continue
         lines.append(f"prmt.b32 f{i}, t, m, {0x7540 + i:#x};")
-        if part == 8:   # 2**23 + 128 + code: the int8 bias times the scale is not exact, so two steps
+        if part == 8:   # 2**23 + 128 + code: the int8 bias times an f32 scale is not exact, so two steps
             lines.append(f"sub.rn.f32 f{i}, f{i}, 0f4B000080; mul.rn.f32 f{i}, f{i}, ${3 + i};")
         else:   # (the four scales are usually one register: ptxas keeps one product by -2**23)
             lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fCB000000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
@@ -290,7 +300,7 @@ def row_schedule(row_groups: jax.Array, groups: int):
 
 def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, n_tiles,
             bs: BlockSizes, swiglu: bool, bits: int | None, quant_block: int, dot_dtype, precision,
-            gather: bool, asm: bool, k_major: bool, fast_silu: bool):
+            gather: bool, asm: bool, k_major: bool, fast_silu: bool, int8_fma: bool = False):
     if gather:                                 # rows of the product are lhs rows index_ref[r]
         index_ref, *rest = rest
     if bits is None:
@@ -367,8 +377,10 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         codes = load_codes(col0, kk, bk)
         if bits == 8:
             scale = expand(scale_ref, kk // quant_block)
-            w = _dequantize_asm(codes, scale, part=8) if asm else (to_float(codes, signed=True) * scale).astype(
-                dot_dtype)
+            if asm:
+                w = _dequantize_asm(codes, scale, part=8, int8_fma=int8_fma)
+            else:
+                w = (to_float(codes, signed=True) * scale).astype(dot_dtype)
             return acc + mul(load_lhs(kk, bk), w)
         half = k // 2
         for x_row0, part in ((kk, "lo"), (half + kk, "hi")):
@@ -543,6 +555,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, row_groups=None, *, swigl
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
         gather=lhs_index is not None, asm=asm, k_major=k_major,
+        int8_fma=quantized and jnp.dtype(rhs.scales.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)),
         fast_silu=swiglu and bs.fast_silu and not interpret and dot_dtype == jnp.bfloat16)
     return pl.pallas_call(
         kernel,

@@ -316,11 +316,14 @@ def test_default_tiles_fit_shared_memory():
 # The 2**23 int-to-float conversions (in jnp, and in inline PTX on the GPU) give the same weights as the
 # conversion instruction, bit for bit, over every code (int8 from -128, which GGUF Q8_0 can hold though our
 # quantizer never writes it, to 127). Off the GPU "asm" runs the jnp arithmetic; its PTX is checked by lowering.
-@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+# int8 with float16 scales takes the one-fma PTX (2**15 + 128 + code); with float32 scales the two-step one.
+@pytest.mark.parametrize("bits,scale_dtype", [(8, jnp.float16), (8, jnp.float32), (4, jnp.float16)],
+                         ids=["int8", "int8_f32_scales", "int4"])
 @pytest.mark.parametrize("quant_mode", ["tile", "tile_swapped"])
-def test_magic_int_to_float_is_exact(bits, quant_mode):
+def test_magic_int_to_float_is_exact(bits, scale_dtype, quant_mode):
     w = workloads.WORKLOADS["tiny_partial"]
     lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", seed=5)
+    q = dataclasses.replace(q, scales=q.scales.astype(scale_dtype))
     rng = np.random.default_rng(5)
     if bits == 8:
         codes = rng.integers(-128, 128, q.values.shape).astype(np.int8)
@@ -347,18 +350,24 @@ def test_asm_dequantization_lowers_to_ptx(bits):
     # per nibble half (4 bits), and the interpreter-only fallback is not taken.
     w = workloads.WORKLOADS["tiny_partial"]
     lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", seed=5)
-    text = support.lowered_for_h100(pallas_triton.gmm_pallas, lhs, q, gs, interpret=False,
-                                    block_sizes=pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64,
-                                                                         int_to_float="asm"))
+
+    def lowered(q, int_to_float="asm"):
+        return support.lowered_for_h100(pallas_triton.gmm_pallas, lhs, q, gs, interpret=False,
+                                        block_sizes=pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64,
+                                                                             int_to_float=int_to_float))
+
+    text = lowered(q)
     assert text.count("cvt.rn.bf16x2.f32 $0, f1, f0") == (1 if bits == 8 else 2)
-    assert "0x4B000000" in text
-    # 4 bits: the 2**23 subtraction and the scale as one fma; "asm_bf16": the bf16-pair PTX (int8 keeps "asm")
-    assert ("fma.rn.f32" in text) == (bits == 4)
-    text = support.lowered_for_h100(pallas_triton.gmm_pallas, lhs, q, gs, interpret=False,
-                                    block_sizes=pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64,
-                                                                         int_to_float="asm_bf16"))
+    # one fma per code: 4 bits (2**23 + code) and int8 with float16 scales (2**15 + 128 + code); float32 scales
+    # keep int8's subtraction and multiply
+    assert "fma.rn.f32" in text
+    assert ("0x47000000" in text) == (bits == 8) and ("0x4B000000" in text) == (bits == 4)
+    if bits == 8:
+        text = lowered(dataclasses.replace(q, scales=q.scales.astype(jnp.float32)))
+        assert "fma.rn.f32" not in text and "0x4B000000" in text and "sub.rn.f32" in text
+    text = lowered(q, "asm_bf16")
     assert ("fma.rn.bf16x2 $0, x, $3, $5" in text) == (bits == 4)
-    assert ("0x4B000000" in text) == (bits == 8)
+    assert ("0x47000000" in text) == (bits == 8)
 
 
 @pytest.mark.parametrize("weights", ["float", "int8"])

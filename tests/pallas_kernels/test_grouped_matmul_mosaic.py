@@ -8,6 +8,7 @@ and in `benchmarks/gmm_mosaic.py` (the same layouts, router-skewed m = 4096 and 
 gmm and gmm_swiglu: 64 checks passed on an H100 on 2026-11-25)."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import support
 
@@ -46,10 +47,46 @@ def test_supported_names_the_reason():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_lowers_for_h100(bits, swiglu):
+@pytest.mark.parametrize("wgmma_codes", [False, True])
+def test_lowers_for_h100(bits, swiglu, wgmma_codes):
     lhs, rhs, gs = workloads.make_inputs(SMALL, weights="int8" if bits == 8 else "int4", swiglu=swiglu)
-    text = support.lowered_for_h100(pallas_mosaic.gmm_mosaic, lhs, rhs, gs, swiglu=swiglu)
+    codes = pallas_mosaic.permute_codes(rhs) if wgmma_codes else None
+    text = support.lowered_for_h100(
+        lambda a, b, g, c: pallas_mosaic.gmm_mosaic(a, b, g, swiglu=swiglu, wgmma_codes=c), lhs, rhs, gs, codes)
     assert "gmm_quantized_mosaic" in text
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_permute_codes_gives_each_thread_its_wgmma_registers(kind):
+    """Thread T = 32 warp + lane of a warpgroup holds, in the wgmma A-operand register layout of a [64, 32] bf16
+    block (PTX ISA, wgmma .m64nNk16 A fragments; 8 registers of 2 values), rows 16 warp + 8 h + lane // 4 and
+    columns 8 c + 2 (lane % 4) + e; `permute_codes` must put exactly those codes in its 16 bytes, byte
+    8 h + 4 (c // 2) + 2 (c % 2) + e (the kernel's register order)."""
+    w = np.random.default_rng(0).standard_normal((3, 256, 128)).astype(np.float32)
+    rhs = (quantize_int8 if kind == "int8" else quantize_int4)(jnp.asarray(w))
+    values = np.asarray(rhs.values).view(np.int8)              # [g, n, code columns], k-major
+    got = np.asarray(pallas_mosaic.permute_codes(rhs))
+    g, n, kc = values.shape
+    assert got.shape == (g, n // 64, kc // 32, 128, 16) and got.dtype == np.int8
+    want = np.empty_like(got)
+    for t in range(128):
+        warp, lane = divmod(t, 32)
+        for h in range(2):
+            for c in range(4):
+                for e in range(2):
+                    row = 16 * warp + 8 * h + lane // 4
+                    col = 8 * c + 2 * (lane % 4) + e
+                    block = values.reshape(g, n // 64, 64, kc // 32, 32)[:, :, row, :, col]
+                    want[:, :, :, t, 8 * h + 4 * (c // 2) + 2 * (c % 2) + e] = block
+    np.testing.assert_array_equal(got, want)
+
+
+def test_wgmma_codes_refused_in_a_wrong_shape():
+    lhs, rhs, gs = workloads.make_inputs(SMALL, weights="int8")
+    with pytest.raises(ValueError, match="permute_codes"):
+        pallas_mosaic.gmm_mosaic(lhs, rhs, gs, wgmma_codes=rhs.values)
+    with pytest.raises(ValueError, match="k-major"):
+        pallas_mosaic.permute_codes(rhs.with_k_major(False))
 
 
 @pytest.mark.skipif(not gpu_limits.is_hopper(), reason="needs an sm_90 GPU (Mosaic GPU wgmma)")
@@ -60,8 +97,10 @@ def test_matches_reference_on_gpu(kind, swiglu):
         lhs, rhs, gs = workloads.make_inputs(w, weights=kind, swiglu=swiglu, on_device_rng=True)
         ref = (reference.gmm_swiglu_reference if swiglu else reference.gmm_reference)(
             lhs.astype(jnp.float32), rhs.dequantize(jnp.bfloat16).astype(jnp.float32), gs)
-        for dequant in ("f32", "bf16"):
-            got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu, dequant=dequant)
+        codes = pallas_mosaic.permute_codes(rhs)
+        for dequant in ("f32", "bf16", "wgmma"):
+            got = pallas_mosaic.gmm_mosaic(lhs, rhs, gs, swiglu=swiglu, dequant="f32" if dequant == "wgmma" else dequant,
+                                           wgmma_codes=codes if dequant == "wgmma" else None)
             support.assert_finite(got, f"gmm_mosaic {w.name} {dequant}")
             err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
             assert err <= 1e-2, (w.name, dequant, err)
