@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from support import assert_finite
 
 import hybridlm
@@ -11,6 +12,9 @@ from hybridlm.engine.prefill import cache_capacity, effective_chunk_size
 
 SEQ = 70   # not a multiple of any chunk size below
 ATOL = 1e-4
+
+# The model's full forward, compiled (an eager call takes ~8 s on the CPU, a compilation ~4 s)
+_forward = nnx.jit(lambda model, ids: model(ids))
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +24,7 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def full_logits(tiny_model, prompt):
-    logits = np.asarray(tiny_model(jnp.asarray(prompt)))
+    logits = np.asarray(_forward(tiny_model, jnp.asarray(prompt)))
     assert_finite(logits, "full forward logits")
     return logits
 
@@ -33,7 +37,7 @@ def recurrence_logits(prompt):
     differs: on this random model the two forwards differ by up to 1.3e-4 (|logits| ~ 5) at some positions,
     while decode stays within 3.4e-5 of this one (JAX 0.11.2, CPU)."""
     model = hybridlm.init_random(hybridlm.get_config("tiny").replace(gdn_implementation="reference"), seed=0)
-    logits = np.asarray(model(jnp.asarray(prompt)))
+    logits = np.asarray(_forward(model, jnp.asarray(prompt)))
     assert_finite(logits, "recurrence forward logits")
     return logits
 
@@ -117,9 +121,12 @@ def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt):
     # 3 decode steps: the rate counts the 2 after the first (timed apart: it compiles on a first call)
     assert 0 < out.first_step_s < out.decode_s
     assert out.decode_tokens_per_s == pytest.approx(2 / (out.decode_s - out.first_step_s))
+    # the full forward (causal) over the sequence padded to one length: one compilation for the 4 checks
     seq = list(prompt[0, :20])
     for tok in out.tokens[0]:
-        logits = np.asarray(tiny_model(jnp.asarray([seq])))[0, -1]
+        padded = np.zeros((1, 24), np.int32)
+        padded[0, :len(seq)] = seq
+        logits = np.asarray(_forward(tiny_model, jnp.asarray(padded)))[0, len(seq) - 1]
         assert int(tok) == int(logits.argmax())
         seq.append(int(tok))
 
