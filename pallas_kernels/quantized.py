@@ -85,6 +85,12 @@ class QuantizedWeights:
         return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays))
 
     @property
+    def half_precision_scales(self) -> bool:
+        """Whether the scales are float16 / bfloat16 (at most 11 significant bits): then (2**15 + 128) * scale is
+        exact in float32, which the kernels' one-fma int8 dequantization needs (`pallas_triton._dequantize_asm`)."""
+        return jnp.dtype(self.scales.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+    @property
     def bytes_per_param(self) -> float:
         """`nbytes` per represented weight (bf16 = 2.0; int8 with f16 scales = 1.0625)."""
         return self.nbytes / math.prod(self.shape)

@@ -122,23 +122,18 @@ def _convert_word(word, scale, neg, offset, part):
     """Four codes of one row (a 32-bit word) -> two bf16x2 registers by inline PTX, `QuantizedWeights.dequantize`'s
     weights bit for bit (the constructions of `pallas_triton._dequantize_asm`): each byte permuted into a float
     whose value is a power of two plus the byte, then one fma with the row's f32 scale and `neg` (the power of two
-    times -scale, precomputed per row), exact up to its one rounding; 4 bits add the offset; pairs rounded to
-    bf16 once. part 8 with `neg` None: float32 scales, whose bias product is not exact: subtract, then multiply."""
+    times -scale, precomputed per row, exact for float16 / bfloat16 scales), whose one rounding is that of code *
+    scale; 4 bits add the offset; pairs rounded to bf16 once."""
     i32 = ir.IntegerType.get_signless(32)
     lines = [".reg .b32 t, m, f<4>;", {8: "xor.b32 t, $2, 0x80808080;", "lo": "and.b32 t, $2, 0x0F0F0F0F;",
                                        "hi": "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;"}[part]]
-    args = [word, scale]
-    if part == 8 and neg is not None:   # 2**15 + 128 + code in bits 8-15 of 2**15; neg = -(2**15 + 128) scale
+    args = [word, scale, neg]
+    if part == 8:   # 2**15 + 128 + code in bits 8-15 of 2**15; neg = -(2**15 + 128) scale
         lines.append("mov.b32 m, 0x47000000;")
-        args.append(neg)
         ops = [f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x}; fma.rn.f32 f{i}, f{i}, $3, $4;" for i in range(4)]
-    elif part == 8:
-        lines.append("mov.b32 m, 0x4B000000;")
-        ops = [f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; sub.rn.f32 f{i}, f{i}, 0f4B000080; "
-               f"mul.rn.f32 f{i}, f{i}, $3;" for i in range(4)]
     else:   # 2**23 + code; neg = -2**23 scale
         lines.append("mov.b32 m, 0x4B000000;")
-        args += [neg, offset]
+        args.append(offset)
         ops = [f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; fma.rn.f32 f{i}, f{i}, $3, $4; add.rn.f32 f{i}, f{i}, $5;"
                for i in range(4)]
     lines += ops + ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
@@ -148,7 +143,7 @@ def _convert_word(word, scale, neg, offset, part):
     return [mgpu_utils.bitcast(llvm.extractvalue(i32, struct, [e]), bf16x2) for e in range(2)]
 
 
-def _weights_from_wgmma_codes(codes_ref, scales, offsets, parts, *, int8_fma):
+def _weights_from_wgmma_codes(codes_ref, scales, offsets, parts):
     """The [64, 32] bf16 weight blocks (one per part: int8, or the 4-bit low and high nibbles) of one
     `permute_codes` block in shared memory (`codes_ref`, its 2 048 bytes as [8, 256] int8), with `scales`
     (`offsets`) the [64] float32 per-row values of each part in the WGMMA row layout; WGMMA layout, ready as
@@ -178,10 +173,7 @@ def _weights_from_wgmma_codes(codes_ref, scales, offsets, parts, *, int8_fma):
         for p, part in enumerate(parts):
             s = per_row(scales[p])
             o = per_row(offsets[p]) if offsets else [None, None]
-            if part == 8 and not int8_fma:
-                neg = [None, None]
-            else:   # exact products, one per row
-                neg = [arith.mulf(v, arith.constant(f32, bias[part])) for v in s]
+            neg = [arith.mulf(v, arith.constant(f32, bias[part])) for v in s]   # exact, one per row
             regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((COLS, QUANT_BLOCK)), dtype=object)
             for w, word in enumerate(words):
                 h, c_hi = divmod(w, 2)
@@ -194,7 +186,7 @@ def _weights_from_wgmma_codes(codes_ref, scales, offsets, parts, *, int8_fma):
 
 
 def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k, n_out, groups, bits, swiglu,
-            block_k, stages, compute_wgs, units, dequant, wgmma_codes, int8_fma):
+            block_k, stages, compute_wgs, units, dequant, wgmma_codes):
     if bits == 4:
         offset_ref, out_ref, x_smem, c_smem, s_smem, o_smem_off, o_smem, rows_smem, loaded, free_w, free_x = rest
     else:
@@ -308,8 +300,7 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, codes_ref, scale_ref, *rest, k
                                 scales = [row(s_smem, p) for p in range(len(parts))]
                                 offsets = [row(o_smem_off, p) for p in range(len(parts))] if bits == 4 else []
                                 codes = c_smem.at[s, wg, t, pl.ds(b * 8, 8)]   # the block's 2 048 bytes
-                                for p, w in enumerate(_weights_from_wgmma_codes(codes, scales, offsets, parts,
-                                                                                int8_fma=int8_fma)):
+                                for p, w in enumerate(_weights_from_wgmma_codes(codes, scales, offsets, parts)):
                                     ws[p * nb + b][t] = w
                     else:
                         ws = [[weights(s, t, p, part, b) for t in range(tiles)] for p, part, b in blocks]
@@ -383,14 +374,14 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         exact ones by 0.3-0.65% relative on an H100, 2026-11-25).
       wgmma_codes: `permute_codes(rhs)`, the same codes in the wgmma register layout; where given, the kernel
         reads them instead of `rhs.values` (one 16-byte load per thread and block, no shuffle) and dequantizes
-        by inline PTX, four codes per block (exact weights; `dequant` is not used).
+        by inline PTX, one fma per code (exact weights; float16 / bfloat16 scales only; `dequant` is not used).
 
     Returns:
       `[m, n]` (or `[m, ffn]`), float32 accumulation.
 
     Raises:
       ValueError: operands `supported` refuses, block_k not dividing the code columns, or `wgmma_codes` not of
-        `permute_codes`' shape.
+        `permute_codes`' shape or with float32 scales.
     """
     reason = supported(lhs, rhs, swiglu=swiglu)
     if reason:
@@ -461,6 +452,8 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
         if wgmma_codes.shape != want or wgmma_codes.dtype != jnp.int8:
             raise ValueError(f"gmm_mosaic: wgmma_codes {wgmma_codes.dtype}{list(wgmma_codes.shape)}; expected "
                              f"int8{list(want)} (permute_codes(rhs))")
+        if not rhs.half_precision_scales:   # the one-fma conversion's bias product is exact for those only
+            raise ValueError(f"gmm_mosaic: wgmma_codes needs float16 or bfloat16 scales, got {rhs.scales.dtype}")
         codes = wgmma_codes.reshape(groups, n // COLS, k_rows // QUANT_BLOCK * 8, WGMMA_ROW_BYTES)
     else:   # packed 4-bit bytes as int8
         codes = rhs.values if bits == 8 else lax.bitcast_convert_type(rhs.values, jnp.int8)
@@ -468,8 +461,7 @@ def gmm_mosaic(lhs, rhs: QuantizedWeights, group_sizes, *, swiglu: bool = False,
 
     def gmm_quantized_mosaic(*refs):   # the kernel's name in profiles
         _kernel(*refs, k=k, n_out=n_out, groups=groups, bits=bits, swiglu=swiglu, block_k=block_k, stages=stages,
-                compute_wgs=cw, units=units, dequant=dequant, wgmma_codes=wgmma_codes is not None,
-                int8_fma=jnp.dtype(scale_dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)))
+                compute_wgs=cw, units=units, dequant=dequant, wgmma_codes=wgmma_codes is not None)
 
     out = plgpu.kernel(
         gmm_quantized_mosaic,

@@ -87,7 +87,8 @@ def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False):
     and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only).
     int8_fma: the scales are float16 / bfloat16 values, so int8 takes one fma per code (see above)."""
     fma8 = part == 8 and int8_fma
-    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], "mov.b32 m, " + ("0x47000000;" if fma8 else "0x4B000000;")]
+    magic = "0x47000000" if fma8 else "0x4B000000"   # 2**15 (one-fma int8) or 2**23
+    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], f"mov.b32 m, {magic};"]
     for i in range(4):
         if fma8:   # 2**15 + 128 + code, one fma (the four products by -(2**15 + 128) are one where scales agree)
             lines.append(f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x}; mul.rn.f32 n{i}, ${3 + i}, 0fC7008000; "
@@ -555,7 +556,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, row_groups=None, *, swigl
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
         gather=lhs_index is not None, asm=asm, k_major=k_major,
-        int8_fma=quantized and jnp.dtype(rhs.scales.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)),
+        int8_fma=quantized and rhs.half_precision_scales,
         fast_silu=swiglu and bs.fast_silu and not interpret and dot_dtype == jnp.bfloat16)
     return pl.pallas_call(
         kernel,

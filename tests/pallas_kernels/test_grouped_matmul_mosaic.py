@@ -5,7 +5,10 @@ Pallas' interpreter cannot run Mosaic GPU kernels with register operands, so on 
 for CUDA (layout inference and shape checks run) but not executed; the numerical checks run on an H100:
   JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/pallas_kernels/test_grouped_matmul_mosaic.py
 and in `benchmarks/gmm_mosaic.py` (the same layouts, router-skewed m = 4096 and m below 32 rows, int8 and 4-bit,
-gmm and gmm_swiglu: 64 checks passed on an H100 on 2026-11-25)."""
+gmm and gmm_swiglu: 64 checks passed on an H100 on 2026-11-25; with the wgmma-layout codes, 60 checks of every
+dequantization path on five layouts passed on 2026-11-26, docs/results/2026-11-26_mosaic_checks.py)."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +82,17 @@ def test_permute_codes_gives_each_thread_its_wgmma_registers(kind):
                     block = values.reshape(g, n // 64, 64, kc // 32, 32)[:, :, row, :, col]
                     want[:, :, :, t, 8 * h + 4 * (c // 2) + 2 * (c % 2) + e] = block
     np.testing.assert_array_equal(got, want)
+
+
+def test_wgmma_codes_int8_by_one_fma():
+    # one fma per code (2**15 + 128 + code), exact for float16 / bfloat16 scales; float32 scales are refused
+    lhs, rhs, gs = workloads.make_inputs(SMALL, weights="int8")
+    text = support.lowered_for_h100(lambda a, b, g, c: pallas_mosaic.gmm_mosaic(a, b, g, wgmma_codes=c),
+                                    lhs, rhs, gs, pallas_mosaic.permute_codes(rhs))
+    assert "0x47000000" in text and "fma.rn.f32" in text and "sub.rn.f32" not in text
+    q = dataclasses.replace(rhs, scales=rhs.scales.astype(jnp.float32))
+    with pytest.raises(ValueError, match="float16 or bfloat16 scales"):
+        pallas_mosaic.gmm_mosaic(lhs, q, gs, wgmma_codes=pallas_mosaic.permute_codes(q))
 
 
 def test_wgmma_codes_refused_in_a_wrong_shape():
