@@ -4,8 +4,9 @@ One run on the GPU machine: (1) checks `gmm_mosaic` against the f32 reference on
 against the Triton kernel, on router-skewed and adversarial group layouts (empty groups, one group, rows of
 no group, 512 groups), int8 and 4-bit, gmm and gmm_swiglu; (2) times, at the MoE layer's weight-read-bound
 sizes (m = 4096 routed rows = 512 tokens x top-8, 256 experts, hidden 2048, ffn 512), the bf16 Triton kernel,
-the quantized Triton kernel (defaults) and `gmm_mosaic` per configuration, by the method of
-grouped_matmul.py (median of trials of back-to-back calls).
+the quantized Triton kernel (defaults) and `gmm_mosaic` per configuration (dequantized by Mosaic GPU's own
+conversion, "f32" / "bf16", or from codes stored in the wgmma register layout, "wgmma": `permute_codes`, done
+once outside the timing), by the method of grouped_matmul.py (median of trials of back-to-back calls).
 
 usage (GPU machine): python benchmarks/gmm_mosaic.py [--m 4096] [--out gmm_mosaic.json]
 """
