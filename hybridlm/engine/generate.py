@@ -11,7 +11,7 @@ import numpy as np
 
 from hybridlm.engine.prefill import DEFAULT_CHUNK_SIZE, PrefillResult, prefill
 from hybridlm.engine.runner import LayerwiseRunner
-from hybridlm.engine.sampling import sample
+from hybridlm.engine.sampling import is_greedy, sample
 from hybridlm.model import HybridLM
 from hybridlm.state import LayerState
 
@@ -80,7 +80,7 @@ def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: in
     t0 = time.perf_counter()
     for i in range(max_new_tokens):
         sub = None
-        if not (isinstance(temperature, (int, float)) and temperature == 0):   # greedy needs no key (a dispatch)
+        if not is_greedy(temperature):   # greedy needs no key (splitting one is a dispatch)
             key, sub = jax.random.split(key)
         token = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         out.append(token)

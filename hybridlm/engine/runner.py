@@ -152,12 +152,14 @@ class LayerwiseRunner:
     def __init__(self, model: HybridLM):
         self.model = model
         self.config = model.config
-        graphs: dict = {}      # one StaticGraph per distinct graph (all GDN layers share one)
-        self.layers = [(graphs.setdefault(g, StaticGraph(g)), commit(p))        # [(graph, params)]
-                       for g, p in (nnx.split(layer) for layer in model.layers)]
-        self.embed_table = commit(model.embed[...])
         graphdef, params = nnx.split(model)
-        self.whole = (StaticGraph(graphdef), commit(params))
+        params = commit(params)          # once: the per-layer views below hold these same arrays
+        committed = nnx.merge(graphdef, params)
+        graphs: dict = {}      # one StaticGraph per distinct graph (all GDN layers share one)
+        self.layers = [(graphs.setdefault(g, StaticGraph(g)), p)                 # [(graph, params)]
+                       for g, p in (nnx.split(layer) for layer in committed.layers)]
+        self.embed_table = committed.embed[...]
+        self.whole = (StaticGraph(graphdef), params)
 
     @functools.cached_property
     def _flat_weights(self) -> tuple:

@@ -28,13 +28,19 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: float | jax
     A Python temperature of 0 runs the argmax alone, and a Python top_p of 1 skips the nucleus' sort of the
     vocabulary (a decode step's cost: 248 320 logits); array arguments take the general program.
     """
-    if isinstance(temperature, (int, float)) and temperature == 0:
+    if is_greedy(temperature):
         return _greedy(logits)
     if key is None:
         raise ValueError(f"sampling at temperature={temperature!r} needs a PRNG key (key=None only for greedy "
                          "decoding, a Python temperature of 0)")
     nucleus = not (isinstance(top_p, (int, float)) and top_p >= 1)
     return _sample(logits, key, temperature, top_p, top_k=top_k, nucleus=nucleus)
+
+
+def is_greedy(temperature) -> bool:
+    """Whether `sample` at this temperature is greedy decoding: a Python 0 (an array temperature always takes the
+    general program, which needs a key)."""
+    return isinstance(temperature, (int, float)) and temperature == 0
 
 
 @jax.jit
