@@ -6,7 +6,8 @@ for CUDA (layout inference and shape checks run) but not executed; the numerical
   JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/pallas_kernels/test_grouped_matmul_mosaic.py
 and in `benchmarks/gmm_mosaic.py` (the same layouts, router-skewed m = 4096 and m below 32 rows, int8 and 4-bit,
 gmm and gmm_swiglu: 64 checks passed on an H100 on 2026-11-25; with the wgmma-layout codes, 60 checks of every
-dequantization path on five layouts passed on 2026-11-26, docs/results/2026-11-26_mosaic_checks.py)."""
+dequantization path on five layouts passed on 2026-11-26, docs/results/2026-11-26_mosaic_checks.py). This file's
+GPU tests passed on an H100 on 2026-11-26 (4 tests, 175 s: docs/results/2026-11-26_h100_pytest_gmm_mosaic_on_gpu_2153.txt)."""
 
 import dataclasses
 
