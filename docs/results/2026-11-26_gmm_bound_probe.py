@@ -1,4 +1,4 @@
-"""Archived probe (H100, 2026-11-26 21:14-21:44 UTC). Its kernel gained modes run by run; main() was rewritten for each run (21:14 loads / convert / dot_raw / full, k-major and tile-major; 21:18 the tile sweep with bitcast_dot and swapped; 21:20 full_splat / full_blocks; 21:30 full_gather / full_kexpand; 21:44 sad). This is the last version; the JSON files docs/results/2026-11-26_h100_gmm_bound_probe_*.json hold every run's rows.
+"""Archived probe (H100, 2026-11-26 21:14-21:58 UTC). Its kernel gained modes run by run; main() was rewritten for each run (21:14 loads / convert / dot_raw / full, k-major and tile-major; 21:18 the tile sweep with bitcast_dot and swapped; 21:20 full_splat / full_blocks; 21:30 full_gather / full_kexpand; 21:44 sad; 21:58 prefetch, the codes of the next step loaded into registers). This is the last version; the JSON files docs/results/2026-11-26_h100_gmm_bound_probe_*.json hold every run's rows.
 
 Where the quantized weight-bound gmm's time goes: the real kernel's grid and tiles (m = 4096, 2048 x 1024,
 256 router-skewed groups), cut down step by step: loads only; loads + conversion (no x, no dot); loads + dot of
@@ -17,7 +17,7 @@ def emit(r):
     print(json.dumps(r), flush=True); rows_out.append(r)
 
 def kernel(group_ref, start_ref, end_ref, lhs_ref, codes_ref, scale_ref, *rest, mode, bm, bn, bk, k, n_tiles,
-           groups, tiled, bits, swapped=False):
+           groups, tiled, bits, swapped=False, prefetch=False):
     if bits == 4:
         offset_ref, out_ref = rest
     else:
@@ -36,17 +36,20 @@ def kernel(group_ref, start_ref, end_ref, lhs_ref, codes_ref, scale_ref, *rest, 
     def x_at(kk):
         return plgpu.load(lhs_ref.at[pl.ds(first_row, bm), pl.ds(kk, bk)], mask=(rows < row_end)[:, None], other=0)
 
-    def step(i, acc):
+    def codes_at(i):
+        if tiled:
+            return plgpu.load(codes_ref.at[g, j, i])
+        return plgpu.load(codes_ref.at[g, pl.ds(j * bn, bn), pl.ds(i * bk, bk)])
+
+    def step(i, acc, codes=None):
         kk = i * bk
         if bits == 16:
             w = plgpu.load(codes_ref.at[g, pl.ds(kk, bk), pl.ds(j * bn, bn)])
             if mode == "load":
                 return acc + w.astype(jnp.float32)
             return acc + jnp.dot(x_at(kk), w, preferred_element_type=jnp.float32)
-        if tiled:
-            codes = plgpu.load(codes_ref.at[g, j, i])
-        else:
-            codes = plgpu.load(codes_ref.at[g, pl.ds(j * bn, bn), pl.ds(kk, bk)])
+        if codes is None:
+            codes = codes_at(i)
         if mode == "load":
             return acc ^ codes.astype(jnp.int32)
         if mode == "bitcast_dot":   # the codes' bytes as bf16 pairs: load + dot with no conversion at all
@@ -137,7 +140,15 @@ def kernel(group_ref, start_ref, end_ref, lhs_ref, codes_ref, scale_ref, *rest, 
             acc0 = jnp.zeros((bn, bm), jnp.float32)
         else:
             acc0 = jnp.zeros((bm, bn), jnp.float32)
-        acc = jax.lax.fori_loop(0, k_rows // bk, step, acc0)
+        steps = k_rows // bk
+        if prefetch:   # the next step's codes loaded into registers while this step converts (carried)
+            def step_pf(i, carry):
+                acc, codes = carry
+                nxt = codes_at(jnp.minimum(i + 1, steps - 1))
+                return step(i, acc, codes), nxt
+            acc, _ = jax.lax.fori_loop(0, steps, step_pf, (acc0, codes_at(jnp.int32(0))))
+        else:
+            acc = jax.lax.fori_loop(0, steps, step, acc0)
         if (mode == "load" and bits != 16) or swapped:
             red = jnp.sum(acc, axis=1).astype(jnp.float32)
         else:
@@ -148,8 +159,10 @@ def kernel(group_ref, start_ref, end_ref, lhs_ref, codes_ref, scale_ref, *rest, 
     def _():
         plgpu.store(out_ref.at[pid], jnp.zeros((bn,), jnp.float32))
 
-@functools.partial(jax.jit, static_argnames=("mode", "bm", "bn", "bk", "warps", "stages", "tiled", "bits", "swapped"))
-def probe(lhs, values, scales, offsets, gs, *, mode, bm, bn, bk, warps, stages, tiled, bits, swapped=False):
+@functools.partial(jax.jit, static_argnames=("mode", "bm", "bn", "bk", "warps", "stages", "tiled", "bits", "swapped",
+                                             "prefetch"))
+def probe(lhs, values, scales, offsets, gs, *, mode, bm, bn, bk, warps, stages, tiled, bits, swapped=False,
+          prefetch=False):
     m, k = lhs.shape
     groups = gs.shape[0]
     n = values.shape[1] if bits != 16 and not tiled else (values.shape[2] if bits == 16 else values.shape[1] * bn)
@@ -159,7 +172,7 @@ def probe(lhs, values, scales, offsets, gs, *, mode, bm, bn, bk, warps, stages, 
     ws = (values, scales) + ((offsets,) if bits == 4 else ())
     return pl.pallas_call(
         functools.partial(kernel, mode=mode, bm=bm, bn=bn, bk=bk, k=k, n_tiles=n_tiles, groups=groups, tiled=tiled,
-                          bits=bits, swapped=swapped),
+                          bits=bits, swapped=swapped, prefetch=prefetch),
         out_shape=jax.ShapeDtypeStruct((grid, bn), jnp.float32), grid=(grid,),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), name=f"probe_{mode}",
     )(*sched, lhs, *ws)
@@ -190,19 +203,23 @@ def main():
               "scale": float(jnp.abs(a).max()), "finite": bool(jnp.isfinite(b).all() & jnp.isfinite(c).all())})
         v8 = v if v.dtype == jnp.int8 else jax.lax.bitcast_convert_type(v, jnp.int8)
         v16 = jax.lax.bitcast_convert_type(v8.reshape(*v.shape[:2], -1, 2), jnp.int16)
-        d = probe(lhs, tile(v, 128, 32), s, o, gs, mode="sad", bm=32, bn=128, bk=32, warps=4, stages=3, tiled=True, bits=bits)
-        emit({"weights": kind, "check": "sad", "max_abs": float(jnp.abs(a - d).max()), "finite": bool(jnp.isfinite(d).all())})
-        for bm, bn, bk, wp, st, mode in ((32, 128, 64, 4, 3, "full"), (32, 128, 32, 4, 4, "full_splat"),
-                                         (32, 128, 32, 4, 3, "sad"), (32, 128, 32, 4, 4, "sad"), (32, 128, 32, 4, 6, "sad"),
-                                         (16, 128, 32, 4, 4, "sad"), (16, 128, 32, 4, 6, "sad"), (32, 256, 32, 4, 4, "sad"),
-                                         (16, 256, 32, 4, 4, "sad"), (16, 64, 32, 4, 4, "sad"), (32, 256, 32, 8, 4, "sad")):
+        for tiled in (False, True):
+            d = probe(lhs, tile(v, 128, 64) if tiled else v, s, o, gs, mode="full", bm=32, bn=128, bk=64, warps=4, stages=3,
+                      tiled=tiled, bits=bits, prefetch=True)
+            emit({"weights": kind, "check": f"prefetch tiled={tiled}", "max_abs": float(jnp.abs(a - d).max()),
+                  "finite": bool(jnp.isfinite(d).all())})
+        for bm, bn, bk, wp, st, pf, tiled in (
+                (32, 128, 64, 4, 3, False, True), (32, 128, 64, 4, 3, True, True), (32, 128, 64, 4, 1, True, True),
+                (32, 128, 64, 4, 2, True, True), (32, 128, 128, 4, 3, False, False), (32, 128, 128, 4, 3, True, False),
+                (32, 128, 128, 4, 1, True, False), (32, 128, 64, 4, 3, True, False), (32, 256, 64, 4, 3, True, True),
+                (32, 64, 128, 4, 3, True, True), (32, 128, 128, 4, 2, True, True), (16, 128, 64, 4, 2, True, True)):
             try:
-                t = timeit(functools.partial(probe, mode=mode, bm=bm, bn=bn, bk=bk, warps=wp, stages=st, tiled=True,
-                                             bits=bits), lhs, tile(v, bn, bk), s, o, gs)
-                emit({"weights": kind, "variant": f"{mode} tiled {bm}x{bn}x{bk} w{wp} s{st}", "ms": round(t * 1e3, 4),
-                      "weight_GBps": round(wbytes / t / 1e9)})
+                t = timeit(functools.partial(probe, mode="full", bm=bm, bn=bn, bk=bk, warps=wp, stages=st, tiled=tiled,
+                                             bits=bits, prefetch=pf), lhs, tile(v, bn, bk) if tiled else v, s, o, gs)
+                emit({"weights": kind, "variant": f"full{' prefetch' if pf else ''}{' tiled' if tiled else ''} {bm}x{bn}x{bk} w{wp} s{st}",
+                      "ms": round(t * 1e3, 4), "weight_GBps": round(wbytes / t / 1e9)})
             except Exception as e:
-                emit({"weights": kind, "variant": f"{mode} {bm}x{bn}x{bk} w{wp} s{st}", "error": repr(e)[:300]})
+                emit({"weights": kind, "variant": f"full pf={pf} tiled={tiled} {bm}x{bn}x{bk} w{wp} s{st}", "error": repr(e)[:300]})
     json.dump(rows_out, open(sys.argv[1], "w"), indent=1)
 
 main()
