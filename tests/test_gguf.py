@@ -10,7 +10,6 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from support import FIXTURES, assert_finite
@@ -38,11 +37,6 @@ K256 = ModelConfig(
     attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=64, mrope_sections=(3, 3, 2)),
     gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64),
     moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256))
-
-
-@pytest.fixture(scope="session")
-def forward():
-    return nnx.jit(lambda model, ids: model(ids))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ random; logit std 1; sequences of 37 and 70 tokens, crossing chunk boundaries of
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from support import FIXTURES, HF_FIXTURES, assert_finite
 
 import hybridlm
@@ -16,10 +15,9 @@ MAX_ABS_LOGIT_ERROR = 1e-3   # fp32 on CPU; the issue's bound
 
 
 @pytest.mark.parametrize("name", HF_FIXTURES)
-def test_full_forward_matches_hf(hf_models, name):
+def test_full_forward_matches_hf(hf_models, forward, name):
     model, expected = hf_models[name]
-    # compiled (as users run it; an eager call of the whole model takes ~2x the compilation on the CPU)
-    logits = np.asarray(nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(expected["input_ids"])))
+    logits = np.asarray(forward(model, jnp.asarray(expected["input_ids"])))
     assert_finite(logits, "logits")
     assert 0.8 < expected["logits"].std() < 1.25, "fixture logits should have std near 1"
     np.testing.assert_array_less(np.abs(logits - expected["logits"]).max(), MAX_ABS_LOGIT_ERROR)

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from support import assert_finite
 
 import hybridlm
@@ -13,31 +12,27 @@ from hybridlm.engine.prefill import cache_capacity, effective_chunk_size
 SEQ = 70   # not a multiple of any chunk size below
 ATOL = 1e-4
 
-# The model's full forward, compiled (an eager call takes ~8 s on the CPU, a compilation ~4 s)
-_forward = nnx.jit(lambda model, ids: model(ids))
-
-
 @pytest.fixture(scope="module")
 def prompt():
     return np.random.default_rng(7).integers(0, 248_320, (2, SEQ)).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
-def full_logits(tiny_model, prompt):
-    logits = np.asarray(_forward(tiny_model, jnp.asarray(prompt)))
+def full_logits(tiny_model, prompt, forward):
+    logits = np.asarray(forward(tiny_model, jnp.asarray(prompt)))
     assert_finite(logits, "full forward logits")
     return logits
 
 
 @pytest.fixture(scope="module")
-def recurrence_logits(prompt):
+def recurrence_logits(prompt, forward):
     """Full forward of the same weights with the token-by-token delta rule (the oracle) in every GDN layer.
 
     Decode runs the recurrence; the default full forward on CPU runs the chunked WY form, whose fp32 rounding
     differs: on this random model the two forwards differ by up to 1.3e-4 (|logits| ~ 5) at some positions,
     while decode stays within 3.4e-5 of this one (JAX 0.11.2, CPU)."""
     model = hybridlm.init_random(hybridlm.get_config("tiny").replace(gdn_implementation="reference"), seed=0)
-    logits = np.asarray(_forward(model, jnp.asarray(prompt)))
+    logits = np.asarray(forward(model, jnp.asarray(prompt)))
     assert_finite(logits, "recurrence forward logits")
     return logits
 
@@ -115,7 +110,7 @@ def test_prefill_rejects_bad_prompts(tiny_runner, bad, match):
         hybridlm.prefill(tiny_runner, bad)
 
 
-def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt):
+def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt, forward):
     out = hybridlm.generate(tiny_runner, prompt[0, :20], max_new_tokens=4, chunk_size=16)
     assert out.tokens.shape == (1, 4)
     # 3 decode steps: the rate counts the 2 after the first (timed apart: it compiles on a first call)
@@ -126,7 +121,7 @@ def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt):
     for tok in out.tokens[0]:
         padded = np.zeros((1, 24), np.int32)
         padded[0, :len(seq)] = seq
-        logits = np.asarray(_forward(tiny_model, jnp.asarray(padded)))[0, len(seq) - 1]
+        logits = np.asarray(forward(tiny_model, jnp.asarray(padded)))[0, len(seq) - 1]
         assert int(tok) == int(logits.argmax())
         seq.append(int(tok))
 
