@@ -55,7 +55,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.grouped_matmul.pallas_triton import make_schedule
+from pallas_kernels.grouped_matmul.pallas_triton import _ASM_CODES, _asm_byte_to_float, make_schedule
 from pallas_kernels.quantized import QuantizedWeights
 
 ROWS = 32  # rows of x per work item: the wgmma N, from a multiple of 8 (TMA into 8-row tiles)
@@ -125,18 +125,13 @@ def _convert_word(word, scale, neg, offset, part):
     times -scale, precomputed per row, exact for float16 / bfloat16 scales), whose one rounding is that of code *
     scale; 4 bits add the offset; pairs rounded to bf16 once."""
     i32 = ir.IntegerType.get_signless(32)
-    lines = [".reg .b32 t, m, f<4>;", {8: "xor.b32 t, $2, 0x80808080;", "lo": "and.b32 t, $2, 0x0F0F0F0F;",
-                                       "hi": "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;"}[part]]
-    args = [word, scale, neg]
-    if part == 8:   # 2**15 + 128 + code in bits 8-15 of 2**15; neg = -(2**15 + 128) scale
-        lines.append("mov.b32 m, 0x47000000;")
-        ops = [f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x}; fma.rn.f32 f{i}, f{i}, $3, $4;" for i in range(4)]
-    else:   # 2**23 + code; neg = -2**23 scale
-        lines.append("mov.b32 m, 0x4B000000;")
-        args.append(offset)
-        ops = [f"prmt.b32 f{i}, t, m, {0x7540 + i:#x}; fma.rn.f32 f{i}, f{i}, $3, $4; add.rn.f32 f{i}, f{i}, $5;"
-               for i in range(4)]
-    lines += ops + ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
+    fma8 = part == 8   # 2**15 + 128 + code, neg = -(2**15 + 128) scale; 4 bits: 2**23 + code, neg = -2**23 scale
+    lines = [".reg .b32 t, m, f<4>;", _ASM_CODES[part], _asm_byte_to_float(0, fma8)[0]]
+    args = [word, scale, neg] + ([] if fma8 else [offset])
+    for i in range(4):
+        lines.append(_asm_byte_to_float(i, fma8)[1] + f" fma.rn.f32 f{i}, f{i}, $3, $4;"
+                     + ("" if fma8 else f" add.rn.f32 f{i}, f{i}, $5;"))
+    lines += ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
     struct = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), args, "{" + " ".join(lines) + "}",
                              "=r,=r,r," + ",".join(["f"] * (len(args) - 1)))
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())

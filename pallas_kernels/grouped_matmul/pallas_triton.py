@@ -82,19 +82,25 @@ _ASM_CODES = {
 }
 
 
+def _asm_byte_to_float(i: int, fma8: bool) -> tuple[str, str]:
+    """(the power of two moved into m, the prmt putting byte i of t into f{i}): 2**15 + byte << 8 for the one-fma
+    int8 form (`fma8`), else 2**23 + byte. Shared with the Mosaic GPU kernel's conversion (`pallas_mosaic`)."""
+    if fma8:
+        return "mov.b32 m, 0x47000000;", f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x};"
+    return "mov.b32 m, 0x4B000000;", f"prmt.b32 f{i}, t, m, {0x7540 + i:#x};"
+
+
 def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False):
     """bf16 weights from codes `[rows, cols]` (int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
     and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only).
     int8_fma: the scales are float16 / bfloat16 values, so int8 takes one fma per code (see above)."""
     fma8 = part == 8 and int8_fma
-    magic = "0x47000000" if fma8 else "0x4B000000"   # 2**15 (one-fma int8) or 2**23
-    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], f"mov.b32 m, {magic};"]
+    lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], _asm_byte_to_float(0, fma8)[0]]
     for i in range(4):
+        lines.append(_asm_byte_to_float(i, fma8)[1])
         if fma8:   # 2**15 + 128 + code, one fma (the four products by -(2**15 + 128) are one where scales agree)
-            lines.append(f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x}; mul.rn.f32 n{i}, ${3 + i}, 0fC7008000; "
-                         f"fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
+            lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fC7008000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
             continue
-        lines.append(f"prmt.b32 f{i}, t, m, {0x7540 + i:#x};")
         if part == 8:   # 2**23 + 128 + code: the int8 bias times an f32 scale is not exact, so two steps
             lines.append(f"sub.rn.f32 f{i}, f{i}, 0f4B000080; mul.rn.f32 f{i}, f{i}, ${3 + i};")
         else:   # (the four scales are usually one register: ptxas keeps one product by -2**23)
