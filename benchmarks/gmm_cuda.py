@@ -1,0 +1,144 @@
+"""The CUDA quantized grouped matmul (`benchmarks/cuda_gmm`, an experiment) beside the Pallas kernels, weight-read
+bound: does a kernel with the register budget and the instruction schedule in hand reach the proportional speed
+(int8 ~1.9x, 4-bit ~3.2x bf16) that the Pallas kernels miss (1.5-1.6x, docs/benchmarks_gmm.md)?
+
+One run on the GPU machine:
+1. exactness: with lhs = the identity (one group of k rows) the output is the group's dequantized bf16 weights,
+   which must equal `QuantizedWeights.dequantize(bf16)` bit for bit (int8 and 4-bit, first and last group);
+2. accuracy on router-skewed and adversarial group layouts (one group, empty groups, rows of no group, first
+   and last only) against the f32 reference on the dequantized weights, beside the Pallas kernel's error;
+3. times (median of trials of back-to-back calls, grouped_matmul.timeit) at m = 1024, 4096, 16384 routed rows,
+   k = 2048, n = 1024, 256 groups: the Pallas `gmm` with bf16, int8 and 4-bit weights (defaults) and the CUDA
+   kernel per (m_tiles, stages), with the run's copy bandwidth.
+
+usage (GPU machine, nvcc at /usr/local/cuda/bin/nvcc or $NVCC): python benchmarks/gmm_cuda.py [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+from bench_io import run_header, write_json
+from cuda_gmm import CONFIGS, build, gmm_dequant, repack
+from grouped_matmul import copy_bandwidth, rel_err, timeit
+
+from pallas_kernels.grouped_matmul import pallas_triton, reference, workloads
+from pallas_kernels.quantized import quantize_int4, quantize_int8
+
+K, N, GROUPS = 2048, 1024, 256
+
+
+def exactness(rows: list) -> None:
+    w = jax.random.normal(jax.random.PRNGKey(3), (GROUPS, K, N), jnp.float32) * K**-0.5
+    eye = jnp.eye(K, dtype=jnp.bfloat16)
+    for name, q in (("int8", quantize_int8(w)), ("int4", quantize_int4(w))):
+        packed = repack(q)
+        want = q.dequantize(jnp.bfloat16)
+        for (g, (mt, st, ks)) in [(g, c) for g in (0, GROUPS - 1) for c in CONFIGS]:
+            gs = jnp.zeros((GROUPS,), jnp.int32).at[g].set(K)
+            got = gmm_dequant(eye, packed, gs, m_tiles=mt, stages=st, k_sub=ks)
+            same = bool(jnp.all(lax_bits(got) == lax_bits(want[g])))
+            row = {"check": "exact_dequant", "weights": name, "group": g, "config": (mt, st, ks), "bitwise_equal": same,
+                   "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) - want[g].astype(jnp.float32))))}
+            rows.append(row)
+            print(row, flush=True)
+
+
+def lax_bits(a):
+    return jax.lax.bitcast_convert_type(a, jnp.uint16)
+
+
+def accuracy(rows: list) -> None:
+    for layout in ("router", "one_group", "empty_groups", "partial", "first_last"):
+        wl = workloads.Workload(name=f"check_{layout}", m=1536, k=K, n=N, groups=GROUPS, layout=layout,
+                                routed_rows=1200 if layout == "partial" else None)
+        for kind in ("int8", "int4"):
+            lhs, q, gs = workloads.make_inputs(wl, weights=kind, on_device_rng=True, seed=5)
+            want = reference.gmm_reference(lhs, q.dequantize(jnp.bfloat16), gs, preferred_element_type=jnp.float32)
+            packed = repack(q)
+            pallas = pallas_triton.gmm_pallas(lhs, q, gs)
+            routed = int(jnp.sum(gs))
+            for mt, st, ks in CONFIGS:
+                got = gmm_dequant(lhs, packed, gs, m_tiles=mt, stages=st, k_sub=ks)
+                row = {"check": "accuracy", "layout": layout, "weights": kind, "config": (mt, st, ks), "m": wl.m,
+                       "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
+                       "rel_err_pallas": round(rel_err(pallas, want), 6),
+                       "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
+                       "tail_zero": bool(jnp.all(got[routed:] == 0))}
+                rows.append(row)
+                print(row, flush=True)
+
+
+def timings(rows: list, hbm: float, ms: list[int]) -> None:
+    for m in ms:
+        wl = workloads.Workload(name=f"gmm_{m}", m=m, k=K, n=N, groups=GROUPS)
+        lhs, rhs, gs = workloads.make_inputs(wl, on_device_rng=True)
+        base = {"m": m, "k": K, "n": N, "groups": GROUPS}
+
+        def record(impl, weights, config, t, nbytes, base=base, **extra):
+            row = dict(base, impl=impl, weights=weights, config=config, ms=round(t * 1e3, 4),
+                       weight_GBps=round(nbytes / t / 1e9, 1), weight_bw_frac=round(nbytes / t / hbm, 3), **extra)
+            rows.append(row)
+            print(row, flush=True)
+
+        f_pallas = jax.jit(pallas_triton.gmm_pallas)
+        t_bf16 = timeit(f_pallas, lhs, rhs, gs)
+        record("pallas", "bf16", "default", t_bf16, rhs.nbytes)
+        for kind in ("int8", "int4"):
+            _, q, _ = workloads.make_inputs(wl, weights=kind, on_device_rng=True)
+            t = timeit(f_pallas, lhs, q, gs)
+            record("pallas", kind, "default", t, q.nbytes, vs_bf16=round(t_bf16 / t, 3))
+            packed = repack(q)
+            jax.block_until_ready(packed)
+            want = f_pallas(lhs, q, gs)
+            for mt, st, ks in CONFIGS:
+                f = jax.jit(lambda a, p, g, c=(mt, st, ks): gmm_dequant(a, p, g, m_tiles=c[0], stages=c[1], k_sub=c[2]))
+                out = f(lhs, packed, gs)
+                t = timeit(f, lhs, packed, gs)
+                record("cuda", kind, f"mt{mt}_st{st}_ks{ks}", t, q.nbytes, vs_bf16=round(t_bf16 / t, 3),
+                       rel_diff_vs_pallas=round(rel_err(out, want), 6))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ms", default="4096,1024,16384")
+    ap.add_argument("--profile", default=None, metavar="BITS,M,MT,ST,KS",
+                    help="only run this CUDA configuration 5 times (for ncu)")
+    ap.add_argument("--no-checks", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    build()
+    print(f"built in {time.time() - t0:.1f} s", flush=True)
+    if args.profile:
+        bits, m, mt, st, ks = (int(v) for v in args.profile.split(","))
+        wl = workloads.Workload(name=f"gmm_{m}", m=m, k=K, n=N, groups=GROUPS)
+        lhs, q, gs = workloads.make_inputs(wl, weights="int8" if bits == 8 else "int4", on_device_rng=True)
+        packed = repack(q)
+        for _ in range(5):
+            jax.block_until_ready(gmm_dequant(lhs, packed, gs, m_tiles=mt, stages=st, k_sub=ks))
+        return
+    doc = run_header("gmm_cuda")
+    rows: list = []
+    if not args.no_checks:
+        exactness(rows)
+        accuracy(rows)
+    hbm = copy_bandwidth()
+    doc["copy_GBps"] = round(hbm / 1e9, 1)
+    print("copy GB/s", doc["copy_GBps"], flush=True)
+    timings(rows, hbm, [int(x) for x in args.ms.split(",")])
+    doc["rows"] = rows
+    write_json(doc, args.out, echo=False)
+
+
+if __name__ == "__main__":
+    main()
