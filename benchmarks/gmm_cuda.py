@@ -43,11 +43,11 @@ def exactness(rows: list) -> None:
     for name, q in (("int8", quantize_int8(w)), ("int4", quantize_int4(w))):
         packed = repack(q)
         want = q.dequantize(jnp.bfloat16)
-        for (g, (mt, st, ks)) in [(g, c) for g in (0, GROUPS - 1) for c in CONFIGS]:
+        for g, c in [(g, c) for g in (0, GROUPS - 1) for c in CONFIGS]:
             gs = jnp.zeros((GROUPS,), jnp.int32).at[g].set(K)
-            got = gmm_dequant(eye, packed, gs, m_tiles=mt, stages=st, k_sub=ks)
+            got = gmm_dequant(eye, packed, gs, config=c)
             same = bool(jnp.all(lax_bits(got) == lax_bits(want[g])))
-            row = {"check": "exact_dequant", "weights": name, "group": g, "config": (mt, st, ks), "bitwise_equal": same,
+            row = {"check": "exact_dequant", "weights": name, "group": g, "config": c, "bitwise_equal": same,
                    "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) - want[g].astype(jnp.float32))))}
             rows.append(row)
             print(row, flush=True)
@@ -67,9 +67,9 @@ def accuracy(rows: list) -> None:
             packed = repack(q)
             pallas = pallas_triton.gmm_pallas(lhs, q, gs)
             routed = int(jnp.sum(gs))
-            for mt, st, ks in CONFIGS:
-                got = gmm_dequant(lhs, packed, gs, m_tiles=mt, stages=st, k_sub=ks)
-                row = {"check": "accuracy", "layout": layout, "weights": kind, "config": (mt, st, ks), "m": wl.m,
+            for c in [c for c in CONFIGS]:
+                got = gmm_dequant(lhs, packed, gs, config=c)
+                row = {"check": "accuracy", "layout": layout, "weights": kind, "config": c, "m": wl.m,
                        "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
                        "rel_err_pallas": round(rel_err(pallas, want), 6),
                        "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
@@ -100,11 +100,11 @@ def timings(rows: list, hbm: float, ms: list[int]) -> None:
             packed = repack(q)
             jax.block_until_ready(packed)
             want = f_pallas(lhs, q, gs)
-            for mt, st, ks in CONFIGS:
-                f = jax.jit(lambda a, p, g, c=(mt, st, ks): gmm_dequant(a, p, g, m_tiles=c[0], stages=c[1], k_sub=c[2]))
+            for c in [c for c in CONFIGS]:
+                f = jax.jit(lambda a, p, g, c=c: gmm_dequant(a, p, g, config=c))
                 out = f(lhs, packed, gs)
                 t = timeit(f, lhs, packed, gs)
-                record("cuda", kind, f"mt{mt}_st{st}_ks{ks}", t, q.nbytes, vs_bf16=round(t_bf16 / t, 3),
+                record("cuda", kind, "mt{}_st{}_ks{}_sw{}".format(*c), t, q.nbytes, vs_bf16=round(t_bf16 / t, 3),
                        rel_diff_vs_pallas=round(rel_err(out, want), 6))
 
 
@@ -112,7 +112,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--ms", default="4096,1024,16384")
-    ap.add_argument("--profile", default=None, metavar="BITS,M,MT,ST,KS",
+    ap.add_argument("--profile", default=None, metavar="BITS,M,MT,ST,KS,SW",
                     help="only run this CUDA configuration 5 times (for ncu)")
     ap.add_argument("--no-checks", action="store_true")
     args = ap.parse_args()
@@ -120,12 +120,12 @@ def main():
     build()
     print(f"built in {time.time() - t0:.1f} s", flush=True)
     if args.profile:
-        bits, m, mt, st, ks = (int(v) for v in args.profile.split(","))
+        bits, m, *config = (int(v) for v in args.profile.split(","))
         wl = workloads.Workload(name=f"gmm_{m}", m=m, k=K, n=N, groups=GROUPS)
         lhs, q, gs = workloads.make_inputs(wl, weights="int8" if bits == 8 else "int4", on_device_rng=True)
         packed = repack(q)
         for _ in range(5):
-            jax.block_until_ready(gmm_dequant(lhs, packed, gs, m_tiles=mt, stages=st, k_sub=ks))
+            jax.block_until_ready(gmm_dequant(lhs, packed, gs, config=tuple(config)))
         return
     doc = run_header("gmm_cuda")
     rows: list = []

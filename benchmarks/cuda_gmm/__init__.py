@@ -36,7 +36,7 @@ _registered = False
 
 
 def build(nvcc: str | None = None, force: bool = False) -> str:
-    """Compiles `gmm_dequant.cu` for sm_90a (unless the library is newer than the source) and registers its
+    """Compiles `gmm_dequant.cu` for sm_90a (Hopper: wgmma) (unless the library is newer than the source) and registers its
     two FFI targets with JAX. Returns the library's path.
 
     Raises:
@@ -49,8 +49,9 @@ def build(nvcc: str | None = None, force: bool = False) -> str:
         nvcc = nvcc or os.environ.get("NVCC") or next(
             (p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), "nvcc")
         os.makedirs(os.path.dirname(LIBRARY), exist_ok=True)
-        cmd = [nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "--shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-               f"-I{jax.ffi.include_dir()}", "-diag-suppress", "940,2473", "-o", LIBRARY, SOURCE]
+        cmd = [nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "--shared", "-Xcompiler",
+               "-fPIC", "-cudart", "static", f"-I{jax.ffi.include_dir()}", "-diag-suppress", "128,177,940,2473",
+               "-o", LIBRARY, SOURCE]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
         except FileNotFoundError as e:
@@ -68,7 +69,7 @@ class Packed:
     """Weights repacked for the kernel (a pytree).
 
     codes: uint32 `[groups, n/128, k/64, 256 threads, 4 or 8 words]`: thread t's words for a k-stage of 64,
-      in the order of its `mma.m16n8k16` B fragments (see `repack`).
+      in the order of its `mma.m16n8k16` fragments (see `repack`).
     scales: float16 `[groups, n/128, k/64, 2 blocks, 128 columns]` (int8) or `[..., 128, 2]` (scale,
       offset) for 4 bits; the CTA's columns 16 warp + 8 nt + l8 stored in the order (warp, l8, nt), so that
       a thread's two columns are adjacent.
@@ -86,22 +87,8 @@ jax.tree_util.register_dataclass(Packed)
 
 
 @jax.jit
-def repack(rhs: QuantizedWeights) -> Packed:
-    """`rhs` (int8 or 4-bit, float16 scales, blocks of 32) in the kernel's layout.
-
-    Thread t = 32 warp + lane of a CTA owns columns 16 warp + 8 nt + lane // 4 (nt = 0, 1) and, in each
-    k16 step, k offsets 8 j + 2 (lane % 4) + e (j, e = 0, 1): the mma B fragment. 4-bit: word (blk, nt)
-    holds the 8 codes of the thread's column nt in quantization block blk of the stage, nibble
-    4 sub + 2 j + e for k offset 32 blk + 16 sub + 8 j + 2 (lane % 4) + e. int8: word (2 blk + sub, nt), byte
-    2 j + e, the code stored as u = q + 128.
-
-    Raises:
-      ValueError: scales not float16, blocks not 32, or k / n not multiples of 64 / 128.
-    """
+def _layout(rhs: QuantizedWeights) -> tuple[jax.Array, jax.Array]:
     groups, k, n = rhs.shape
-    if rhs.scales.dtype != jnp.float16 or rhs.block_size != 32 or k % BK or n % BN:
-        raise ValueError(f"repack needs float16 scales, blocks of 32, k % {BK} == 0 and n % {BN} == 0; got "
-                         f"{rhs.scales.dtype}, {rhs.block_size}, k={k}, n={n}")
     q = rhs.codes()  # [g, k, n] int32
     # k = (ks, blk 2, sub 2, j 2, l4 4, e 2); n = (nb, warp 8, nt 2, l8 8); lane = 4 l8 + l4
     q = q.reshape(groups, k // BK, 2, 2, 2, 4, 2, n // BN, 8, 2, 8)
@@ -120,26 +107,54 @@ def repack(rhs: QuantizedWeights) -> Packed:
         codes = jnp.sum(q << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
         sc = rhs.scales.reshape(groups, k // BK, 2, n // BN, 8, 2, 8).transpose(0, 3, 1, 2, 4, 6, 5)
         sc = sc.reshape(groups, n // BN, k // BK, 2, BN)
+    return codes, sc
+
+
+def repack(rhs: QuantizedWeights) -> Packed:
+    """`rhs` (int8 or 4-bit, float16 scales, blocks of 32) in the kernel's layout (once, like a weight load).
+
+    Thread t = 32 warp + lane of a CTA owns columns 16 warp + 8 nt + lane // 4 (nt = 0, 1) and, in each
+    k16 step, k offsets 8 j + 2 (lane % 4) + e (j, e = 0, 1): the mma B fragment (or, swapped, the A
+    fragment of W^T). 4-bit: word (blk, nt) holds the 8 codes of the thread's column nt in quantization block
+    blk of the stage, nibble 4 sub + 2 j + e for k offset 32 blk + 16 sub + 8 j + 2 (lane % 4) + e. int8: word
+    (2 blk + sub, nt), byte 2 j + e, the code stored as u = q + 128.
+
+    Raises:
+      ValueError: scales not float16, blocks not 32, or k / n not multiples of 64 / 128.
+    """
+    _, k, n = rhs.shape
+    if rhs.scales.dtype != jnp.float16 or rhs.block_size != 32 or k % BK or n % BN:
+        raise ValueError(f"repack needs float16 scales, blocks of 32, k % {BK} == 0 and n % {BN} == 0; got "
+                         f"{rhs.scales.dtype}, {rhs.block_size}, k={k}, n={n}")
+    codes, sc = _layout(rhs)
     return Packed(codes=codes, scales=sc, bits=rhs.bits, n=n)
 
 
-CONFIGS = [(2, 4, 1), (4, 4, 1), (2, 4, 2), (4, 3, 2), (4, 4, 2), (5, 3, 2), (2, 3, 4), (4, 3, 4)]
+# (m_tiles, stages, k_sub, swap) built into the library; the defaults were the fastest at m = 4096 (H100)
+CONFIGS = [(2, 3, 4, 0), (2, 3, 4, 1), (4, 4, 2, 0), (4, 4, 2, 1), (5, 3, 2, 1), (4, 4, 1, 0), (4, 4, 1, 1),
+           (2, 4, 2, 1)]
+DEFAULTS = {4: (4, 4, 2, 1), 8: (4, 4, 1, 0)}
 
 
-@functools.partial(jax.jit, static_argnames=("m_tiles", "stages", "k_sub"))
-def gmm_dequant(lhs: jax.Array, packed: Packed, group_sizes: jax.Array, *, m_tiles: int = 3, stages: int = 4,
-                k_sub: int = 1) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("config",))
+def gmm_dequant(lhs: jax.Array, packed: Packed, group_sizes: jax.Array, *,
+                config: tuple[int, int, int, int] | None = None) -> jax.Array:
     """lhs `[m, k]` bf16 (rows sorted by group) times each group's dequantized weights: `[m, n]` bf16, rows
-    after the last group zero. `m_tiles` x 16 rows per pass over a group's weights; `stages`: pipeline depth;
-    `k_sub`: k-blocks of 64 per stage. (m_tiles, stages, k_sub) in `CONFIGS`.
+    after the last group zero.
+
+    config: (m_tiles, stages, k_sub, swap) in `CONFIGS`, default `DEFAULTS[bits]`. m_tiles x 16 rows per pass
+    over a group's weights; stages: pipeline depth; k_sub: k-blocks of 64 per stage; swap 1: out^T = W^T x^T,
+    the rows padded to 8 instead of 16.
 
     Raises:
       ValueError: a configuration not in `CONFIGS`.
     """
-    if (m_tiles, stages, k_sub) not in CONFIGS:
-        raise ValueError(f"(m_tiles, stages, k_sub) = {(m_tiles, stages, k_sub)} not built; built: {CONFIGS}")
+    config = DEFAULTS[packed.bits] if config is None else config
+    if config not in CONFIGS:
+        raise ValueError(f"config {config} not built; built: {CONFIGS}")
     m = lhs.shape[0]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
     call = jax.ffi.ffi_call(TARGETS[packed.bits], jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16))
+    names = ("m_tiles", "stages", "k_sub", "swap")
     return call(lhs.astype(jnp.bfloat16), packed.codes, packed.scales, offsets,
-                m_tiles=np.int64(m_tiles), stages=np.int64(stages), k_sub=np.int64(k_sub))
+                **{name: np.int64(v) for name, v in zip(names, config, strict=True)})

@@ -113,11 +113,16 @@ struct Pass {  // one CTA's pass over its group's weights for rows [p0, p0 + row
   int k, n, col0, p0, rows;
 };
 
-// The k loop of one pass with MTA (<= MT) m16 tiles of rows: a cp.async pipeline of STAGES stages, each thread
-// dequantizing its B fragments in registers and issuing 2 MTA mma per k16 step.
-template <int BITS, int MT, int STAGES, int KSUB, int MTA>
+// The k loop of one pass with TILES tiles of rows: a cp.async pipeline of STAGES stages, each thread
+// dequantizing its weight fragments in registers. Not SWAP: out = x W per m16 tile of rows (TILES <= MT), the
+// weights as the mma's B operand, 2 TILES mma per k16 step. SWAP: out^T = W^T x^T, the same registers as the
+// A operand of one m16 tile of 16 columns, the rows as n8 tiles (TILES <= 2 MT), TILES mma per k16 step, so
+// that a group's rows are padded to 8 instead of 16.
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, int TILES>
 __device__ __forceinline__ void run_pass(const Pass& p) {
   using S = Stage<BITS, MT, KSUB>;
+  constexpr int MTA = SWAP ? (TILES + 1) / 2 : TILES;  // m16 tiles of x rows read by ldmatrix.x4
+  constexpr int NACC = SWAP ? 1 : 2;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int nk = p.k / (BK * KSUB);  // stages
 
@@ -150,12 +155,11 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
                  p.scales_g + static_cast<size_t>(ks) * (S::kScaleBytes / 16) + tid, true);
     }
   };
-
-  float acc[MTA][2][4];
+  float acc[TILES][NACC][4];
 #pragma unroll
-  for (int i = 0; i < MTA; ++i)
+  for (int i = 0; i < TILES; ++i)
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < NACC; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
@@ -164,9 +168,10 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
     if (s < nk) load_stage(s, s);
     cp_async_commit();
   }
-  // ldmatrix.x4 of an m16 x k16 tile: lanes 8 q .. 8 q + 7 give the rows of matrix q (rows + 8 (q & 1),
-  // k + 8 (q >> 1))
-  const uint32_t a_off = (((lane >> 3) & 1) * 8 + (lane & 7)) * S::kXRowBytes + (lane >> 4) * 16;
+  // ldmatrix.x4 of 16 rows x k16: lanes 8 q .. 8 q + 7 give the rows of matrix q. Not SWAP (the A fragment):
+  // rows + 8 (q & 1), k + 8 (q >> 1). SWAP (the B fragments of two n8 tiles): rows + 8 (q >> 1), k + 8 (q & 1).
+  const int q_rows = SWAP ? (lane >> 4) & 1 : (lane >> 3) & 1, q_k = SWAP ? (lane >> 3) & 1 : lane >> 4;
+  const uint32_t a_off = (q_rows * 8 + (lane & 7)) * S::kXRowBytes + q_k * 16;
   const int sc_off = warp * 16 + (lane / 4) * 2;  // this thread's (nt = 0, 1) scale pair within a block
 
   for (int ks = 0; ks < nk; ++ks) {
@@ -196,8 +201,8 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
           const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&so.y));
           s[0] = f0.x; o[0] = f0.y; s[1] = f1.x; o[1] = f1.y;
         } else {  // [blk, 128] half scales
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(sc + (blk * BN + sc_off) * 2));
-          s[0] = f.x; s[1] = f.y;
+          const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(sc + (blk * BN + sc_off) * 2));
+          s[0] = f0.x; s[1] = f0.y;
           o[0] = -32896.f * s[0];  // -(2^15 + 128) s, exact
           o[1] = -32896.f * s[1];
         }
@@ -211,16 +216,18 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
               // word (blk, nt) holds the 8 codes of this thread's column in quantization block blk, nibble
               // 4 sub + 2 j + e = k offset 16 sub + 8 j + 2 (lane % 4) + e
               const uint32_t w = (&code0.x)[blk * 2 + nt];
-              const uint32_t wh = w >> 12;  // nibbles 5..7 to bit positions 8..16
-              float v[4];
-              if (sub == 0) {
-                v[0] = nibble<0>(w); v[1] = nibble<4>(w); v[2] = nibble<8>(w); v[3] = nibble<12>(w);
-              } else {
-                v[0] = nibble<16>(w); v[1] = nibble<8>(wh); v[2] = nibble<12>(wh); v[3] = nibble<16>(wh);
-              }
+              {
+                const uint32_t wh = w >> 12;  // nibbles 5..7 to bit positions 8..16
+                float v[4];
+                if (sub == 0) {
+                  v[0] = nibble<0>(w); v[1] = nibble<4>(w); v[2] = nibble<8>(w); v[3] = nibble<12>(w);
+                } else {
+                  v[0] = nibble<16>(w); v[1] = nibble<8>(wh); v[2] = nibble<12>(wh); v[3] = nibble<16>(wh);
+                }
 #pragma unroll
-              for (int j = 0; j < 2; ++j) {
-                b[nt][j] = pack_bf16(fmaf(v[2 * j], s[nt], o[nt]), fmaf(v[2 * j + 1], s[nt], o[nt]));
+                for (int j = 0; j < 2; ++j) {
+                  b[nt][j] = pack_bf16(fmaf(v[2 * j], s[nt], o[nt]), fmaf(v[2 * j + 1], s[nt], o[nt]));
+                }
               }
             } else {
               // word (i, nt): byte 2 j + e = k offset 16 i + 8 j + 2 (lane % 4) + e
@@ -234,8 +241,15 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
           for (int mt = 0; mt < MTA; ++mt) {
             uint32_t a[4];
             ldmatrix_x4(a, xs + mt * 16 * S::kXRowBytes + (8 * u + 2 * i) * 16);
-            mma_bf16(acc[mt][0], a, b[0][0], b[0][1]);
-            mma_bf16(acc[mt][1], a, b[1][0], b[1][1]);
+            if constexpr (SWAP) {
+              // A = W^T [16 columns, k16]: (col g, k lo), (col g + 8, k lo), (col g, k hi), (col g + 8, k hi)
+              const uint32_t w[4] = {b[0][0], b[1][0], b[0][1], b[1][1]};
+              mma_bf16(acc[2 * mt][0], w, a[0], a[1]);
+              if (2 * mt + 1 < TILES) mma_bf16(acc[2 * mt + 1][0], w, a[2], a[3]);
+            } else {
+              mma_bf16(acc[mt][0], a, b[0][0], b[0][1]);
+              mma_bf16(acc[mt][1], a, b[1][0], b[1][1]);
+            }
           }
         }
       }
@@ -244,10 +258,24 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the slots before the next pass refills them
 
+  if constexpr (SWAP) {  // acc[t]: (col g, rows 8 t + 2 (lane % 4) + {0, 1}), then col g + 8
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+      const int col = p.col0 + warp * 16 + lane / 4;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 8 * t + 2 * (lane % 4) + (e & 1);
+        if (r < p.rows) {
+          p.out[static_cast<size_t>(p.p0 + r) * p.n + col + 8 * (e >> 1)] = __float2bfloat16_rn(acc[t][0][e]);
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < MTA; ++mt) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < NACC; ++nt) {
       const int r = mt * 16 + lane / 4;
       const int col = p.col0 + warp * 16 + nt * 8 + 2 * (lane % 4);
       if (r < p.rows) {
@@ -262,9 +290,21 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
   }
 }
 
+// run_pass compiled for TILES, TILES + 1, ..., the most a pass can have: the one for `tiles`.
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, int TILES>
+__device__ __forceinline__ void dispatch_pass(const Pass& p, int tiles) {
+  if constexpr (TILES < (SWAP ? 2 * MT : MT)) {
+    if (tiles > TILES) {
+      dispatch_pass<BITS, MT, STAGES, KSUB, SWAP, TILES + 1>(p, tiles);
+      return;
+    }
+  }
+  run_pass<BITS, MT, STAGES, KSUB, SWAP, TILES>(p);
+}
+
 // grid (n / BN, groups + 1); block y = groups zeroes the rows after the last group. Each pass runs the k loop
-// compiled for its own number of m16 tiles (1..MT), so that a group of few rows issues no idle mma.
-template <int BITS, int MT, int STAGES, int KSUB>
+// compiled for its own number of row tiles, so that a group of few rows issues no idle mma.
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP>
 __global__ void __launch_bounds__(THREADS, 2)
     gmm_dequant_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ codes,
                        const uint4* __restrict__ scales, const int32_t* __restrict__ offsets,
@@ -291,32 +331,15 @@ __global__ void __launch_bounds__(THREADS, 2)
   for (int p0 = r0; p0 < r1; p0 += MT * 16) {
     p.p0 = p0;
     p.rows = min(r1 - p0, MT * 16);
-    const int mta = (p.rows + 15) / 16;
-    if (mta == 1) {
-      run_pass<BITS, MT, STAGES, KSUB, 1>(p);
-    } else if constexpr (MT >= 2) {
-      if (mta == 2) {
-        run_pass<BITS, MT, STAGES, KSUB, (MT >= 2 ? 2 : 1)>(p);
-      } else if constexpr (MT >= 3) {
-        if (mta == 3) {
-          run_pass<BITS, MT, STAGES, KSUB, (MT >= 3 ? 3 : 1)>(p);
-        } else if constexpr (MT >= 4) {
-          if (mta == 4) {
-            run_pass<BITS, MT, STAGES, KSUB, (MT >= 4 ? 4 : 1)>(p);
-          } else {
-            run_pass<BITS, MT, STAGES, KSUB, MT>(p);
-          }
-        }
-      }
-    }
+    dispatch_pass<BITS, MT, STAGES, KSUB, SWAP, 1>(p, SWAP ? (p.rows + 7) / 8 : (p.rows + 15) / 16);
   }
 }
 
-template <int BITS, int MT, int STAGES, int KSUB>
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP>
 ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const void* scales, const int32_t* offsets,
                   void* out, int m, int k, int n, int groups) {
   constexpr int smem = Stage<BITS, MT, KSUB>::kBytes * STAGES;
-  auto kernel = gmm_dequant_kernel<BITS, MT, STAGES, KSUB>;
+  auto kernel = gmm_dequant_kernel<BITS, MT, STAGES, KSUB, SWAP>;
   static bool configured = false;
   if (!configured) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -336,7 +359,7 @@ ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const v
 template <int BITS>
 ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
                     ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::BF16> out, int64_t m_tiles,
-                    int64_t stages, int64_t k_sub) {
+                    int64_t stages, int64_t k_sub, int64_t swap) {
   auto xd = x.dimensions();
   auto od = out->dimensions();
   if (xd.size() != 2 || od.size() != 2) return ffi::Error::InvalidArgument("x and out must be 2-D");
@@ -351,19 +374,19 @@ ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffe
   const void* sp = scales.untyped_data();
   const int32_t* op = offsets.typed_data();
   void* outp = out->untyped_data();
-#define HYBRIDLM_CASE(MT_, ST_, KS_)                                                    \
-  if (m_tiles == MT_ && stages == ST_ && k_sub == KS_)                                   \
-    return launch<BITS, MT_, ST_, KS_>(stream, xp, cp, sp, op, outp, m, k, n, groups);
-  HYBRIDLM_CASE(2, 4, 1)
-  HYBRIDLM_CASE(4, 4, 1)
-  HYBRIDLM_CASE(2, 4, 2)
-  HYBRIDLM_CASE(4, 3, 2)
-  HYBRIDLM_CASE(4, 4, 2)
-  HYBRIDLM_CASE(5, 3, 2)
-  HYBRIDLM_CASE(2, 3, 4)
-  HYBRIDLM_CASE(4, 3, 4)
+#define HYBRIDLM_CASE(MT_, ST_, KS_, SW_)                                                 \
+  if (m_tiles == MT_ && stages == ST_ && k_sub == KS_ && swap == SW_)                      \
+    return launch<BITS, MT_, ST_, KS_, SW_ != 0>(stream, xp, cp, sp, op, outp, m, k, n, groups);
+  HYBRIDLM_CASE(2, 3, 4, 0)
+  HYBRIDLM_CASE(2, 3, 4, 1)
+  HYBRIDLM_CASE(4, 4, 2, 0)
+  HYBRIDLM_CASE(4, 4, 2, 1)
+  HYBRIDLM_CASE(5, 3, 2, 1)
+  HYBRIDLM_CASE(4, 4, 1, 0)
+  HYBRIDLM_CASE(4, 4, 1, 1)
+  HYBRIDLM_CASE(2, 4, 2, 1)
 #undef HYBRIDLM_CASE
-  return ffi::Error::InvalidArgument("unsupported (m_tiles, stages, k_sub)");
+  return ffi::Error::InvalidArgument("unsupported (m_tiles, stages, k_sub, swap)");
 }
 
 }  // namespace
@@ -378,7 +401,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ4, dispatch<4>,
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("m_tiles")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("k_sub"));
+                                  .Attr<int64_t>("k_sub")
+                                  .Attr<int64_t>("swap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ8, dispatch<8>,
                               ffi::Ffi::Bind()
@@ -390,4 +414,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ8, dispatch<8>,
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("m_tiles")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("k_sub"));
+                                  .Attr<int64_t>("k_sub")
+                                  .Attr<int64_t>("swap"));
