@@ -40,17 +40,29 @@ K, N, GROUPS = 2048, 1024, 256
 def exactness(rows: list) -> None:
     w = jax.random.normal(jax.random.PRNGKey(3), (GROUPS, K, N), jnp.float32) * K**-0.5
     eye = jnp.eye(K, dtype=jnp.bfloat16)
-    for name, q in (("int8", quantize_int8(w)), ("int4", quantize_int4(w))):
-        packed = repack(q)
-        want = q.dequantize(jnp.bfloat16)
+    q8, q4 = quantize_int8(w), quantize_int4(w)
+    for name, q, arith in (("int8", q8, "exact"), ("int4", q4, "exact"), ("int4", q4, "bf16")):
+        packed = repack(q, arith)
+        want = q.dequantize(jnp.bfloat16) if arith == "exact" else bf16_arith_weights(q)
         for g, c in [(g, c) for g in (0, GROUPS - 1) for c in CONFIGS]:
             gs = jnp.zeros((GROUPS,), jnp.int32).at[g].set(K)
             got = gmm_dequant(eye, packed, gs, config=c)
             same = bool(jnp.all(lax_bits(got) == lax_bits(want[g])))
-            row = {"check": "exact_dequant", "weights": name, "group": g, "config": c, "bitwise_equal": same,
+            row = {"check": "exact_dequant", "weights": name, "arith": arith, "group": g, "config": c,
+                   "bitwise_equal": same, "differing": int(jnp.sum(lax_bits(got) != lax_bits(want[g]))),
                    "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) - want[g].astype(jnp.float32))))}
             rows.append(row)
             print(row, flush=True)
+
+
+def bf16_arith_weights(q):
+    """The weights of arith="bf16": q * bf16(s) + bf16(m), rounded to bf16 (through f32, where the sum of a 4-bit
+    code times an 8-bit scale and an 8-bit offset is almost always exact)."""
+    groups, k, n = q.shape
+    codes = q.codes().astype(jnp.float32).reshape(groups, k // 32, 32, n)
+    s = q.scales.astype(jnp.bfloat16).astype(jnp.float32)[:, :, None]
+    m = q.offsets.astype(jnp.bfloat16).astype(jnp.float32)[:, :, None]
+    return (codes * s + m).reshape(groups, k, n).astype(jnp.bfloat16)
 
 
 def lax_bits(a):
@@ -61,15 +73,15 @@ def accuracy(rows: list) -> None:
     for layout in ("router", "one_group", "empty_groups", "partial", "first_last"):
         wl = workloads.Workload(name=f"check_{layout}", m=1536, k=K, n=N, groups=GROUPS, layout=layout,
                                 routed_rows=1200 if layout == "partial" else None)
-        for kind in ("int8", "int4"):
+        for kind, arith in (("int8", "exact"), ("int4", "exact"), ("int4", "bf16")):
             lhs, q, gs = workloads.make_inputs(wl, weights=kind, on_device_rng=True, seed=5)
             want = reference.gmm_reference(lhs, q.dequantize(jnp.bfloat16), gs, preferred_element_type=jnp.float32)
-            packed = repack(q)
+            packed = repack(q, arith)
             pallas = pallas_triton.gmm_pallas(lhs, q, gs)
             routed = int(jnp.sum(gs))
-            for c in [c for c in CONFIGS]:
+            for c in CONFIGS:
                 got = gmm_dequant(lhs, packed, gs, config=c)
-                row = {"check": "accuracy", "layout": layout, "weights": kind, "config": c, "m": wl.m,
+                row = {"check": "accuracy", "layout": layout, "weights": kind, "arith": arith, "config": c, "m": wl.m,
                        "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
                        "rel_err_pallas": round(rel_err(pallas, want), 6),
                        "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
@@ -97,15 +109,16 @@ def timings(rows: list, hbm: float, ms: list[int]) -> None:
             _, q, _ = workloads.make_inputs(wl, weights=kind, on_device_rng=True)
             t = timeit(f_pallas, lhs, q, gs)
             record("pallas", kind, "default", t, q.nbytes, vs_bf16=round(t_bf16 / t, 3))
-            packed = repack(q)
-            jax.block_until_ready(packed)
             want = f_pallas(lhs, q, gs)
-            for c in [c for c in CONFIGS]:
-                f = jax.jit(lambda a, p, g, c=c: gmm_dequant(a, p, g, config=c))
-                out = f(lhs, packed, gs)
-                t = timeit(f, lhs, packed, gs)
-                record("cuda", kind, "mt{}_st{}_ks{}_sw{}".format(*c), t, q.nbytes, vs_bf16=round(t_bf16 / t, 3),
-                       rel_diff_vs_pallas=round(rel_err(out, want), 6))
+            for arith in ("exact",) if kind == "int8" else ("exact", "bf16"):
+                packed = repack(q, arith)
+                jax.block_until_ready(packed)
+                for c in CONFIGS:
+                    f = jax.jit(lambda a, p, g, c=c: gmm_dequant(a, p, g, config=c))
+                    out = f(lhs, packed, gs)
+                    t = timeit(f, lhs, packed, gs)
+                    record("cuda", kind if arith == "exact" else kind + "-bf16arith", "mt{}_st{}_ks{}_sw{}".format(*c),
+                           t, q.nbytes, vs_bf16=round(t_bf16 / t, 3), rel_diff_vs_pallas=round(rel_err(out, want), 6))
 
 
 def main():

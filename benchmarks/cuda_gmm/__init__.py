@@ -75,19 +75,23 @@ class Packed:
       a thread's two columns are adjacent.
     bits: 4 or 8 (static).
     n: output columns (static).
+    arith: "exact" (the weights of `QuantizedWeights.dequantize(bf16)` bit for bit) or, 4-bit only, "bf16":
+      scales and offsets stored rounded to bf16, weights round_bf16(q * s + m) in bf16x2 arithmetic (the
+      Pallas kernel's opt-in "asm_bf16"), codes laid out in bf16 pairs (static).
     """
 
     codes: jax.Array
     scales: jax.Array
     bits: int = dataclasses.field(metadata={"static": True})
     n: int = dataclasses.field(metadata={"static": True})
+    arith: str = dataclasses.field(default="exact", metadata={"static": True})
 
 
 jax.tree_util.register_dataclass(Packed)
 
 
-@jax.jit
-def _layout(rhs: QuantizedWeights) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("arith",))
+def _layout(rhs: QuantizedWeights, arith: str) -> tuple[jax.Array, jax.Array]:
     groups, k, n = rhs.shape
     q = rhs.codes()  # [g, k, n] int32
     # k = (ks, blk 2, sub 2, j 2, l4 4, e 2); n = (nb, warp 8, nt 2, l8 8); lane = 4 l8 + l4
@@ -95,9 +99,12 @@ def _layout(rhs: QuantizedWeights) -> tuple[jax.Array, jax.Array]:
     if rhs.bits == 4:
         # -> (g, nb, ks, warp, l8, l4, blk, nt, sub, j, e)
         q = q.transpose(0, 7, 1, 8, 10, 5, 2, 9, 3, 4, 6).astype(jnp.uint32)
+        if arith == "bf16":   # nibble position 4 (2 sub + j) + 16 e: a fragment register's pair 16 bits apart
+            q = q.transpose(0, 1, 2, 3, 4, 5, 6, 7, 10, 8, 9)
         q = q.reshape(groups, n // BN, k // BK, THREADS, 4, 8)
         codes = jnp.sum(q << (4 * jnp.arange(8, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
-        sc = jnp.stack([rhs.scales, rhs.offsets.astype(jnp.float16)], axis=-1)   # [g, k/32, n, 2]
+        dtype = jnp.bfloat16 if arith == "bf16" else jnp.float16
+        sc = jnp.stack([rhs.scales.astype(dtype), rhs.offsets.astype(dtype)], axis=-1)   # [g, k/32, n, 2]
         sc = sc.reshape(groups, k // BK, 2, n // BN, 8, 2, 8, 2).transpose(0, 3, 1, 2, 4, 6, 5, 7)
         sc = sc.reshape(groups, n // BN, k // BK, 2, BN, 2)
     else:
@@ -110,8 +117,9 @@ def _layout(rhs: QuantizedWeights) -> tuple[jax.Array, jax.Array]:
     return codes, sc
 
 
-def repack(rhs: QuantizedWeights) -> Packed:
-    """`rhs` (int8 or 4-bit, float16 scales, blocks of 32) in the kernel's layout (once, like a weight load).
+def repack(rhs: QuantizedWeights, arith: str = "exact") -> Packed:
+    """`rhs` (int8 or 4-bit, float16 scales, blocks of 32) in the kernel's layout (once, like a weight load);
+    `arith` as `Packed.arith`.
 
     Thread t = 32 warp + lane of a CTA owns columns 16 warp + 8 nt + lane // 4 (nt = 0, 1) and, in each
     k16 step, k offsets 8 j + 2 (lane % 4) + e (j, e = 0, 1): the mma B fragment (or, swapped, the A
@@ -120,14 +128,17 @@ def repack(rhs: QuantizedWeights) -> Packed:
     (2 blk + sub, nt), byte 2 j + e, the code stored as u = q + 128.
 
     Raises:
-      ValueError: scales not float16, blocks not 32, or k / n not multiples of 64 / 128.
+      ValueError: scales not float16, blocks not 32, or k / n not multiples of 64 / 128; `arith` not "exact"
+        or "bf16", or "bf16" for int8 codes.
     """
     _, k, n = rhs.shape
     if rhs.scales.dtype != jnp.float16 or rhs.block_size != 32 or k % BK or n % BN:
         raise ValueError(f"repack needs float16 scales, blocks of 32, k % {BK} == 0 and n % {BN} == 0; got "
                          f"{rhs.scales.dtype}, {rhs.block_size}, k={k}, n={n}")
-    codes, sc = _layout(rhs)
-    return Packed(codes=codes, scales=sc, bits=rhs.bits, n=n)
+    if arith not in ("exact", "bf16") or (arith == "bf16" and rhs.bits != 4):
+        raise ValueError(f"arith={arith!r}: 'exact', or 'bf16' for 4-bit codes")
+    codes, sc = _layout(rhs, arith)
+    return Packed(codes=codes, scales=sc, bits=rhs.bits, n=n, arith=arith)
 
 
 # (m_tiles, stages, k_sub, swap) built into the library; the defaults were the fastest at m = 4096 (H100)
@@ -157,4 +168,5 @@ def gmm_dequant(lhs: jax.Array, packed: Packed, group_sizes: jax.Array, *,
     call = jax.ffi.ffi_call(TARGETS[packed.bits], jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16))
     names = ("m_tiles", "stages", "k_sub", "swap")
     return call(lhs.astype(jnp.bfloat16), packed.codes, packed.scales, offsets,
+                arith=np.int64(packed.arith == "bf16"),
                 **{name: np.int64(v) for name, v in zip(names, config, strict=True)})

@@ -89,6 +89,21 @@ __device__ __forceinline__ float dequant_byte(uint32_t word, float s, float bias
   return fmaf(__uint_as_float(__byte_perm(word, 0x47000000u, kSel)), s, bias);
 }
 
+// ARITH 1 (4-bit, not exact; the semantics of the Pallas kernel's opt-in "asm_bf16"): register r of a word
+// holds the codes of one fragment register at bits 4 r and 16 + 4 r (`repack(arith="bf16")`); one LOP3 puts
+// them into the mantissas of a bf16 pair of 128 (128 + q, exact), one bf16x2 fma takes q out exactly and one
+// applies the scale and offset (stored rounded to bf16), rounding once to bf16.
+__device__ __forceinline__ uint32_t bf16_pair_128(uint32_t x) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(bits) : "r"(x), "n"(0x000F000Fu), "n"(0x43004300u));
+  return bits;
+}
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // One pipeline stage: KSUB k-blocks of 64 (the repacked layout's unit) of x rows, codes and scales.
 template <int BITS, int MT, int KSUB>
 struct Stage {
@@ -118,9 +133,10 @@ struct Pass {  // one CTA's pass over its group's weights for rows [p0, p0 + row
 // weights as the mma's B operand, 2 TILES mma per k16 step. SWAP: out^T = W^T x^T, the same registers as the
 // A operand of one m16 tile of 16 columns, the rows as n8 tiles (TILES <= 2 MT), TILES mma per k16 step, so
 // that a group's rows are padded to 8 instead of 16.
-template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, int TILES>
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, bool ARITH, int TILES>
 __device__ __forceinline__ void run_pass(const Pass& p) {
   using S = Stage<BITS, MT, KSUB>;
+  static_assert(!ARITH || BITS == 4, "bf16 arithmetic: 4-bit codes");
   constexpr int MTA = SWAP ? (TILES + 1) / 2 : TILES;  // m16 tiles of x rows read by ldmatrix.x4
   constexpr int NACC = SWAP ? 1 : 2;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -195,7 +211,12 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
         float s[2], o[2];
-        if constexpr (BITS == 4) {  // [blk, 128] (scale, offset) half2, a thread's two columns adjacent
+        [[maybe_unused]] uint32_t s2[2], o2[2];  // ARITH: (s, s) and (m, m) bf16 pairs
+        if constexpr (ARITH) {  // [blk, 128] (scale, offset) bf16 pairs
+          const uint2 so = *reinterpret_cast<const uint2*>(sc + (blk * BN + sc_off) * 4);
+          s2[0] = __byte_perm(so.x, 0, 0x1010); o2[0] = __byte_perm(so.x, 0, 0x3232);
+          s2[1] = __byte_perm(so.y, 0, 0x1010); o2[1] = __byte_perm(so.y, 0, 0x3232);
+        } else if constexpr (BITS == 4) {  // [blk, 128] (scale, offset) half2, a thread's two columns adjacent
           const uint2 so = *reinterpret_cast<const uint2*>(sc + (blk * BN + sc_off) * 4);
           const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&so.x));
           const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&so.y));
@@ -216,7 +237,14 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
               // word (blk, nt) holds the 8 codes of this thread's column in quantization block blk, nibble
               // 4 sub + 2 j + e = k offset 16 sub + 8 j + 2 (lane % 4) + e
               const uint32_t w = (&code0.x)[blk * 2 + nt];
-              {
+              if constexpr (ARITH) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                  const int r = 2 * sub + j;
+                  const uint32_t q = fma_bf16x2(bf16_pair_128(r ? w >> (4 * r) : w), 0x3F803F80u, 0xC300C300u);
+                  b[nt][j] = fma_bf16x2(q, s2[nt], o2[nt]);
+                }
+              } else {
                 const uint32_t wh = w >> 12;  // nibbles 5..7 to bit positions 8..16
                 float v[4];
                 if (sub == 0) {
@@ -291,20 +319,20 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
 }
 
 // run_pass compiled for TILES, TILES + 1, ..., the most a pass can have: the one for `tiles`.
-template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, int TILES>
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, bool ARITH, int TILES>
 __device__ __forceinline__ void dispatch_pass(const Pass& p, int tiles) {
   if constexpr (TILES < (SWAP ? 2 * MT : MT)) {
     if (tiles > TILES) {
-      dispatch_pass<BITS, MT, STAGES, KSUB, SWAP, TILES + 1>(p, tiles);
+      dispatch_pass<BITS, MT, STAGES, KSUB, SWAP, ARITH, TILES + 1>(p, tiles);
       return;
     }
   }
-  run_pass<BITS, MT, STAGES, KSUB, SWAP, TILES>(p);
+  run_pass<BITS, MT, STAGES, KSUB, SWAP, ARITH, TILES>(p);
 }
 
 // grid (n / BN, groups + 1); block y = groups zeroes the rows after the last group. Each pass runs the k loop
 // compiled for its own number of row tiles, so that a group of few rows issues no idle mma.
-template <int BITS, int MT, int STAGES, int KSUB, bool SWAP>
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, bool ARITH>
 __global__ void __launch_bounds__(THREADS, 2)
     gmm_dequant_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ codes,
                        const uint4* __restrict__ scales, const int32_t* __restrict__ offsets,
@@ -331,15 +359,15 @@ __global__ void __launch_bounds__(THREADS, 2)
   for (int p0 = r0; p0 < r1; p0 += MT * 16) {
     p.p0 = p0;
     p.rows = min(r1 - p0, MT * 16);
-    dispatch_pass<BITS, MT, STAGES, KSUB, SWAP, 1>(p, SWAP ? (p.rows + 7) / 8 : (p.rows + 15) / 16);
+    dispatch_pass<BITS, MT, STAGES, KSUB, SWAP, ARITH, 1>(p, SWAP ? (p.rows + 7) / 8 : (p.rows + 15) / 16);
   }
 }
 
-template <int BITS, int MT, int STAGES, int KSUB, bool SWAP>
+template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, bool ARITH>
 ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const void* scales, const int32_t* offsets,
                   void* out, int m, int k, int n, int groups) {
   constexpr int smem = Stage<BITS, MT, KSUB>::kBytes * STAGES;
-  auto kernel = gmm_dequant_kernel<BITS, MT, STAGES, KSUB, SWAP>;
+  auto kernel = gmm_dequant_kernel<BITS, MT, STAGES, KSUB, SWAP, ARITH>;
   static bool configured = false;
   if (!configured) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -359,7 +387,7 @@ ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const v
 template <int BITS>
 ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
                     ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::BF16> out, int64_t m_tiles,
-                    int64_t stages, int64_t k_sub, int64_t swap) {
+                    int64_t stages, int64_t k_sub, int64_t swap, int64_t arith) {
   auto xd = x.dimensions();
   auto od = out->dimensions();
   if (xd.size() != 2 || od.size() != 2) return ffi::Error::InvalidArgument("x and out must be 2-D");
@@ -369,14 +397,18 @@ ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffe
   if (k % (BK * k_sub) || n % BN) return ffi::Error::InvalidArgument("k must be a multiple of 64 k_sub and n of 128");
   const size_t want_codes = static_cast<size_t>(groups) * n * k * BITS / 8;
   if (codes.size_bytes() != want_codes) return ffi::Error::InvalidArgument("codes size does not match");
+  if (arith && BITS != 4) return ffi::Error::InvalidArgument("arith=1 (bf16 arithmetic) is for 4-bit codes");
   const void* xp = x.untyped_data();
   const void* cp = codes.untyped_data();
   const void* sp = scales.untyped_data();
   const int32_t* op = offsets.typed_data();
   void* outp = out->untyped_data();
-#define HYBRIDLM_CASE(MT_, ST_, KS_, SW_)                                                 \
-  if (m_tiles == MT_ && stages == ST_ && k_sub == KS_ && swap == SW_)                      \
-    return launch<BITS, MT_, ST_, KS_, SW_ != 0>(stream, xp, cp, sp, op, outp, m, k, n, groups);
+#define HYBRIDLM_CASE(MT_, ST_, KS_, SW_)                                                     \
+  if (m_tiles == MT_ && stages == ST_ && k_sub == KS_ && swap == SW_) {                        \
+    if (arith) return launch<BITS, MT_, ST_, KS_, SW_ != 0, BITS == 4>(stream, xp, cp, sp, op, outp, m, k, n, \
+                                                                    groups);                   \
+    return launch<BITS, MT_, ST_, KS_, SW_ != 0, false>(stream, xp, cp, sp, op, outp, m, k, n, groups); \
+  }
   HYBRIDLM_CASE(2, 3, 4, 0)
   HYBRIDLM_CASE(2, 3, 4, 1)
   HYBRIDLM_CASE(4, 4, 2, 0)
@@ -402,7 +434,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ4, dispatch<4>,
                                   .Attr<int64_t>("m_tiles")
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("k_sub")
-                                  .Attr<int64_t>("swap"));
+                                  .Attr<int64_t>("swap")
+                                  .Attr<int64_t>("arith"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ8, dispatch<8>,
                               ffi::Ffi::Bind()
@@ -415,4 +448,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ8, dispatch<8>,
                                   .Attr<int64_t>("m_tiles")
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("k_sub")
-                                  .Attr<int64_t>("swap"));
+                                  .Attr<int64_t>("swap")
+                                  .Attr<int64_t>("arith"));
