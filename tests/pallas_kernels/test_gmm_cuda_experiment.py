@@ -2,7 +2,8 @@
 GPU (`benchmarks/gmm_cuda.py` checks it there, bit for bit), so here the two things it rests on are checked
 against the library's own quantized weights:
 
-1. `repack`'s layout, read back with the kernel's index arithmetic (thread, word, nibble or byte -> k, column);
+1. `repack`'s layout, read back with the kernel's index arithmetic (thread, word, nibble or byte -> k, column),
+   for exact and bf16-pair arithmetic;
 2. the kernel's dequantization arithmetic (a code placed in the mantissa of a power of two, then one
    subtraction and one fma, or one byte permute and one fma), emulated in numpy, against
    `QuantizedWeights.dequantize(bfloat16)` bit for bit, for every code value;
@@ -41,7 +42,8 @@ def _unpack(packed, groups, k, n):
                         kk = 32 * blk + 16 * sub + 8 * j + 2 * (lane % 4) + e   # within the k-block of 64
                         if packed.bits == 4:
                             word = codes[..., blk * 2 + nt]             # [g, nb, ks, 256]
-                            val = (word >> np.uint64(4 * (4 * sub + 2 * j + e))) & np.uint64(0xF)
+                            pos = 4 * (2 * sub + j) + 16 * e if packed.arith == "bf16" else 4 * (4 * sub + 2 * j + e)
+                            val = (word >> np.uint64(pos)) & np.uint64(0xF)
                             val = val.astype(np.int64)
                         else:
                             word = codes[..., (2 * blk + sub) * 2 + nt]
@@ -59,18 +61,21 @@ def _unpack(packed, groups, k, n):
     return q, sc
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_repack_is_what_the_kernel_reads(bits):
+@pytest.mark.parametrize(("bits", "arith"), [(8, "exact"), (4, "exact"), (4, "bf16")])
+def test_repack_is_what_the_kernel_reads(bits, arith):
     groups, k, n = 3, 128, 256
     w = jax.random.normal(jax.random.PRNGKey(bits), (groups, k, n), jnp.float32)
     qw = quantize_int8(w) if bits == 8 else quantize_int4(w)
-    q, sc = _unpack(cuda_gmm.repack(qw), groups, k, n)
+    packed = cuda_gmm.repack(qw, arith)
+    q, sc = _unpack(packed, groups, k, n)
     np.testing.assert_array_equal(q, np.asarray(qw.codes()))
+    dtype = jnp.bfloat16 if arith == "bf16" else jnp.float16   # "bf16": stored rounded to bf16
+    assert packed.scales.dtype == dtype
     if bits == 8:
         np.testing.assert_array_equal(sc, np.asarray(qw.scales))
     else:
-        np.testing.assert_array_equal(sc[..., 0], np.asarray(qw.scales))
-        np.testing.assert_array_equal(sc[..., 1], np.asarray(qw.offsets))
+        np.testing.assert_array_equal(sc[..., 0], np.asarray(qw.scales.astype(dtype)))
+        np.testing.assert_array_equal(sc[..., 1], np.asarray(qw.offsets.astype(dtype)))
 
 
 def _fmaf(a, b, c):
@@ -117,6 +122,8 @@ def test_repack_rejects_what_the_kernel_cannot_take():
         cuda_gmm.repack(quantize_int8(w))
     with pytest.raises(ValueError, match="float16 scales"):
         cuda_gmm.repack(quantize_int8(jnp.zeros((2, 64, 128)), scale_dtype=jnp.float32))
+    with pytest.raises(ValueError, match="4-bit"):
+        cuda_gmm.repack(quantize_int8(jnp.zeros((2, 64, 128))), "bf16")
 
 
 @pytest.mark.slow
