@@ -121,6 +121,51 @@ def timings(rows: list, hbm: float, ms: list[int]) -> None:
                            t, q.nbytes, vs_bf16=round(t_bf16 / t, 3), rel_diff_vs_pallas=round(rel_err(out, want), 6))
 
 
+def expert_products(rows: list, ms: list[int]) -> None:
+    """The MoE layer's two expert products at the weight-read-bound sizes (hidden 2048, ffn 512, 256 experts):
+    gate_up with SwiGLU (Pallas: the fused `gmm_swiglu`; CUDA: `gmm_dequant` of the 1024 columns, then
+    silu(gate) * up in XLA, in one jit) and down (k = 512, n = 2048), each time and their sum."""
+    ffn = N // 2
+    for m in ms:
+        wl = workloads.Workload(name=f"moe_{m}", m=m, k=K, n=2 * ffn, groups=GROUPS)
+        lhs, w_gu, gs = workloads.make_inputs(wl, on_device_rng=True)
+        wl_down = workloads.Workload(name=f"down_{m}", m=m, k=ffn, n=K, groups=GROUPS)
+        h, w_down, _ = workloads.make_inputs(wl_down, on_device_rng=True, seed=2)
+        pallas_gu = jax.jit(pallas_triton.gmm_swiglu_pallas)
+        pallas_down = jax.jit(pallas_triton.gmm_pallas)
+
+        def cuda_gu(a, p, g):
+            y = gmm_dequant(a, p, g).astype(jnp.float32)
+            return (jax.nn.silu(y[:, :ffn]) * y[:, ffn:]).astype(jnp.bfloat16)
+
+        cuda_gu = jax.jit(cuda_gu)
+        t_gu, t_down = timeit(pallas_gu, lhs, w_gu, gs), timeit(pallas_down, h, w_down, gs)
+        base = {"check": "expert_products", "m": m}
+        row = dict(base, impl="pallas", weights="bf16", gate_up_ms=round(t_gu * 1e3, 4),
+                   down_ms=round(t_down * 1e3, 4), sum_ms=round((t_gu + t_down) * 1e3, 4))
+        rows.append(row)
+        print(row, flush=True)
+        for kind, arith in (("int8", "exact"), ("int4", "exact"), ("int4", "bf16")):
+            _, q_gu, _ = workloads.make_inputs(wl, weights=kind, on_device_rng=True)
+            _, q_down, _ = workloads.make_inputs(wl_down, weights=kind, on_device_rng=True, seed=2)
+            if arith == "exact":
+                tp_gu, tp_down = timeit(pallas_gu, lhs, q_gu, gs), timeit(pallas_down, h, q_down, gs)
+                row = dict(base, impl="pallas", weights=kind, gate_up_ms=round(tp_gu * 1e3, 4),
+                           down_ms=round(tp_down * 1e3, 4), sum_ms=round((tp_gu + tp_down) * 1e3, 4))
+                rows.append(row)
+                print(row, flush=True)
+            p_gu, p_down = repack(q_gu, arith), repack(q_down, arith)
+            want_gu, got_gu = pallas_gu(lhs, q_gu, gs), cuda_gu(lhs, p_gu, gs)
+            want_down, got_down = pallas_down(h, q_down, gs), gmm_dequant(h, p_down, gs)
+            tc_gu, tc_down = timeit(cuda_gu, lhs, p_gu, gs), timeit(gmm_dequant, h, p_down, gs)
+            row = dict(base, impl="cuda", weights=kind if arith == "exact" else kind + "-bf16arith",
+                       gate_up_ms=round(tc_gu * 1e3, 4), down_ms=round(tc_down * 1e3, 4),
+                       sum_ms=round((tc_gu + tc_down) * 1e3, 4),
+                       rel_diff_vs_pallas=[round(rel_err(got_gu, want_gu), 6), round(rel_err(got_down, want_down), 6)])
+            rows.append(row)
+            print(row, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -128,6 +173,7 @@ def main():
     ap.add_argument("--profile", default=None, metavar="BITS,M,MT,ST,KS,SW",
                     help="only run this CUDA configuration 5 times (for ncu)")
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--products", default="", help="also time the MoE layer's two expert products at these m")
     args = ap.parse_args()
     t0 = time.time()
     build()
@@ -148,7 +194,9 @@ def main():
     hbm = copy_bandwidth()
     doc["copy_GBps"] = round(hbm / 1e9, 1)
     print("copy GB/s", doc["copy_GBps"], flush=True)
-    timings(rows, hbm, [int(x) for x in args.ms.split(",")])
+    timings(rows, hbm, [int(x) for x in args.ms.split(",") if x])
+    if args.products:
+        expert_products(rows, [int(x) for x in args.products.split(",")])
     doc["rows"] = rows
     write_json(doc, args.out, echo=False)
 
