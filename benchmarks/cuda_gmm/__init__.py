@@ -36,12 +36,12 @@ _registered = False
 
 
 def build(nvcc: str | None = None, force: bool = False) -> str:
-    """Compiles `gmm_dequant.cu` for sm_90a (Hopper: wgmma) (unless the library is newer than the source) and registers its
-    two FFI targets with JAX. Returns the library's path.
+    """Compiles `gmm_dequant.cu` for sm_90a (Hopper), unless the library is newer than the source, and
+    registers its two FFI targets with JAX. Returns the library's path.
 
     Raises:
       FileNotFoundError: no nvcc (looked for at $NVCC, /usr/local/cuda/bin/nvcc, then on PATH).
-      subprocess.CalledProcessError: the compilation failed (nvcc's output is in the exception).
+      RuntimeError: the compilation failed (with the end of nvcc's output).
     """
     global _registered
     stale = force or not os.path.exists(LIBRARY) or os.path.getmtime(LIBRARY) < os.path.getmtime(SOURCE)
@@ -53,9 +53,11 @@ def build(nvcc: str | None = None, force: bool = False) -> str:
                "-fPIC", "-cudart", "static", f"-I{jax.ffi.include_dir()}", "-diag-suppress", "128,177,940,2473",
                "-o", LIBRARY, SOURCE]
         try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            run = subprocess.run(cmd, check=False, capture_output=True, text=True)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"nvcc not found ({nvcc}); set $NVCC") from e
+        if run.returncode:
+            raise RuntimeError(f"nvcc failed on {SOURCE} (exit {run.returncode}):\n{run.stderr[-4000:]}")
     if not _registered:
         lib = ctypes.cdll.LoadLibrary(LIBRARY)
         jax.ffi.register_ffi_target(TARGETS[4], jax.ffi.pycapsule(lib.HybridlmGmmQ4), platform="CUDA")

@@ -10,16 +10,17 @@
 //  - the codes are repacked once (`repack` in __init__.py) so that each thread's codes for a pipeline stage
 //    are one (4-bit) or two (int8) 16-byte words, already in the order of the `mma.sync.m16n8k16` B fragment;
 //  - codes, scales and the group's x rows stream through a cp.async pipeline in shared memory;
-//  - each thread dequantizes its own B fragments in registers (no shared-memory round trip for the float
+//  - each thread dequantizes its own fragments in registers (no shared-memory round trip for the float
 //    weights) and the tensor cores take them straight from registers;
-//  - the dequantization is exact: the weights are round_bf16(fma(q, s, m)) (4-bit) and round_bf16(q * s)
-//    (int8) in f32, the values of `QuantizedWeights.dequantize(bf16)` bit for bit. The code is turned into an
-//    exact float by placing it in the mantissa of a power of two (a LOP3 or a byte permute) and subtracting
-//    it, not by the quarter-rate integer conversion.
+//  - the dequantization is exact by default: the weights are round_bf16(fma(q, s, m)) (4-bit) and
+//    round_bf16(q * s) (int8) in f32, the values of `QuantizedWeights.dequantize(bf16)` bit for bit. The code
+//    is turned into an exact float by placing it in the mantissa of a power of two (a LOP3 or a byte permute),
+//    not by the quarter-rate integer conversion. ARITH (4-bit, opt-in) works in bf16 pairs instead.
 //
 // Work decomposition: one CTA of 8 warps per (128 output columns, group), looping over the group's rows in
-// passes of MT * 16 rows; warp w owns columns [16 w, 16 w + 16) of the CTA's 128 (two n8 mma tiles) and all
-// the pass's m16 tiles. The k loop runs in stages of 64.
+// passes of MT * 16 rows; warp w owns columns [16 w, 16 w + 16) of the CTA's 128 and all the pass's rows, as
+// m16 tiles (out = x W) or, SWAP, n8 tiles (out^T = W^T x^T). The k loop runs in stages of 64 KSUB.
+// Measured on an H100 beside the Pallas kernel: docs/benchmarks_gmm.md, "2026-11-26 late night".
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -351,7 +352,8 @@ __global__ void __launch_bounds__(THREADS, 2)
     }
     return;
   }
-  const int r0 = offsets[g], r1 = offsets[g + 1];
+  // clamped to m: group sizes that add up to more than m must not make the kernel read or write past x / out
+  const int r0 = min(offsets[g], m), r1 = min(offsets[g + 1], m);
   if (r1 <= r0) return;
   const size_t cta = static_cast<size_t>(g) * (n / BN) + nb;
   Pass p{x, codes + cta * (k / BK) * (THREADS * S::kCodeWords), scales + cta * (k / BK) * (S::kScaleBlockBytes / 16),
