@@ -423,32 +423,23 @@ ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffe
   return ffi::Error::InvalidArgument("unsupported (m_tiles, stages, k_sub, swap)");
 }
 
+// The two handlers' signature: x, codes, scales, offsets -> out, and the configuration's attributes.
+auto binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::BF16>>()
+      .Attr<int64_t>("m_tiles")
+      .Attr<int64_t>("stages")
+      .Attr<int64_t>("k_sub")
+      .Attr<int64_t>("swap")
+      .Attr<int64_t>("arith");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ4, dispatch<4>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("m_tiles")
-                                  .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("k_sub")
-                                  .Attr<int64_t>("swap")
-                                  .Attr<int64_t>("arith"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ8, dispatch<8>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("m_tiles")
-                                  .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("k_sub")
-                                  .Attr<int64_t>("swap")
-                                  .Attr<int64_t>("arith"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ4, dispatch<4>, binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridlmGmmQ8, dispatch<8>, binding());
