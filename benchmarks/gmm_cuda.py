@@ -2,16 +2,20 @@
 bound: does a kernel with the register budget and the instruction schedule in hand reach the proportional speed
 (int8 ~1.9x, 4-bit ~3.2x bf16) that the Pallas kernels miss (1.5-1.6x, docs/benchmarks_gmm.md)?
 
-One run on the GPU machine:
+One run on the GPU machine, every built configuration (`cuda_gmm.CONFIGS`):
 1. exactness: with lhs = the identity (one group of k rows) the output is the group's dequantized bf16 weights,
-   which must equal `QuantizedWeights.dequantize(bf16)` bit for bit (int8 and 4-bit, first and last group);
+   which must equal `QuantizedWeights.dequantize(bf16)` bit for bit (int8 and 4-bit, first and last group), or,
+   for the opt-in bf16 arithmetic (4-bit), its emulation (`bf16_arith_weights`);
 2. accuracy on router-skewed and adversarial group layouts (one group, empty groups, rows of no group, first
-   and last only) against the f32 reference on the dequantized weights, beside the Pallas kernel's error;
-3. times (median of trials of back-to-back calls, grouped_matmul.timeit) at m = 1024, 4096, 16384 routed rows,
-   k = 2048, n = 1024, 256 groups: the Pallas `gmm` with bf16, int8 and 4-bit weights (defaults) and the CUDA
-   kernel per (m_tiles, stages), with the run's copy bandwidth.
+   and last only) against the f32 reference on the dequantized weights, beside the Pallas kernel's error; and
+   group sizes adding up past m (the kernel clamps them);
+3. times (median of trials of back-to-back calls, grouped_matmul.timeit) at `--ms` routed rows, k = 2048,
+   n = 1024, 256 groups: the Pallas `gmm` with bf16, int8 and 4-bit weights (defaults) and the CUDA kernel per
+   configuration and arithmetic, with the run's copy bandwidth;
+4. with `--products`, the MoE layer's two expert products (gate_up with SwiGLU, down) at those m.
 
-usage (GPU machine, nvcc at /usr/local/cuda/bin/nvcc or $NVCC): python benchmarks/gmm_cuda.py [--out F.json]
+usage (GPU machine, nvcc at /usr/local/cuda/bin/nvcc or $NVCC):
+    python benchmarks/gmm_cuda.py [--ms 1024,4096] [--products 4096] [--out F.json]
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ def expert_products(rows: list, ms: list[int]) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ms", default="4096,1024,16384")
+    ap.add_argument("--ms", default="4096,1024,2048,8192")
     ap.add_argument("--profile", default=None, metavar="BITS,M,MT,ST,KS,SW",
                     help="only run this CUDA configuration 5 times (for ncu)")
     ap.add_argument("--no-checks", action="store_true")
