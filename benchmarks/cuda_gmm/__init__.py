@@ -10,7 +10,7 @@ Not part of the library: `hybridlm` and `pallas_kernels` never import it. It nee
     out = gmm_dequant(lhs, packed, group_sizes)   # lhs [m, k] bf16 sorted by group -> [m, n] bf16
 
 Limits: bf16 lhs; float16 scales (the kernel's exact dequantization needs at most 11 significant bits);
-quantization blocks of 32; k a multiple of 64, n a multiple of 128.
+quantization blocks of 32; k a multiple of 64 (of 64 k_sub for a configuration's k_sub), n a multiple of 128.
 """
 
 from __future__ import annotations
