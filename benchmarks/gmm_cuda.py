@@ -7,8 +7,10 @@ One run on the GPU machine, every built configuration (`cuda_gmm.CONFIGS`):
    which must equal `QuantizedWeights.dequantize(bf16)` bit for bit (int8 and 4-bit, first and last group), or,
    for the opt-in bf16 arithmetic (4-bit), its emulation (`bf16_arith_weights`);
 2. accuracy on router-skewed and adversarial group layouts (one group, empty groups, rows of no group, first
-   and last only) against the f32 reference on the dequantized weights, beside the Pallas kernel's error; and
-   group sizes adding up past m (the kernel clamps them);
+   and last only) against the f32 reference on the dequantized weights (for the bf16 arithmetic: on its own
+   weights, `bf16_arith_weights`; its error against the exact weights is reported beside), with the Pallas
+   kernel's error against the exact weights; the
+   SwiGLU epilogue against `gmm_swiglu`'s reference; and group sizes adding up past m (the kernel clamps them);
 3. times (median of trials of back-to-back calls, grouped_matmul.timeit) at `--ms` routed rows, k = 2048,
    n = 1024, 256 groups: the Pallas `gmm` with bf16, int8 and 4-bit weights (defaults) and the CUDA kernel per
    configuration and arithmetic, with the run's copy bandwidth;
@@ -79,7 +81,10 @@ def accuracy(rows: list) -> None:
                                 routed_rows=1200 if layout == "partial" else None)
         for kind, arith in (("int8", "exact"), ("int4", "exact"), ("int4", "bf16")):
             lhs, q, gs = workloads.make_inputs(wl, weights=kind, on_device_rng=True, seed=5)
-            want = reference.gmm_reference(lhs, q.dequantize(jnp.bfloat16), gs, preferred_element_type=jnp.float32)
+            exact_w = q.dequantize(jnp.bfloat16)
+            want = reference.gmm_reference(lhs, exact_w if arith == "exact" else bf16_arith_weights(q), gs,
+                                           preferred_element_type=jnp.float32)
+            want_exact = reference.gmm_reference(lhs, exact_w, gs, preferred_element_type=jnp.float32)
             packed = repack(q, arith)
             pallas = pallas_triton.gmm_pallas(lhs, q, gs)
             routed = int(jnp.sum(gs))
@@ -87,7 +92,35 @@ def accuracy(rows: list) -> None:
                 got = gmm_dequant(lhs, packed, gs, config=c)
                 row = {"check": "accuracy", "layout": layout, "weights": kind, "arith": arith, "config": c, "m": wl.m,
                        "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
-                       "rel_err_pallas": round(rel_err(pallas, want), 6),
+                       "rel_err_pallas": round(rel_err(pallas, want_exact), 6),
+                       "rel_err_cuda_vs_exact_weights": round(rel_err(got, want_exact), 6),
+                       "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
+                       "tail_zero": bool(jnp.all(got[routed:] == 0))}
+                rows.append(row)
+                print(row, flush=True)
+
+
+def swiglu_checks(rows: list) -> None:
+    """The SwiGLU epilogue (`repack(swiglu=True)`, swap configurations) against the f32 reference
+    silu(x W_gate) * (x W_up) on the dequantized weights, beside the Pallas `gmm_swiglu`'s error."""
+    for layout in ("router", "partial", "empty_groups"):
+        wl = workloads.Workload(name=f"swiglu_{layout}", m=1536, k=K, n=N // 2, groups=GROUPS, layout=layout,
+                                routed_rows=1200 if layout == "partial" else None)
+        for kind, arith in (("int8", "exact"), ("int4", "exact"), ("int4", "bf16")):
+            lhs, q, gs = workloads.make_inputs(wl, weights=kind, swiglu=True, on_device_rng=True, seed=9)
+            exact_w = q.dequantize(jnp.bfloat16)
+            want = reference.gmm_swiglu_reference(lhs, exact_w if arith == "exact" else bf16_arith_weights(q), gs,
+                                                  preferred_element_type=jnp.float32)
+            want_exact = reference.gmm_swiglu_reference(lhs, exact_w, gs, preferred_element_type=jnp.float32)
+            pallas = pallas_triton.gmm_swiglu_pallas(lhs, q, gs)
+            packed = repack(q, arith, swiglu=True)
+            routed = int(jnp.sum(gs))
+            for c in [c for c in CONFIGS if c[3]]:
+                got = gmm_dequant(lhs, packed, gs, config=c)
+                row = {"check": "accuracy", "layout": "swiglu_" + layout, "weights": kind, "arith": arith,
+                       "config": c, "m": wl.m, "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
+                       "rel_err_pallas": round(rel_err(pallas, want_exact), 6),
+                       "rel_err_cuda_vs_exact_weights": round(rel_err(got, want_exact), 6),
                        "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
                        "tail_zero": bool(jnp.all(got[routed:] == 0))}
                 rows.append(row)
@@ -140,8 +173,9 @@ def timings(rows: list, hbm: float, ms: list[int]) -> None:
 
 def expert_products(rows: list, ms: list[int]) -> None:
     """The MoE layer's two expert products at the weight-read-bound sizes (hidden 2048, ffn 512, 256 experts):
-    gate_up with SwiGLU (Pallas: the fused `gmm_swiglu`; CUDA: `gmm_dequant` of the 1024 columns, then
-    silu(gate) * up in XLA, in one jit) and down (k = 512, n = 2048), each time and their sum."""
+    gate_up with SwiGLU (Pallas: the fused `gmm_swiglu`; CUDA: `gmm_dequant` with the SwiGLU epilogue, and
+    for comparison unfused: the 1024 columns, then silu(gate) * up in XLA, in one jit) and down (k = 512,
+    n = 2048), each time and their sum."""
     ffn = N // 2
     for m in ms:
         wl = workloads.Workload(name=f"moe_{m}", m=m, k=K, n=2 * ffn, groups=GROUPS)
@@ -151,11 +185,11 @@ def expert_products(rows: list, ms: list[int]) -> None:
         pallas_gu = jax.jit(pallas_triton.gmm_swiglu_pallas)
         pallas_down = jax.jit(pallas_triton.gmm_pallas)
 
-        def cuda_gu(a, p, g):
+        def cuda_gu_unfused(a, p, g):
             y = gmm_dequant(a, p, g).astype(jnp.float32)
             return (jax.nn.silu(y[:, :ffn]) * y[:, ffn:]).astype(jnp.bfloat16)
 
-        cuda_gu = jax.jit(cuda_gu)
+        cuda_gu_unfused, cuda_gu = jax.jit(cuda_gu_unfused), jax.jit(gmm_dequant)
         t_gu, t_down = timeit(pallas_gu, lhs, w_gu, gs), timeit(pallas_down, h, w_down, gs)
         base = {"check": "expert_products", "m": m}
         row = dict(base, impl="pallas", weights="bf16", gate_up_ms=round(t_gu * 1e3, 4),
@@ -171,14 +205,18 @@ def expert_products(rows: list, ms: list[int]) -> None:
                            down_ms=round(tp_down * 1e3, 4), sum_ms=round((tp_gu + tp_down) * 1e3, 4))
                 rows.append(row)
                 print(row, flush=True)
-            p_gu, p_down = repack(q_gu, arith), repack(q_down, arith)
+            p_gu, p_down = repack(q_gu, arith, swiglu=True), repack(q_down, arith)
+            p_gu_unfused = repack(q_gu, arith)
             want_gu, got_gu = pallas_gu(lhs, q_gu, gs), cuda_gu(lhs, p_gu, gs)
             want_down, got_down = pallas_down(h, q_down, gs), gmm_dequant(h, p_down, gs)
             tc_gu, tc_down = timeit(cuda_gu, lhs, p_gu, gs), timeit(gmm_dequant, h, p_down, gs)
+            tc_gu_unfused = timeit(cuda_gu_unfused, lhs, p_gu_unfused, gs)
             row = dict(base, impl="cuda", weights=kind if arith == "exact" else kind + "-bf16arith",
                        gate_up_ms=round(tc_gu * 1e3, 4), down_ms=round(tc_down * 1e3, 4),
                        sum_ms=round((tc_gu + tc_down) * 1e3, 4),
-                       rel_diff_vs_pallas=[round(rel_err(got_gu, want_gu), 6), round(rel_err(got_down, want_down), 6)])
+                       gate_up_unfused_ms=round(tc_gu_unfused * 1e3, 4),
+                       rel_diff_vs_pallas=[round(rel_err(got_gu, want_gu), 6), round(rel_err(got_down, want_down), 6)],
+                       finite=bool(jnp.all(jnp.isfinite(got_gu.astype(jnp.float32)))))
             rows.append(row)
             print(row, flush=True)
 
@@ -208,6 +246,7 @@ def main():
     if not args.no_checks:
         exactness(rows)
         accuracy(rows)
+        swiglu_checks(rows)
         overflow(rows)
     hbm = copy_bandwidth()
     doc["copy_GBps"] = round(hbm / 1e9, 1)

@@ -80,6 +80,8 @@ class Packed:
     arith: "exact" (the weights of `QuantizedWeights.dequantize(bf16)` bit for bit) or, 4-bit only, "bf16":
       scales and offsets stored rounded to bf16, weights round_bf16(q * s + m) in bf16x2 arithmetic (the
       Pallas kernel's opt-in "asm_bf16"), codes laid out in bf16 pairs (static).
+    swiglu: the columns are a `[groups, k, 2 ffn]` gate_up's, interleaved so that each warp's 16 are 8 gate
+      columns and their 8 up columns; `gmm_dequant` then returns silu(x W_gate) * (x W_up), `[m, ffn]` (static).
     """
 
     codes: jax.Array
@@ -87,6 +89,7 @@ class Packed:
     bits: int = dataclasses.field(metadata={"static": True})
     n: int = dataclasses.field(metadata={"static": True})
     arith: str = dataclasses.field(default="exact", metadata={"static": True})
+    swiglu: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 jax.tree_util.register_dataclass(Packed)
@@ -119,9 +122,23 @@ def _layout(rhs: QuantizedWeights, arith: str) -> tuple[jax.Array, jax.Array]:
     return codes, sc
 
 
-def repack(rhs: QuantizedWeights, arith: str = "exact") -> Packed:
+def interleave_gate_up(rhs: QuantizedWeights) -> QuantizedWeights:
+    """`rhs` `[groups, k, 2 ffn]` (gate = columns [0, ffn), up = [ffn, 2 ffn)) with its columns reordered so that
+    each 16 are 8 gate columns and the same 8 up columns: column 16 b + r is gate 8 b + r (r < 8), else up
+    8 b + r - 8."""
+    n = rhs.shape[2]
+    c = np.arange(n)
+    b, r = c // 16, c % 16
+    perm = jnp.asarray(np.where(r < 8, 8 * b + r, n // 2 + 8 * b + r - 8))
+    cols = 1 if rhs.k_major else 2
+    return dataclasses.replace(
+        rhs, values=jnp.take(rhs.values, perm, axis=cols), scales=jnp.take(rhs.scales, perm, axis=2),
+        offsets=None if rhs.offsets is None else jnp.take(rhs.offsets, perm, axis=2))
+
+
+def repack(rhs: QuantizedWeights, arith: str = "exact", swiglu: bool = False) -> Packed:
     """`rhs` (int8 or 4-bit, float16 scales, blocks of 32) in the kernel's layout (once, like a weight load);
-    `arith` as `Packed.arith`.
+    `arith`, `swiglu` as in `Packed` (swiglu: `rhs` is a gate_up `[groups, k, 2 ffn]`).
 
     Thread t = 32 warp + lane of a CTA owns columns 16 warp + 8 nt + lane // 4 (nt = 0, 1) and, in each
     k16 step, k offsets 8 j + 2 (lane % 4) + e (j, e = 0, 1): the mma B fragment (or, swapped, the A
@@ -139,36 +156,40 @@ def repack(rhs: QuantizedWeights, arith: str = "exact") -> Packed:
                          f"{rhs.scales.dtype}, {rhs.block_size}, k={k}, n={n}")
     if arith not in ("exact", "bf16") or (arith == "bf16" and rhs.bits != 4):
         raise ValueError(f"arith={arith!r}: 'exact', or 'bf16' for 4-bit codes")
-    codes, sc = _layout(rhs, arith)
-    return Packed(codes=codes, scales=sc, bits=rhs.bits, n=n, arith=arith)
+    codes, sc = _layout(interleave_gate_up(rhs) if swiglu else rhs, arith)
+    return Packed(codes=codes, scales=sc, bits=rhs.bits, n=n, arith=arith, swiglu=swiglu)
 
 
 # (m_tiles, stages, k_sub, swap) built into the library; the defaults were the fastest at m = 4096 (H100)
 CONFIGS = [(2, 3, 4, 0), (2, 3, 4, 1), (4, 4, 2, 0), (4, 4, 2, 1), (5, 3, 2, 1), (4, 4, 1, 0), (4, 4, 1, 1),
            (2, 4, 2, 1)]
-DEFAULTS = {4: (4, 4, 2, 1), 8: (4, 4, 1, 0)}
+DEFAULTS = {4: (4, 4, 2, 1), 8: (4, 4, 1, 1)}
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def gmm_dequant(lhs: jax.Array, packed: Packed, group_sizes: jax.Array, *,
                 config: tuple[int, int, int, int] | None = None) -> jax.Array:
-    """lhs `[m, k]` bf16 (rows sorted by group) times each group's dequantized weights: `[m, n]` bf16, rows
-    after the last group zero.
+    """lhs `[m, k]` bf16 (rows sorted by group) times each group's dequantized weights: `[m, n]` bf16, or with
+    `packed.swiglu` silu(x W_gate) * (x W_up) `[m, n / 2]` (from the f32 accumulators); rows after the last
+    group zero.
 
     config: (m_tiles, stages, k_sub, swap) in `CONFIGS`, default `DEFAULTS[bits]`. m_tiles x 16 rows per pass
     over a group's weights; stages: pipeline depth; k_sub: k-blocks of 64 per stage; swap 1: out^T = W^T x^T,
     the rows padded to 8 instead of 16.
 
     Raises:
-      ValueError: a configuration not in `CONFIGS`.
+      ValueError: a configuration not in `CONFIGS`, or swiglu weights with a configuration without swap.
     """
     config = DEFAULTS[packed.bits] if config is None else config
     if config not in CONFIGS:
         raise ValueError(f"config {config} not built; built: {CONFIGS}")
+    if packed.swiglu and not config[3]:
+        raise ValueError(f"config {config}: the SwiGLU epilogue needs swap=1")
     m = lhs.shape[0]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes.astype(jnp.int32))])
-    call = jax.ffi.ffi_call(TARGETS[packed.bits], jax.ShapeDtypeStruct((m, packed.n), jnp.bfloat16))
+    n_out = packed.n // 2 if packed.swiglu else packed.n
+    call = jax.ffi.ffi_call(TARGETS[packed.bits], jax.ShapeDtypeStruct((m, n_out), jnp.bfloat16))
     names = ("m_tiles", "stages", "k_sub", "swap")
     return call(lhs.astype(jnp.bfloat16), packed.codes, packed.scales, offsets,
-                arith=np.int64(packed.arith == "bf16"),
+                arith=np.int64(packed.arith == "bf16"), swiglu=np.int64(packed.swiglu),
                 **{name: np.int64(v) for name, v in zip(names, config, strict=True)})

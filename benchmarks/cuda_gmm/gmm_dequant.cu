@@ -127,6 +127,8 @@ struct Pass {  // one CTA's pass over its group's weights for rows [p0, p0 + row
   __nv_bfloat16* out;
   uint8_t* smem;
   int k, n, col0, p0, rows;
+  bool swiglu;  // SWAP only: columns (g, g + 8) of each warp are a gate and its up; out[row, n / 2] gets
+                // silu(gate) * up (`repack(swiglu=True)` interleaves them)
 };
 
 // The k loop of one pass with TILES tiles of rows: a cp.async pipeline of STAGES stages, each thread
@@ -288,6 +290,22 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
   __syncthreads();  // every warp is done with the slots before the next pass refills them
 
   if constexpr (SWAP) {  // acc[t]: (col g, rows 8 t + 2 (lane % 4) + {0, 1}), then col g + 8
+    if (p.swiglu) {
+      const int col = p.col0 / 2 + warp * 8 + lane / 4;
+#pragma unroll
+      for (int t = 0; t < TILES; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 8 * t + 2 * (lane % 4) + e;
+          const float gate = acc[t][0][e], up = acc[t][0][e + 2];
+          if (r < p.rows) {
+            p.out[static_cast<size_t>(p.p0 + r) * (p.n / 2) + col] =
+                __float2bfloat16_rn(gate / (1.f + expf(-gate)) * up);
+          }
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int t = 0; t < TILES; ++t) {
       const int col = p.col0 + warp * 16 + lane / 4;
@@ -337,17 +355,17 @@ template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, bool ARITH>
 __global__ void __launch_bounds__(THREADS, 2)
     gmm_dequant_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ codes,
                        const uint4* __restrict__ scales, const int32_t* __restrict__ offsets,
-                       __nv_bfloat16* __restrict__ out, int m, int k, int n, int groups) {
+                       __nv_bfloat16* __restrict__ out, int m, int k, int n, int groups, bool swiglu) {
   using S = Stage<BITS, MT, KSUB>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
   const int g = blockIdx.y, nb = blockIdx.x;
   const int col0 = nb * BN;
 
-  if (g == groups) {  // rows of no group: zeros
-    const int r0 = offsets[groups];
-    for (int r = r0 + tid / (BN / 8); r < m; r += THREADS / (BN / 8)) {
-      *reinterpret_cast<uint4*>(out + static_cast<size_t>(r) * n + col0 + (tid % (BN / 8)) * 8) =
+  if (g == groups) {  // rows of no group: zeros (this CTA's BN columns, or BN / 2 with swiglu)
+    const int w = swiglu ? BN / 2 : BN, n_out = swiglu ? n / 2 : n;
+    for (int r = max(offsets[groups], 0) + tid / (w / 8); r < m; r += THREADS / (w / 8)) {
+      *reinterpret_cast<uint4*>(out + static_cast<size_t>(r) * n_out + col0 / (BN / w) + (tid % (w / 8)) * 8) =
           make_uint4(0, 0, 0, 0);
     }
     return;
@@ -357,7 +375,7 @@ __global__ void __launch_bounds__(THREADS, 2)
   if (r1 <= r0) return;
   const size_t cta = static_cast<size_t>(g) * (n / BN) + nb;
   Pass p{x, codes + cta * (k / BK) * (THREADS * S::kCodeWords), scales + cta * (k / BK) * (S::kScaleBlockBytes / 16),
-         out, smem, k, n, col0, 0, 0};
+         out, smem, k, n, col0, 0, 0, swiglu};
   for (int p0 = r0; p0 < r1; p0 += MT * 16) {
     p.p0 = p0;
     p.rows = min(r1 - p0, MT * 16);
@@ -367,7 +385,7 @@ __global__ void __launch_bounds__(THREADS, 2)
 
 template <int BITS, int MT, int STAGES, int KSUB, bool SWAP, bool ARITH>
 ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const void* scales, const int32_t* offsets,
-                  void* out, int m, int k, int n, int groups) {
+                  void* out, int m, int k, int n, int groups, bool swiglu) {
   constexpr int smem = Stage<BITS, MT, KSUB>::kBytes * STAGES;
   auto kernel = gmm_dequant_kernel<BITS, MT, STAGES, KSUB, SWAP, ARITH>;
   static bool configured = false;
@@ -380,7 +398,7 @@ ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const v
   dim3 grid(n / BN, groups + 1);
   kernel<<<grid, THREADS, smem, stream>>>(static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(codes),
                                           static_cast<const uint4*>(scales), offsets,
-                                          static_cast<__nv_bfloat16*>(out), m, k, n, groups);
+                                          static_cast<__nv_bfloat16*>(out), m, k, n, groups, swiglu);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("gmm_dequant launch: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -389,17 +407,19 @@ ffi::Error launch(cudaStream_t stream, const void* x, const void* codes, const v
 template <int BITS>
 ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
                     ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::BF16> out, int64_t m_tiles,
-                    int64_t stages, int64_t k_sub, int64_t swap, int64_t arith) {
+                    int64_t stages, int64_t k_sub, int64_t swap, int64_t arith, int64_t swiglu) {
   auto xd = x.dimensions();
   auto od = out->dimensions();
   if (xd.size() != 2 || od.size() != 2) return ffi::Error::InvalidArgument("x and out must be 2-D");
-  const int m = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]), n = static_cast<int>(od[1]);
+  // n: the weights' columns (out has n / 2 with swiglu)
+  const int m = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]), n = static_cast<int>(od[1]) * (swiglu ? 2 : 1);
   const int groups = static_cast<int>(offsets.element_count()) - 1;
   if (od[0] != m) return ffi::Error::InvalidArgument("out rows != x rows");
   if (k % (BK * k_sub) || n % BN) return ffi::Error::InvalidArgument("k must be a multiple of 64 k_sub and n of 128");
   const size_t want_codes = static_cast<size_t>(groups) * n * k * BITS / 8;
   if (codes.size_bytes() != want_codes) return ffi::Error::InvalidArgument("codes size does not match");
   if (arith && BITS != 4) return ffi::Error::InvalidArgument("arith=1 (bf16 arithmetic) is for 4-bit codes");
+  if (swiglu && !swap) return ffi::Error::InvalidArgument("swiglu=1 needs swap=1");
   const void* xp = x.untyped_data();
   const void* cp = codes.untyped_data();
   const void* sp = scales.untyped_data();
@@ -408,8 +428,9 @@ ffi::Error dispatch(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffe
 #define HYBRIDLM_CASE(MT_, ST_, KS_, SW_)                                                     \
   if (m_tiles == MT_ && stages == ST_ && k_sub == KS_ && swap == SW_) {                        \
     if (arith) return launch<BITS, MT_, ST_, KS_, SW_ != 0, BITS == 4>(stream, xp, cp, sp, op, outp, m, k, n, \
-                                                                    groups);                   \
-    return launch<BITS, MT_, ST_, KS_, SW_ != 0, false>(stream, xp, cp, sp, op, outp, m, k, n, groups); \
+                                                                    groups, swiglu != 0);                   \
+    return launch<BITS, MT_, ST_, KS_, SW_ != 0, false>(stream, xp, cp, sp, op, outp, m, k, n, groups,      \
+                                                        swiglu != 0);                                       \
   }
   HYBRIDLM_CASE(2, 3, 4, 0)
   HYBRIDLM_CASE(2, 3, 4, 1)
@@ -436,7 +457,8 @@ auto binding() {
       .Attr<int64_t>("stages")
       .Attr<int64_t>("k_sub")
       .Attr<int64_t>("swap")
-      .Attr<int64_t>("arith");
+      .Attr<int64_t>("arith")
+      .Attr<int64_t>("swiglu");
 }
 
 }  // namespace

@@ -116,6 +116,18 @@ def test_dequantization_arithmetic_is_exact():
         np.testing.assert_array_equal(got, np.asarray(want[0, 0].view(jnp.uint16)))
 
 
+@pytest.mark.parametrize("k_major", [True, False])
+def test_interleave_gate_up_pairs_each_gate_column_with_its_up_column(k_major):
+    groups, k, ffn = 2, 64, 128
+    w = jax.random.normal(jax.random.PRNGKey(1), (groups, k, 2 * ffn), jnp.float32)
+    qw = quantize_int4(w, k_major=k_major)
+    got = np.asarray(cuda_gmm.interleave_gate_up(qw).dequantize())
+    want = np.asarray(qw.dequantize())
+    for b in range(ffn // 8):   # every 16 columns: gate 8 b .. 8 b + 7, then up 8 b .. 8 b + 7
+        np.testing.assert_array_equal(got[..., 16 * b:16 * b + 8], want[..., 8 * b:8 * b + 8])
+        np.testing.assert_array_equal(got[..., 16 * b + 8:16 * b + 16], want[..., ffn + 8 * b:ffn + 8 * b + 8])
+
+
 def test_repack_rejects_what_the_kernel_cannot_take():
     w = jnp.zeros((2, 64, 96), jnp.float32)
     with pytest.raises(ValueError, match="n % 128"):
