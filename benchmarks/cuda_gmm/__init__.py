@@ -8,6 +8,8 @@ Not part of the library: `hybridlm` and `pallas_kernels` never import it. It nee
     build()                                   # once per process
     packed = repack(rhs)                      # rhs: QuantizedWeights, once (like a weight load)
     out = gmm_dequant(lhs, packed, group_sizes)   # lhs [m, k] bf16 sorted by group -> [m, n] bf16
+    gu = repack(w_gate_up, swiglu=True)       # [groups, k, 2 ffn] -> silu(x W_gate) * (x W_up), [m, ffn]
+    fast = repack(rhs, arith="bf16")          # 4-bit: bf16-pair arithmetic, not bit-exact (Packed.arith)
 
 Limits: bf16 lhs; float16 scales (the kernel's exact dequantization needs at most 11 significant bits);
 quantization blocks of 32; k a multiple of 64 (of 64 k_sub for a configuration's k_sub), n a multiple of 128.

@@ -20,7 +20,9 @@
 // Work decomposition: one CTA of 8 warps per (128 output columns, group), looping over the group's rows in
 // passes of MT * 16 rows; warp w owns columns [16 w, 16 w + 16) of the CTA's 128 and all the pass's rows, as
 // m16 tiles (out = x W) or, SWAP, n8 tiles (out^T = W^T x^T). The k loop runs in stages of 64 KSUB.
-// Measured on an H100 beside the Pallas kernel: docs/benchmarks_gmm.md, "2026-11-26 late night".
+// With swiglu (SWAP only) the weights are a gate_up whose columns `repack` interleaved, and the epilogue writes
+// silu(gate) * up from the f32 accumulators. Measured on an H100 beside the Pallas kernel: docs/benchmarks_gmm.md,
+// "2026-11-26 late night".
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
