@@ -134,8 +134,11 @@ def overflow(rows: list) -> None:
     lhs, q, gs = workloads.make_inputs(wl, weights="int4", on_device_rng=True, seed=7)
     want = reference.gmm_reference(lhs, q.dequantize(jnp.bfloat16), gs, preferred_element_type=jnp.float32)
     got = gmm_dequant(lhs, repack(q), gs.at[-1].add(100))
+    # a negative size (group 0: -5) shifts every offset below 0 for group 0 only: its rows are none
+    neg = gmm_dequant(lhs, repack(q), gs.at[0].set(-5))
     row = {"check": "overflow", "rel_err_cuda": round(rel_err(got, want), 6),
-           "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))}
+           "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))) & jnp.all(jnp.isfinite(
+               neg.astype(jnp.float32))))}
     rows.append(row)
     print(row, flush=True)
 

@@ -372,8 +372,9 @@ __global__ void __launch_bounds__(THREADS, 2)
     }
     return;
   }
-  // clamped to m: group sizes that add up to more than m must not make the kernel read or write past x / out
-  const int r0 = min(offsets[g], m), r1 = min(offsets[g + 1], m);
+  // clamped to [0, m]: group sizes that add up to more than m, or negative ones, must not make the kernel read
+  // or write outside x / out
+  const int r0 = max(0, min(offsets[g], m)), r1 = max(0, min(offsets[g + 1], m));
   if (r1 <= r0) return;
   const size_t cta = static_cast<size_t>(g) * (n / BN) + nb;
   Pass p{x, codes + cta * (k / BK) * (THREADS * S::kCodeWords), scales + cta * (k / BK) * (S::kScaleBlockBytes / 16),
