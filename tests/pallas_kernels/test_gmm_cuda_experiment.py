@@ -1,16 +1,18 @@
 """CPU checks of the CUDA grouped-matmul experiment (`benchmarks/cuda_gmm`): its kernel runs only on a Hopper
-GPU (`benchmarks/gmm_cuda.py` checks it there, bit for bit), so here the two things it rests on are checked
-against the library's own quantized weights:
+GPU (`benchmarks/gmm_cuda.py` checks it there, bit for bit), so here what it rests on is checked against the
+library's own quantized weights:
 
 1. `repack`'s layout, read back with the kernel's index arithmetic (thread, word, nibble or byte -> k, column),
    for exact and bf16-pair arithmetic;
 2. the kernel's dequantization arithmetic (a code placed in the mantissa of a power of two, then one
    subtraction and one fma, or one byte permute and one fma), emulated in numpy, against
    `QuantizedWeights.dequantize(bfloat16)` bit for bit, for every code value;
+3. the gate / up column interleave that the SwiGLU epilogue reads;
 
 and, where nvcc exists, that the source compiles for sm_90a.
 """
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -24,7 +26,7 @@ import support
 from pallas_kernels.quantized import QuantizedWeights, quantize_int4, quantize_int8
 
 support.load_benchmark("bench_io")  # puts benchmarks/ on sys.path
-cuda_gmm = pytest.importorskip("cuda_gmm")
+cuda_gmm = importlib.import_module("cuda_gmm")  # an import error fails the module, it does not skip it
 
 
 def _unpack(packed, groups, k, n):
