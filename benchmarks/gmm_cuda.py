@@ -53,9 +53,9 @@ def exactness(rows: list) -> None:
         for g, c in [(g, c) for g in (0, GROUPS - 1) for c in CONFIGS]:
             gs = jnp.zeros((GROUPS,), jnp.int32).at[g].set(K)
             got = gmm_dequant(eye, packed, gs, config=c)
-            same = bool(jnp.all(lax_bits(got) == lax_bits(want[g])))
+            differing = int(jnp.sum(lax_bits(got) != lax_bits(want[g])))
             row = {"check": "exact_dequant", "weights": name, "arith": arith, "group": g, "config": c,
-                   "bitwise_equal": same, "differing": int(jnp.sum(lax_bits(got) != lax_bits(want[g]))),
+                   "bitwise_equal": differing == 0, "differing": differing,
                    "max_abs_diff": float(jnp.max(jnp.abs(got.astype(jnp.float32) - want[g].astype(jnp.float32))))}
             rows.append(row)
             print(row, flush=True)
@@ -75,50 +75,34 @@ def lax_bits(a):
     return jax.lax.bitcast_convert_type(a, jnp.uint16)
 
 
-def accuracy(rows: list) -> None:
-    for layout in ("router", "one_group", "empty_groups", "partial", "first_last"):
-        wl = workloads.Workload(name=f"check_{layout}", m=1536, k=K, n=N, groups=GROUPS, layout=layout,
+def accuracy(rows: list, *, swiglu: bool = False) -> None:
+    """Every configuration on router-skewed and adversarial layouts against the f32 reference on the dequantized
+    weights (for the bf16 arithmetic, on its own weights; the error against the exact weights beside), with the
+    Pallas kernel's error against the exact weights. swiglu: the SwiGLU epilogue (`repack(swiglu=True)`, swap
+    configurations) against `gmm_swiglu`'s reference, beside the Pallas `gmm_swiglu`."""
+    if swiglu:
+        layouts, n, seed = ("router", "partial", "empty_groups"), N // 2, 9
+        ref, pallas_fn = reference.gmm_swiglu_reference, pallas_triton.gmm_swiglu_pallas
+    else:
+        layouts, n, seed = ("router", "one_group", "empty_groups", "partial", "first_last"), N, 5
+        ref, pallas_fn = reference.gmm_reference, pallas_triton.gmm_pallas
+    prefix = "swiglu_" if swiglu else ""
+    for layout in layouts:
+        wl = workloads.Workload(name=f"{prefix or 'check_'}{layout}", m=1536, k=K, n=n, groups=GROUPS, layout=layout,
                                 routed_rows=1200 if layout == "partial" else None)
         for kind, arith in (("int8", "exact"), ("int4", "exact"), ("int4", "bf16")):
-            lhs, q, gs = workloads.make_inputs(wl, weights=kind, on_device_rng=True, seed=5)
+            lhs, q, gs = workloads.make_inputs(wl, weights=kind, swiglu=swiglu, on_device_rng=True, seed=seed)
             exact_w = q.dequantize(jnp.bfloat16)
-            want = reference.gmm_reference(lhs, exact_w if arith == "exact" else bf16_arith_weights(q), gs,
-                                           preferred_element_type=jnp.float32)
-            want_exact = reference.gmm_reference(lhs, exact_w, gs, preferred_element_type=jnp.float32)
-            packed = repack(q, arith)
-            pallas = pallas_triton.gmm_pallas(lhs, q, gs)
+            want = ref(lhs, exact_w if arith == "exact" else bf16_arith_weights(q), gs,
+                       preferred_element_type=jnp.float32)
+            want_exact = ref(lhs, exact_w, gs, preferred_element_type=jnp.float32)
+            packed = repack(q, arith, swiglu=swiglu)
+            pallas = pallas_fn(lhs, q, gs)
             routed = int(jnp.sum(gs))
-            for c in CONFIGS:
+            for c in [c for c in CONFIGS if c[3] or not swiglu]:
                 got = gmm_dequant(lhs, packed, gs, config=c)
-                row = {"check": "accuracy", "layout": layout, "weights": kind, "arith": arith, "config": c, "m": wl.m,
-                       "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
-                       "rel_err_pallas": round(rel_err(pallas, want_exact), 6),
-                       "rel_err_cuda_vs_exact_weights": round(rel_err(got, want_exact), 6),
-                       "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
-                       "tail_zero": bool(jnp.all(got[routed:] == 0))}
-                rows.append(row)
-                print(row, flush=True)
-
-
-def swiglu_checks(rows: list) -> None:
-    """The SwiGLU epilogue (`repack(swiglu=True)`, swap configurations) against the f32 reference
-    silu(x W_gate) * (x W_up) on the dequantized weights, beside the Pallas `gmm_swiglu`'s error."""
-    for layout in ("router", "partial", "empty_groups"):
-        wl = workloads.Workload(name=f"swiglu_{layout}", m=1536, k=K, n=N // 2, groups=GROUPS, layout=layout,
-                                routed_rows=1200 if layout == "partial" else None)
-        for kind, arith in (("int8", "exact"), ("int4", "exact"), ("int4", "bf16")):
-            lhs, q, gs = workloads.make_inputs(wl, weights=kind, swiglu=True, on_device_rng=True, seed=9)
-            exact_w = q.dequantize(jnp.bfloat16)
-            want = reference.gmm_swiglu_reference(lhs, exact_w if arith == "exact" else bf16_arith_weights(q), gs,
-                                                  preferred_element_type=jnp.float32)
-            want_exact = reference.gmm_swiglu_reference(lhs, exact_w, gs, preferred_element_type=jnp.float32)
-            pallas = pallas_triton.gmm_swiglu_pallas(lhs, q, gs)
-            packed = repack(q, arith, swiglu=True)
-            routed = int(jnp.sum(gs))
-            for c in [c for c in CONFIGS if c[3]]:
-                got = gmm_dequant(lhs, packed, gs, config=c)
-                row = {"check": "accuracy", "layout": "swiglu_" + layout, "weights": kind, "arith": arith,
-                       "config": c, "m": wl.m, "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
+                row = {"check": "accuracy", "layout": prefix + layout, "weights": kind, "arith": arith, "config": c,
+                       "m": wl.m, "routed": routed, "rel_err_cuda": round(rel_err(got, want), 6),
                        "rel_err_pallas": round(rel_err(pallas, want_exact), 6),
                        "rel_err_cuda_vs_exact_weights": round(rel_err(got, want_exact), 6),
                        "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))),
@@ -133,9 +117,10 @@ def overflow(rows: list) -> None:
     wl = workloads.Workload(name="check_overflow", m=1536, k=K, n=N, groups=GROUPS)
     lhs, q, gs = workloads.make_inputs(wl, weights="int4", on_device_rng=True, seed=7)
     want = reference.gmm_reference(lhs, q.dequantize(jnp.bfloat16), gs, preferred_element_type=jnp.float32)
-    got = gmm_dequant(lhs, repack(q), gs.at[-1].add(100))
+    packed = repack(q)
+    got = gmm_dequant(lhs, packed, gs.at[-1].add(100))
     # a negative size (group 0: -5) shifts every offset below 0 for group 0 only: its rows are none
-    neg = gmm_dequant(lhs, repack(q), gs.at[0].set(-5))
+    neg = gmm_dequant(lhs, packed, gs.at[0].set(-5))
     row = {"check": "overflow", "rel_err_cuda": round(rel_err(got, want), 6),
            "finite": bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))) & jnp.all(jnp.isfinite(
                neg.astype(jnp.float32))))}
@@ -249,7 +234,7 @@ def main():
     if not args.no_checks:
         exactness(rows)
         accuracy(rows)
-        swiglu_checks(rows)
+        accuracy(rows, swiglu=True)
         overflow(rows)
     hbm = copy_bandwidth()
     doc["copy_GBps"] = round(hbm / 1e9, 1)

@@ -44,9 +44,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 fills the 16 bytes with zeros and reads nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -160,7 +159,7 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
     for (int j = 0; j < S::kXIters; ++j) {
       if (j * S::kXRowsPerIter < MTA * 16 && x_row + j * S::kXRowsPerIter < p.rows) {
         cp_async16(base + x_dst + j * S::kXRowsPerIter * S::kXRowBytes,
-                   xsrc + static_cast<size_t>(j * S::kXRowsPerIter) * p.k, true);
+                   xsrc + static_cast<size_t>(j * S::kXRowsPerIter) * p.k);
       }
     }
     const uint4* csrc = p.codes_g + static_cast<size_t>(ks) * KSUB * THREADS * S::kCodeWords;
@@ -169,11 +168,11 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
 #pragma unroll
       for (int w = 0; w < S::kCodeWords; ++w) {
         const int i = (u * THREADS + tid) * S::kCodeWords + w;
-        cp_async16(base + S::kXBytes + i * 16, csrc + i, true);
+        cp_async16(base + S::kXBytes + i * 16, csrc + i);
       }
     if (tid < S::kScaleBytes / 16) {
       cp_async16(base + S::kXBytes + S::kCodeBytes + tid * 16,
-                 p.scales_g + static_cast<size_t>(ks) * (S::kScaleBytes / 16) + tid, true);
+                 p.scales_g + static_cast<size_t>(ks) * (S::kScaleBytes / 16) + tid);
     }
   };
   float acc[TILES][NACC][4];
@@ -240,7 +239,7 @@ __device__ __forceinline__ void run_pass(const Pass& p) {
           for (int nt = 0; nt < 2; ++nt) {
             if constexpr (BITS == 4) {
               // word (blk, nt) holds the 8 codes of this thread's column in quantization block blk, nibble
-              // 4 sub + 2 j + e = k offset 16 sub + 8 j + 2 (lane % 4) + e
+              // 4 sub + 2 j + e = k offset 16 sub + 8 j + 2 (lane % 4) + e (ARITH: at bits 4 (2 sub + j) + 16 e)
               const uint32_t w = (&code0.x)[blk * 2 + nt];
               if constexpr (ARITH) {
 #pragma unroll
