@@ -26,31 +26,61 @@ PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
 
 
 class StaticGraph:
-    """An nnx `GraphDef` as a static jit argument whose hash is computed once.
+    """An nnx `GraphDef` (and the treedef of its weights) as a static jit argument whose hash is computed once.
 
     jit hashes its static arguments on every call, and a GraphDef hashes its whole node list each time: ~1 ms per
     call for the whole 40-layer model on this repository's CI machine, ~3 ms of host time per one-token step
     through the 121 layer-phase calls on the H100 machine (2026-11-26, docs/benchmarks.md, "Decode"). The runner
     makes one `StaticGraph` per distinct graph, so that layers of one type pass the same object and jit's key
     comparison stops at identity.
+
+    With `treedef` (the layer runner's form, `flat_layer`) the weights travel as a flat tuple of arrays, which jit
+    flattens in C++, rather than as an nnx `State`, whose Variables flatten through Python: ~0.2-0.5 ms of host
+    time per call on the H100 machine, a few ms per layer of an offloaded decode step (2026-11-27,
+    docs/offload.md).
     """
 
-    __slots__ = ("_hash", "graphdef")
+    __slots__ = ("_hash", "graphdef", "treedef")
 
-    def __init__(self, graphdef):
+    def __init__(self, graphdef, treedef=None):
         self.graphdef = graphdef
-        self._hash = hash(graphdef)
+        self.treedef = treedef
+        self._hash = hash((graphdef, treedef))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
         return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
-                                 and self.graphdef == other.graphdef)
+                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
 
     def merge(self, params):
-        """The module: `nnx.merge(graphdef, params)`."""
+        """The module: `nnx.merge(graphdef, params)`; `params` is an nnx State, or the flat tuple of its leaves
+        when the graph has a treedef."""
+        if self.treedef is not None and isinstance(params, (list, tuple)):
+            params = jax.tree_util.tree_unflatten(self.treedef, params)
         return nnx.merge(self.graphdef, params)
+
+    def params(self, leaves):
+        """The nnx State of a flat tuple of leaves (graphs with a treedef)."""
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+# Every runner's StaticGraphs, one per (graph, weight structure): layers of one type, in this runner or in any
+# later one (a notebook's second runner, a benchmark's next configuration), pass the same object, so jit's cache
+# lookup stops at identity. A copy per runner would compare whole GraphDefs on every call (~90 us each, seen in
+# a profile of the H100 machine, 2026-11-27).
+_GRAPHS: dict = {}
+
+
+def flat_layer(graphs: dict, graphdef, params) -> tuple[StaticGraph, tuple]:
+    """(graph, weights as a flat tuple of leaves) of one layer, the graph shared through `graphs` by every layer
+    of the same graph and weight structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    key = (graphdef, treedef)
+    if key not in graphs:
+        graphs[key] = StaticGraph(graphdef, treedef)
+    return graphs[key], tuple(leaves)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -155,8 +185,8 @@ class LayerwiseRunner:
         graphdef, params = nnx.split(model)
         params = commit(params)          # once: the per-layer views below hold these same arrays
         committed = nnx.merge(graphdef, params)
-        graphs: dict = {}      # one StaticGraph per distinct graph (all GDN layers share one)
-        self.layers = [(graphs.setdefault(g, StaticGraph(g)), p)                 # [(graph, params)]
+        self._graphs = _GRAPHS       # one StaticGraph per distinct graph (all GDN layers share one)
+        self.layers = [flat_layer(self._graphs, g, p)               # [(graph, flat weights)]
                        for g, p in (nnx.split(layer) for layer in committed.layers)]
         self.embed_table = committed.embed[...]
         self.whole = (StaticGraph(graphdef), params)

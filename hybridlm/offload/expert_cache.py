@@ -133,11 +133,26 @@ class ExpertLayout:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _write_slots(layout: ExpertLayout, pool, staged: jax.Array, slots: jax.Array):
+def _scatter_slots(layout: ExpertLayout, pool, staged: jax.Array, slots: jax.Array):
     """pool[slots[j]] = unpack(staged[j]) for staged uint8 [m, nbytes]; slots past the pool are dropped."""
     values = layout.unpack(staged)                     # leaves [m, ...]
     return jax.tree_util.tree_map(lambda p, v: p.at[slots].set(v.astype(p.dtype), mode="drop"), pool, values)
+
+
+_write_slots = jax.jit(_scatter_slots, static_argnums=0, donate_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=1)
+def _copy_rows_into_pool(layout: ExpertLayout, pool, host_buf: jax.Array, table: jax.Array, batch: jax.Array,
+                         at: tuple[int, int], m: int):
+    """Copy batch `batch` of `table` (see `ExpertCache.copy_rows`) from `host_buf` into the pool, in one program:
+    each row a dynamic slice of the pinned host buffer moved to the device (an asynchronous copy of just that
+    row), then one scatter into the pool; slots past the pool are dropped (padding)."""
+    base, width = at
+    rows_slots = jax.lax.dynamic_slice_in_dim(table, base + batch * 2 * width, 2 * width).reshape(2, width)
+    rows = [jax.device_put(jax.lax.dynamic_index_in_dim(host_buf, rows_slots[0, j], keepdims=False),
+                           jax.memory.Space.Device) for j in range(m)]
+    return _scatter_slots(layout, pool, jnp.stack(rows), rows_slots[1, :m])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,7 +303,9 @@ class LayerStats:
     prefetch_used: int = 0    # prefetched experts that the router then asked for (counted in misses)
     evictions: int = 0
     bytes_h2d: int = 0        # host -> device bytes copied
-    stall_s: float = 0.0      # seconds the host waited for this layer's copies before its experts (exact mode)
+    stall_s: float = 0.0      # seconds the host waited for this layer's staged copies before its experts
+                              # (exact mode with prefetch="layer"; other exact-mode copies go straight into
+                              # the pool and the host waits for none: 0)
 
     def add(self, other: LayerStats) -> None:
         for f in dataclasses.fields(self):
@@ -434,6 +451,37 @@ class ExpertCache:
         if slots.shape != (staged.shape[0],):
             raise ValueError(f"{staged.shape[0]} staged experts but {slots.shape[0]} slots")
         self.pool = _write_slots(self.layout, self.pool, staged, slots)
+
+    def copy_rows(self, host_buf: jax.Array, table: jax.Array, batch: jax.Array, at: tuple[int, int], m: int) -> None:
+        """Enqueues pool[slots[j]] = host_buf[rows[j]] for j < m as ONE program: the row copies host -> device and
+        the scatter into the pool, with no staging buffer and no separate write.
+
+        Args:
+          host_buf: uint8 [experts, nbytes] in pinned host memory.
+          table: int32 device array holding, from `at[0] + batch * 2 * at[1]`, `at[1]` rows of `host_buf` then
+            their `at[1]` pool slots; rows past m are not read (padding: a slot past the pool is dropped). One
+            table serves every batch of a layer, so the indices cross to the device once per layer.
+          batch: int32 device scalar, the batch within `table`.
+          at: (base, width) of the batches in `table` (static).
+          m: rows copied (static; a power of two keeps the compiled shapes few).
+
+        Measured on an H100 (2026-11-27, docs/offload.md): a separate row-copy program and pool write cost
+        ~0.2-0.5 ms of host time each per call, and a numpy index array ~0.1 ms more per program.
+        """
+        self.pool = _copy_rows_into_pool(self.layout, self.pool, host_buf, table, batch, at, m)
+
+    def compile_row_copies(self, host_buf: jax.Array, table: jax.Array, batch: jax.Array, at: tuple[int, int],
+                           max_rows: int) -> None:
+        """Compiles `copy_rows` for every power-of-two row count up to `max_rows`, with a `table` of the shape the
+        caller will use whose batch `batch` sends every row to a slot past the pool (the pool is unchanged), so
+        that no decode step or prefill compiles one while timed."""
+        m = 1
+        while True:
+            self.copy_rows(host_buf, table, batch, at, m)
+            if m >= max_rows:
+                break
+            m *= 2
+        jax.block_until_ready(self.pool)
 
     def compile_writes(self, sizes, sharding=None) -> None:
         """Compiles `write` for staged batches of each of `sizes` rows (writes zeros to slots past the pool,

@@ -8,20 +8,24 @@ Per chunk and layer i (see docs/offload.md):
        This is a device -> host sync per layer, inherent to routing-driven paging.
      - whole-layer mode (chunk tokens * top_k >= 4 * experts, where a chunk touches nearly every expert): all
        experts of the layer, no sync.
-  3. Misses get a slot (eviction by the cache policy) and are copied host -> device (whole host parts of a
-     layer, inside the jitted programs in whole-layer mode; a subset as row copies inside one jitted program);
-     then copies for the *next* layers are issued (prefetch, see below) so they run while this layer
-     computes; then (exact mode) the host waits for this layer's copies (measured as stall), the staged bytes
-     are written into the pool slots (one jitted scatter) and the grouped matmul runs on the experts gathered
-     out of the pool (the chunk's experts in exact mode, ids remapped; the layer in expert order in whole-layer
-     mode), or straight from the staged parts (a layer released after use), or on layers held outside the
-     pool (whole-layer mode: the static policy's pinned layers, or, when every expert fits the budget, as
-     many layers as fit beside the pool for any policy).
+  3. Misses get a slot (eviction by the cache policy) and are copied host -> device:
+     - exact mode: straight into their pool slots, one program per host part touched (row copies and the
+       scatter into the pool in one program, `ExpertCache.copy_rows`); then the copies of the next layer's
+       predicted experts, the same way. The host waits for none of them: the device runs each copy before the
+       programs that read the pool after it.
+     - whole-layer mode: whole host parts of a layer, inside the jitted programs; a partial layer as staged
+       row copies. Then copies for the *next* layers are issued (prefetch, see below) so that they run while
+       this layer computes; the staged bytes are written into the pool slots (one jitted scatter) when their
+       layer runs.
+     The grouped matmul runs on the experts gathered out of the pool (the chunk's experts in exact mode, ids
+     remapped; the layer in expert order in whole-layer mode), or straight from the staged parts (a layer
+     released after use), or on layers held outside the pool (whole-layer mode: the static policy's pinned
+     layers, or, when every expert fits the budget, as many layers as fit beside the pool for any policy).
   Prefetch: exact mode applies layer i+1's router to the hidden state after layer i's mixer (a prediction,
   read back together with layer i's ids); whole-layer mode streams whole layers i+1..i+depth (double
   buffering when depth = 1), on into the next chunk's first layers when `prefill` has more chunks to run.
-  Prefetched bytes wait in device staging buffers until their layer runs, so the compute stream never waits
-  on a copy it does not need yet.
+  In whole-layer mode prefetched bytes wait in device staging buffers until their layer runs, so the compute
+  stream never waits on a copy it does not need yet.
 
 Device memory: pool slots + staging buffers <= expert_budget. The trunk (embeddings, mixers, router, shared
 expert, head) stays on the device.
@@ -39,7 +43,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, _embed, _experts, _mix, _route
+from hybridlm.engine.runner import (
+    LayerwiseRunner,
+    PhaseTimer,
+    StaticGraph,
+    _embed,
+    _experts,
+    _mix,
+    _route,
+    flat_layer,
+)
 from hybridlm.model import HybridLM
 from hybridlm.offload.expert_cache import (
     POLICIES,
@@ -221,6 +234,19 @@ class HostExperts:
                 out.append((_gather_to_device(buf, local), rows))
         return out
 
+    def row_batches(self, layer: int, experts) -> list[tuple[jax.Array, np.ndarray, list[int]]]:
+        """Where `experts` (ids of `layer`, no repeats) lie: [(host part, int32 rows within it, their expert ids)],
+        one entry per part touched, split into batches of at most MAX_ROWS_PER_COPY rows."""
+        wanted = sorted(int(e) for e in experts)
+        out = []
+        for p, buf in enumerate(self.layers[layer]):
+            start = self.part_start[p]
+            mine = [e for e in wanted if start <= e < start + self.part_rows[p]]
+            for at in range(0, len(mine), MAX_ROWS_PER_COPY):
+                ids = mine[at:at + MAX_ROWS_PER_COPY]
+                out.append((buf, np.asarray(ids, np.int32) - start, ids))
+        return out
+
     def compile_row_copies(self, sharding=None) -> None:
         """Compiles the row-copy programs of every batch size `to_device` can use (copies a few rows)."""
         for p in sorted({self.part_rows.index(r) for r in self.part_rows}):
@@ -246,6 +272,26 @@ def _predict_ids(graph, params, h):
     layer = graph.merge(params)
     batch, seq, hidden = h.shape
     return layer.ffn.route(layer.post_norm(h).reshape(batch * seq, hidden))[1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _mix_route(graph, params, next_graph, next_params, x, state, start, num_valid):
+    """`_mix` then `_route` of one layer and, with a `next_graph`, `_predict_ids` of the next layer on the mixer's
+    output, in one program: exact mode's phases before its ids sync (one dispatch instead of three a layer)."""
+    x, state = _mix(graph, params, x, state, start, num_valid)
+    routed = _route(graph, params, x)
+    guess = None if next_graph is None else _predict_ids(next_graph, next_params, x)
+    return x, state, routed, guess
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _pool_experts_table(graph, params, pool, table, spec, h, u, weights, ids, num_valid):
+    """`_pool_experts` with (remap, gather) read from an exact-mode layer table (`OffloadedRunner._exact_table`):
+    remap = table[:experts]; gather = table[experts:experts + groups], or none when groups is 0. spec =
+    (experts, groups), static."""
+    experts, groups = spec
+    gather = table[experts:experts + groups] if groups else None
+    return _pool_experts(graph, params, pool, gather, table[:experts], h, u, weights, ids, num_valid)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -308,12 +354,13 @@ def _staged_experts(layout: ExpertLayout, graph, params, staged, h, u, weights, 
     return _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
-def _placeholder_experts(params):
-    """A copy of a layer's params tree whose expert weights are 1-element placeholders (no device memory)."""
-    params = jax.tree_util.tree_map(lambda x: x, params)
+def _placeholder_experts(graphs: dict, graph: StaticGraph, leaves: tuple) -> tuple[StaticGraph, tuple]:
+    """A layer's (graph, flat weights) with its expert weights replaced by 1-element placeholders (no device
+    memory)."""
+    params = jax.tree_util.tree_map(lambda x: x, graph.params(leaves))
     for name in ("experts_gate_up", "experts_down"):
         params["ffn"][name].set_value(jnp.zeros((1, 1, 1), jnp.float32))
-    return params
+    return flat_layer(graphs, graph.graphdef, params)
 
 
 class OffloadedRunner(LayerwiseRunner):
@@ -396,7 +443,7 @@ class OffloadedRunner(LayerwiseRunner):
         self.check_chunk(batch * (chunk_size or 1))      # before copying anything to the host
         self.host = host_experts if host_experts is not None else HostExperts.from_model(model)
         # Per-layer trunk params without expert weights: the runner holds no device copy of any expert.
-        self.layers = [(g, _placeholder_experts(p)) for g, p in self.layers]
+        self.layers = [_placeholder_experts(self._graphs, g, p) for g, p in self.layers]
         self.cache: ExpertCache | None = None
         self.held_layers: frozenset[int] = frozenset()     # whole-layer mode, static or all fit: held outside the pool
         self.held: dict[int, tuple] = {}                   # ... those loaded: layer -> (gate_up, down) on the device
@@ -489,6 +536,18 @@ class OffloadedRunner(LayerwiseRunner):
         self.host.compile_row_copies(self.dev_sharding)
         sizes = set(self.host.part_rows) | {1 << b for b in range(MAX_ROWS_PER_COPY.bit_length())}
         self.cache.compile_writes(sizes, self.dev_sharding)
+        # Exact mode's per-layer table (`_exact_table`): remap [E], gather [E], then copy batches of
+        # MAX_ROWS_PER_COPY rows and as many slots; at most ceil(E / 32) + parts batches for each of two layers.
+        E, C = self.num_experts, MAX_ROWS_PER_COPY
+        batches = 2 * (-(-E // C) + len(self.host.part_rows))
+        self._table_at, self._table_len = (2 * E, C), 2 * E + batches * 2 * C
+        self._batch_ids = [jax.device_put(np.int32(j), self.dev_sharding) for j in range(batches)]
+        template = np.zeros((self._table_len,), np.int32)
+        template[2 * E + C:2 * E + 2 * C] = self.cache.num_slots       # batch 0: every row dropped
+        template = jax.device_put(template, self.dev_sharding)
+        for p in sorted({self.host.part_rows.index(r) for r in self.host.part_rows}):
+            self.cache.compile_row_copies(self.host.layers[0][p], template, self._batch_ids[0], self._table_at,
+                                          min(C, self.host.part_rows[p]))
 
     # ----- statistics -----
     def _new_stats(self, kind: str) -> CacheStats:
@@ -608,18 +667,62 @@ class OffloadedRunner(LayerwiseRunner):
             issue.append(key)
         return issue
 
-    def _record_prefetch(self, pending: Staged, stats: CacheStats) -> None:
-        for key in pending.keys:
-            self._staged[key] = pending
+    def _count_prefetch(self, keys: list[Key], stats: CacheStats) -> None:
+        for key in keys:
             self.cache.speculative.add(key)
             s = stats.layers[key[0]]
             s.prefetched += 1
             s.bytes_h2d += self.expert_bytes
 
+    def _record_prefetch(self, pending: Staged, stats: CacheStats) -> None:
+        for key in pending.keys:
+            self._staged[key] = pending
+        self._count_prefetch(pending.keys, stats)
+
     def _prefetch(self, keys, protected: set, stats: CacheStats, layer_now: int) -> None:
         """Allocates slots for predicted `keys` and issues their copies; best effort within staging and slots."""
         for pending in self._stage(self._allocate_prefetch(keys, protected, stats, layer_now)):
             self._record_prefetch(pending, stats)
+
+    def _exact_table(self, layer: int, active: list[int], copies: list[Key]
+                     ) -> tuple[jax.Array, int, list[tuple[jax.Array, int]]]:
+        """Exact mode's one index table of `layer` (its experts `active` gathered out of the pool), moved to the
+        device in one transfer, and its copies.
+
+        `copies` (keys with slots allocated: this layer's misses and the next layer's predicted experts) go
+        host -> device straight into their pool slots, one program per host part touched (`ExpertCache.copy_rows`,
+        rows padded to a power of two). Nothing is staged and the host waits for none of them: the device runs
+        each copy before the programs that read the pool after it. Measured on an H100 (2026-11-27,
+        docs/offload.md): staged row copies and a pool write per batch, each program with its own numpy
+        indices, cost ~8 ms of host time per layer of an offloaded decode step.
+
+        Returns:
+          (int32 table [self._table_len] on the device: remap [E] at 0 and gather [E] at E for
+          `_pool_experts_table`, then the copy batches (rows, slots) of MAX_ROWS_PER_COPY each; the gather's
+          groups (0: none); [(host part, rows m)] per batch, in table order).
+        """
+        E, (base, width) = self.num_experts, self._table_at
+        table = np.zeros((self._table_len,), np.int32)
+        groups = 0
+        if layer not in self.held_layers:
+            gather, remap = self._pool_tables(layer, active)
+            table[:E] = remap
+            if gather is not None:
+                groups = len(gather)
+                table[E:E + groups] = gather
+        by_layer: dict[int, list[int]] = {}
+        for j, e in copies:
+            by_layer.setdefault(j, []).append(e)
+        batches = []
+        for j, experts in by_layer.items():
+            for buf, rows, ids in self.host.row_batches(j, experts):
+                n, m, at = len(rows), 1 << (len(rows) - 1).bit_length(), base + len(batches) * 2 * width
+                table[at:at + n], table[at + n:at + m] = rows, rows[0]
+                table[at + width:at + width + n] = [self.cache.slot_of[(j, e)] for e in ids]
+                table[at + width + n:at + width + m] = self.cache.num_slots
+                batches.append((buf, m))
+        assert len(batches) <= len(self._batch_ids), "exact-mode table too small"
+        return jax.device_put(table, self.dev_sharding), groups, batches
 
     def _pool_tables(self, layer: int, active: list[int] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(gather, remap) for `_pool_experts` (numpy: jit moves them; an eager jnp.asarray costs more host time).
@@ -748,30 +851,38 @@ class OffloadedRunner(LayerwiseRunner):
 
             if twins:
                 self._compile_twins("mix", graph, mix_args[2:], run_mix, len(taken))
+            exact = None
             if taken:
                 x, state, copied = timer(phase, run_mix, tuple(self.host.layers[j][p] for j, p in taken))
                 self._record_in_program(taken, copied, stats)
+            elif not whole:    # mixer, router and the next layer's prediction in one program (phase: the mixer's)
+                nxt = self.layers[i + 1] if use_router and i + 1 < num_layers else (None, None)
+                x, state, (u, weights, expert_ids), guess = timer(phase, _mix_route, graph, params, *nxt,
+                                                                  *mix_args[2:])
             else:
                 x, state = timer(phase, _mix, *mix_args)
             new_states.append(state)
-            u, weights, expert_ids = timer("router", _route, graph, params, x)
-
-            if not whole:
+            if whole:
+                u, weights, expert_ids = timer("router", _route, graph, params, x)
+            else:
                 # Which experts (this layer, from the router: a device -> host sync) and which to prefetch.
-                guess = _predict_ids(*self.layers[i + 1], x) if use_router and i + 1 < num_layers else None
                 needed = self._needed(np.asarray(expert_ids), batch, seq, nv)
                 keys = [(i, int(e)) for e in needed]
                 protected = set(keys) | set(self._staged)
                 demand = self._lookup(keys, s, protected) if i not in self.held_layers else []
-                batches = self._stage(demand)
-                s.bytes_h2d += len(demand) * self.expert_bytes
-                predicted: list[Key] = []
-                if guess is not None:
+                issue = []
+                if guess is not None:   # copied behind this layer's misses, into the pool too
                     predicted = [(i + 1, int(e)) for e in self._needed(np.asarray(guess), batch, seq, nv)]
-                if stream_layers:
+                    issue = self._allocate_prefetch(predicted, protected, stats, i)
+                table, groups, copies = self._exact_table(i, [e for _, e in keys], demand + issue)
+                for j, (buf, m) in enumerate(copies):
+                    cache.copy_rows(buf, table, self._batch_ids[j], self._table_at, m)
+                s.bytes_h2d += len(demand) * self.expert_bytes
+                self._count_prefetch(issue, stats)
+                exact = (table, (E, groups))
+                if stream_layers:       # whole next layers: staged, as in whole-layer mode
                     predicted = [(j, e) for j in range(i + 1, min(i + 1 + self.prefetch_depth, num_layers))
                                  for e in range(E)]
-                if predicted:     # issued now: they run behind this layer's copies and beside its compute
                     self._prefetch(predicted, protected, stats, i)
 
             # This layer's bytes: wait for those copied outside the programs (stall), write all into their slots,
@@ -780,9 +891,10 @@ class OffloadedRunner(LayerwiseRunner):
                 pending = self._staged.pop(key)
                 if not any(b is pending for b in batches):
                     batches.append(pending)
-            # In exact mode the host waits for them (the device is idle after the ids sync anyway; the wait is the
-            # stall). In whole-layer mode it does not: the device orders the copies before their use, while a
-            # host wait would let the queue of programs drain (seen in a trace of the H100 run).
+            # In exact mode (staged only with prefetch="layer": the router-predicted and on-demand copies went
+            # straight into the pool) the host waits for them (the device is idle after the ids sync anyway; the
+            # wait is the stall). In whole-layer mode it does not: the device orders the copies before their use,
+            # while a host wait would let the queue of programs drain (seen in a trace of the H100 run).
             outside = [b.buf for b in batches if not b.in_program]
             if outside and not whole:
                 t0 = time.perf_counter()
@@ -819,12 +931,19 @@ class OffloadedRunner(LayerwiseRunner):
             else:
                 for b in batches:
                     cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
-                gather, remap = self._pool_tables(i, None if whole else [e for _, e in keys])
-                args = (graph, params, cache.pool, gather, remap, x, u, weights, expert_ids, num_valid_dev)
+                if exact is not None:
+                    args = (graph, params, cache.pool, *exact, x, u, weights, expert_ids, num_valid_dev)
 
-                def run_experts(parts, args=args):
-                    return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
-                name, shapes = ("experts", gather is None, remap is None), args[2:9]
+                    def run_experts(parts, args=args):
+                        return _pool_experts_table(*args)
+                    name, shapes = ("experts_table", exact[1]), args[2:9]
+                else:
+                    gather, remap = self._pool_tables(i, None)
+                    args = (graph, params, cache.pool, gather, remap, x, u, weights, expert_ids, num_valid_dev)
+
+                    def run_experts(parts, args=args):
+                        return _pool_experts_copying(*args, parts) if parts else _pool_experts(*args)
+                    name, shapes = ("experts", gather is None, remap is None), args[2:9]
             taken = self._pop_parts(i, 1) if twins else []
             if twins:
                 self._compile_twins(name, graph, shapes, run_experts, len(taken))

@@ -174,3 +174,17 @@ def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
             decode_programs = runner_lib._decode._cache_size()
     assert_finite(logits)
     assert runner_lib._decode._cache_size() == decode_programs
+
+
+def test_runners_share_layer_graphs_and_pass_flat_weights(tiny_model, tiny_runner):
+    """Every runner's layers of one type pass the same StaticGraph object (jit's cache lookup stops at
+    identity, no GraphDef comparison) and their weights as a flat tuple of arrays (flattened by jit in C++)."""
+    from hybridlm.engine.runner import LayerwiseRunner
+
+    other = LayerwiseRunner(tiny_model)
+    assert all(g is h for (g, _), (h, _) in zip(tiny_runner.layers, other.layers))
+    assert len({id(g) for g, _ in other.layers}) == len(set(tiny_model.config.layer_types))
+    for graph, leaves in other.layers:
+        assert isinstance(leaves, tuple) and all(isinstance(x, jax.Array) for x in leaves)
+        assert graph.merge(leaves).ffn.router.get_value().shape == (tiny_model.config.hidden_dim,
+                                                                  tiny_model.config.moe.num_experts)

@@ -1,5 +1,7 @@
 """Expert cache bookkeeping: policies, byte sizes, budgets, statistics across prompts."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from offload_helpers import assert_stats_add_up
@@ -113,8 +115,9 @@ def test_experts_live_in_pinned_host_memory(tiny, host_experts):
         tiny.config.num_layers
     moe, hidden = tiny.config.moe, tiny.config.hidden_dim
     assert host_experts.layout.nbytes == 3 * hidden * moe.expert_ffn_dim * 4    # float32 gate, up, down
-    for _, params in runner.layers:   # the runner's per-layer trees hold no expert weights
-        assert params["ffn"]["experts_gate_up"].get_value().size == 1
+    for graph, leaves in runner.layers:   # the runner's per-layer weights hold no expert weights
+        assert graph.params(leaves)["ffn"]["experts_gate_up"].get_value().size == 1
+        assert isinstance(leaves, tuple) and all(isinstance(x, jax.Array) for x in leaves)
 
 
 def test_reuse_across_prompts_and_stats_reset(tiny, host_experts, prompts):
@@ -189,3 +192,57 @@ def test_copy_queue_spreads_parts_over_the_programs_before_each_deadline(tiny, h
     assert runner._queue[0] == (2, MAX_PARTS_PER_PROGRAM)          # in order, earliest deadline first
     runner._queue = []
     assert runner._pop_parts(0, 0) == []
+
+
+@pytest.mark.parametrize("rows", [[3], [2, 0], [1, 3, 0]])
+def test_copy_rows_writes_host_rows_into_their_slots(host_experts, rows):
+    """`ExpertCache.copy_rows`: the rows of a pinned host part land in their pool slots, bit for bit; the
+    padding rows (a power of two) go to a slot past the pool and change nothing else."""
+    layout, part = host_experts.layout, host_experts.layers[2][1]
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    cache = ExpertCache(layout, 6, "lru", num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS, sharding=sharding)
+    before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(cache.pool)]
+    slots = [4, 1, 5][:len(rows)]
+    width, base = 4, 3
+    m = 1 << (len(rows) - 1).bit_length()
+    table = np.full((base + 2 * 2 * width,), -7, np.int32)      # batch 1 of two; batch 0 unused
+    at = base + 2 * width
+    table[at:at + len(rows)], table[at + len(rows):at + m] = rows, rows[0]
+    table[at + width:at + width + len(rows)], table[at + width + len(rows):at + width + m] = slots, 6
+    cache.copy_rows(part, jax.device_put(table, sharding), jax.device_put(np.int32(1), sharding), (base, width), m)
+    want = layout.unpack(jnp.asarray(np.asarray(part)[rows]))
+    for leaf, old, new in zip(jax.tree_util.tree_leaves(cache.pool), before, jax.tree_util.tree_leaves(want)):
+        got = np.asarray(leaf)
+        np.testing.assert_array_equal(got[slots], np.asarray(new))
+        others = [s for s in range(6) if s not in slots]
+        np.testing.assert_array_equal(got[others], old[others])
+
+
+def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, host_experts, prompts,
+                                                                         monkeypatch):
+    """An offloaded decode step (exact mode, router prefetch) copies its experts straight into the pool: no
+    staged batches, no pool writes, one index table moved to the device per layer, at most one copy program
+    per host part of the layer and of the next; the mixer, router and prediction run as one program."""
+    from hybridlm.offload import scheduler
+
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
+                             host_experts=host_experts)
+    pre = hybridlm.prefill(runner, prompts["short"], chunk_size=16, max_new_tokens=2)
+    calls = {"write": 0, "copy_rows": 0, "table": 0, "mix_route": 0}
+    for name in ("write", "copy_rows"):
+        fn = getattr(ExpertCache, name)
+        monkeypatch.setattr(ExpertCache, name, lambda self, *a, _fn=fn, _n=name: calls.__setitem__(
+            _n, calls[_n] + 1) or _fn(self, *a))
+    table_fn, mix_fn = OffloadedRunner._exact_table, scheduler._mix_route
+    monkeypatch.setattr(OffloadedRunner, "_exact_table",
+                        lambda self, *a: calls.__setitem__("table", calls["table"] + 1) or table_fn(self, *a))
+    monkeypatch.setattr(scheduler, "_mix_route",
+                        lambda *a: calls.__setitem__("mix_route", calls["mix_route"] + 1) or mix_fn(*a))
+    token = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
+    hybridlm.decode_step(runner, token, pre.states, len(prompts["short"]))
+    stats = runner.stats()["decode"]
+    assert calls["write"] == 0 and calls["table"] == calls["mix_route"] == NUM_LAYERS
+    assert 0 < calls["copy_rows"] <= NUM_LAYERS * 2 * HOST_PARTS
+    assert stats["misses"] > 0 and stats["prefetched"] > 0 and stats["stall_s"] == 0.0
+    assert_stats_add_up(stats, eb)

@@ -321,13 +321,12 @@ def test_exact_mode_gathers_only_the_chunks_experts(tiny, host_experts, referenc
     from hybridlm.offload import scheduler
 
     groups = []
-    fn = scheduler._pool_experts
-    monkeypatch.setattr(scheduler, "_pool_experts",
-                        lambda *a: groups.append((a[3].shape[0], a[4] is not None)) or fn(*a))
+    fn = scheduler._pool_experts_table     # exact mode's experts program: spec = (experts, gathered groups)
+    monkeypatch.setattr(scheduler, "_pool_experts_table", lambda *a: groups.append(a[4][1]) or fn(*a))
     ref = reference("short", 1)
     eb = expert_bytes(host_experts)
     runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
                              host_experts=host_experts)
     out = hybridlm.prefill(runner, prompts["short"], chunk_size=1)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
-    assert groups and set(groups) == {(TOP_K, True)}      # one token: its top_k experts, a power of two
+    assert groups and set(groups) == {TOP_K}      # one token: its top_k experts, a power of two
