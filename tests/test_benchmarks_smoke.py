@@ -54,6 +54,17 @@ def test_offload_trace_and_summary_smoke(tmp_path):
     assert summary["host_threads"] and all(t["busy_ms"] >= 0 for t in summary["host_threads"].values())
 
 
+def test_offload_decode_profile_smoke(tmp_path):
+    doc = _load("offload_decode_profile").main(["--preset", "tiny", "--budget", "1MiB", "--policies", "lru",
+                                                "--prompt-tokens", "16", "--decode-tokens", "4", "--top", "5",
+                                                "--out", str(tmp_path / "profile.json")])
+    (row,) = doc["rows"]
+    assert row["decode_tokens_per_s"] > 0 and 0 <= row["hit_rate"] <= 1 and row["bytes_h2d_per_step"] >= 0
+    assert row["stall_s"] == 0.0     # exact mode copies straight into the pool: the host waits for none
+    assert row["profile_top_tottime"][0].lstrip().startswith("ncalls") and len(row["profile_top_tottime"]) == 6
+    assert (tmp_path / "profile.json").exists()
+
+
 def test_cached_attention_loop_smoke():
     doc = _load("cached_attention_loop").main(["--chunk", "16", "--capacity", "64", "--heads", "4",
                                                "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"])
