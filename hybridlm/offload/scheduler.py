@@ -786,7 +786,10 @@ class OffloadedRunner(LayerwiseRunner):
 
     def forward_chunk(self, ids: jax.Array, states: list[LayerState], start, num_valid: int,
                       timer: PhaseTimer | None = None) -> tuple[jax.Array, list[LayerState]]:
-        """`LayerwiseRunner.forward_chunk` with experts paged from host memory (same arguments and results)."""
+        """`LayerwiseRunner.forward_chunk` with experts paged from host memory (same arguments and results).
+
+        With a timer, exact mode counts the router's time in the mixer's phase ("gdn" / "attention"): they run as
+        one program (`_mix_route`)."""
         timer = timer or PhaseTimer(False)
         batch, seq = ids.shape
         tokens = batch * seq
