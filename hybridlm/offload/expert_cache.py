@@ -143,16 +143,16 @@ _write_slots = jax.jit(_scatter_slots, static_argnums=0, donate_argnums=1)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=1)
-def _copy_rows_into_pool(layout: ExpertLayout, pool, host_buf: jax.Array, table: jax.Array, batch: jax.Array,
+def _copy_rows_into_pool(layout: ExpertLayout, pool, host_bufs: tuple, table: jax.Array, batch: jax.Array,
                          at: tuple[int, int], m: int):
-    """Copy batch `batch` of `table` (see `ExpertCache.copy_rows`) from `host_buf` into the pool, in one program:
-    each row a dynamic slice of the pinned host buffer moved to the device (an asynchronous copy of just that
-    row), then one scatter into the pool; slots past the pool are dropped (padding)."""
+    """Copy batch `batch` of `table` (see `ExpertCache.copy_rows`), m rows of each buffer of `host_bufs`, into the
+    pool in one program: each row a dynamic slice of a pinned host buffer moved to the device (an asynchronous
+    copy of just that row), then one scatter into the pool; slots past the pool are dropped (padding)."""
     base, width = at
     rows_slots = jax.lax.dynamic_slice_in_dim(table, base + batch * 2 * width, 2 * width).reshape(2, width)
-    rows = [jax.device_put(jax.lax.dynamic_index_in_dim(host_buf, rows_slots[0, j], keepdims=False),
-                           jax.memory.Space.Device) for j in range(m)]
-    return _scatter_slots(layout, pool, jnp.stack(rows), rows_slots[1, :m])
+    rows = [jax.device_put(jax.lax.dynamic_index_in_dim(buf, rows_slots[0, b * m + j], keepdims=False),
+                           jax.memory.Space.Device) for b, buf in enumerate(host_bufs) for j in range(m)]
+    return _scatter_slots(layout, pool, jnp.stack(rows), rows_slots[1, :len(rows)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -452,32 +452,33 @@ class ExpertCache:
             raise ValueError(f"{staged.shape[0]} staged experts but {slots.shape[0]} slots")
         self.pool = _write_slots(self.layout, self.pool, staged, slots)
 
-    def copy_rows(self, host_buf: jax.Array, table: jax.Array, batch: jax.Array, at: tuple[int, int], m: int) -> None:
-        """Enqueues pool[slots[j]] = host_buf[rows[j]] for j < m as ONE program: the row copies host -> device and
-        the scatter into the pool, with no staging buffer and no separate write.
+    def copy_rows(self, host_bufs: tuple, table: jax.Array, batch: jax.Array, at: tuple[int, int], m: int) -> None:
+        """Enqueues pool[slots[i]] = host_bufs[i // m][rows[i]] for i < len(host_bufs) * m as ONE program: the row
+        copies host -> device and the scatter into the pool, with no staging buffer and no separate write.
 
         Args:
-          host_buf: uint8 [experts, nbytes] in pinned host memory.
-          table: int32 device array holding, from `at[0] + batch * 2 * at[1]`, `at[1]` rows of `host_buf` then
-            their `at[1]` pool slots; rows past m are not read (padding: a slot past the pool is dropped). One
+          host_bufs: uint8 [experts, nbytes] arrays in pinned host memory (a tuple: one host part, or several
+            parts of a layer with m rows each).
+          table: int32 device array holding, from `at[0] + batch * 2 * at[1]`, `at[1]` rows (buffer b's m rows
+            at b * m) then their `at[1]` pool slots; a padding row goes to a slot past the pool (dropped). One
             table serves every batch of a layer, so the indices cross to the device once per layer.
           batch: int32 device scalar, the batch within `table`.
-          at: (base, width) of the batches in `table` (static).
-          m: rows copied (static; a power of two keeps the compiled shapes few).
+          at: (base, width) of the batches in `table` (static); len(host_bufs) * m <= width.
+          m: rows copied from each buffer (static; powers of two keep the compiled shapes few).
 
         Measured on an H100 (2026-11-27, docs/offload.md): a separate row-copy program and pool write cost
         ~0.2-0.5 ms of host time each per call, and a numpy index array ~0.1 ms more per program.
         """
-        self.pool = _copy_rows_into_pool(self.layout, self.pool, host_buf, table, batch, at, m)
+        self.pool = _copy_rows_into_pool(self.layout, self.pool, tuple(host_bufs), table, batch, at, m)
 
-    def compile_row_copies(self, host_buf: jax.Array, table: jax.Array, batch: jax.Array, at: tuple[int, int],
+    def compile_row_copies(self, host_bufs: tuple, table: jax.Array, batch: jax.Array, at: tuple[int, int],
                            max_rows: int) -> None:
-        """Compiles `copy_rows` for every power-of-two row count up to `max_rows`, with a `table` of the shape the
-        caller will use whose batch `batch` sends every row to a slot past the pool (the pool is unchanged), so
-        that no decode step or prefill compiles one while timed."""
+        """Compiles `copy_rows` for `host_bufs` and every power-of-two m up to `max_rows`, with a `table` of the
+        shape the caller will use whose batch `batch` sends every row to a slot past the pool (the pool is
+        unchanged), so that no decode step or prefill compiles one while timed."""
         m = 1
         while True:
-            self.copy_rows(host_buf, table, batch, at, m)
+            self.copy_rows(host_bufs, table, batch, at, m)
             if m >= max_rows:
                 break
             m *= 2

@@ -123,6 +123,7 @@ def _gather_to_device(host_layer: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 MAX_ROWS_PER_COPY = 32   # row copies per gather program: bounds its (unrolled) size and compile time
+PADDED_COPY_BYTES = 8 * 2**20   # exact mode: padding bytes one copy program over all of a layer's parts may move
 
 
 def power_of_two_parts(n: int, cap: int = MAX_ROWS_PER_COPY) -> list[int]:
@@ -546,8 +547,15 @@ class OffloadedRunner(LayerwiseRunner):
         template[2 * E + C:2 * E + 2 * C] = self.cache.num_slots       # batch 0: every row dropped
         template = jax.device_put(template, self.dev_sharding)
         for p in sorted({self.host.part_rows.index(r) for r in self.host.part_rows}):
-            self.cache.compile_row_copies(self.host.layers[0][p], template, self._batch_ids[0], self._table_at,
+            self.cache.compile_row_copies((self.host.layers[0][p],), template, self._batch_ids[0], self._table_at,
                                           min(C, self.host.part_rows[p]))
+        # A few rows from each of a layer's parts go as one program over all of them (`_copy_batches`).
+        parts = len(self.host.part_rows)
+        self._padded_max = 0
+        if parts > 1 and len(set(self.host.part_rows)) == 1:
+            self._padded_max = min(C // parts, 1 << (self.host.part_rows[0] - 1).bit_length())
+            self.cache.compile_row_copies(tuple(self.host.layers[0]), template, self._batch_ids[0], self._table_at,
+                                          self._padded_max)
 
     # ----- statistics -----
     def _new_stats(self, kind: str) -> CacheStats:
@@ -690,8 +698,7 @@ class OffloadedRunner(LayerwiseRunner):
         device in one transfer, and its copies.
 
         `copies` (keys with slots allocated: this layer's misses and the next layer's predicted experts) go
-        host -> device straight into their pool slots, one program per host part touched (`ExpertCache.copy_rows`,
-        rows padded to a power of two). Nothing is staged and the host waits for none of them: the device runs
+        host -> device straight into their pool slots (`ExpertCache.copy_rows`, `_copy_batches`). Nothing is staged and the host waits for none of them: the device runs
         each copy before the programs that read the pool after it. Measured on an H100 (2026-11-27,
         docs/offload.md): staged row copies and a pool write per batch, each program with its own numpy
         indices, cost ~8 ms of host time per layer of an offloaded decode step.
@@ -699,7 +706,7 @@ class OffloadedRunner(LayerwiseRunner):
         Returns:
           (int32 table [self._table_len] on the device: remap [E] at 0 and gather [E] at E for
           `_pool_experts_table`, then the copy batches (rows, slots) of MAX_ROWS_PER_COPY each; the gather's
-          groups (0: none); [(host part, rows m)] per batch, in table order).
+          groups (0: none); [(host buffers, rows m from each)] per batch, in table order).
         """
         E, (base, width) = self.num_experts, self._table_at
         table = np.zeros((self._table_len,), np.int32)
@@ -715,14 +722,35 @@ class OffloadedRunner(LayerwiseRunner):
             by_layer.setdefault(j, []).append(e)
         batches = []
         for j, experts in by_layer.items():
-            for buf, rows, ids in self.host.row_batches(j, experts):
-                n, m, at = len(rows), 1 << (len(rows) - 1).bit_length(), base + len(batches) * 2 * width
-                table[at:at + n], table[at + n:at + m] = rows, rows[0]
-                table[at + width:at + width + n] = [self.cache.slot_of[(j, e)] for e in ids]
-                table[at + width + n:at + width + m] = self.cache.num_slots
-                batches.append((buf, m))
+            for bufs, rows, ids, m in self._copy_batches(j, experts):
+                at = base + len(batches) * 2 * width
+                for b, (r, e) in enumerate(zip(rows, ids)):
+                    lo, n = at + b * m, len(r)
+                    table[lo:lo + n], table[lo + n:lo + m] = r, (r[0] if n else 0)
+                    table[lo + width:lo + width + n] = [self.cache.slot_of[(j, x)] for x in e]
+                    table[lo + width + n:lo + width + m] = self.cache.num_slots     # padding: dropped
+                batches.append((bufs, m))
         assert len(batches) <= len(self._batch_ids), "exact-mode table too small"
         return jax.device_put(table, self.dev_sharding), groups, batches
+
+    def _copy_batches(self, layer: int, experts: list[int]) -> list[tuple[tuple, list, list, int]]:
+        """The copy programs for `experts` of `layer`: [(host buffers, rows per buffer, expert ids per buffer, m)].
+
+        One program per host part touched (m = its rows rounded up to a power of two), or, when several parts
+        hold a few rows each, one program over all of the layer's parts with m rows from each (padding rows
+        dropped) if that pads at most PADDED_COPY_BYTES: each program saved is ~0.2 ms of host time, each
+        padding row ~45 us of copying on the H100 (2026-11-27, docs/offload.md)."""
+        found = self.host.row_batches(layer, experts)
+        parts = self.host.layers[layer]
+        if len(found) > 1 and self._padded_max:
+            m = 1 << (max(len(rows) for _, rows, _ in found) - 1).bit_length()
+            waste = len(parts) * m - sum(len(rows) for _, rows, _ in found)
+            if m <= self._padded_max and waste * self.expert_bytes <= PADDED_COPY_BYTES:
+                mine = {id(buf): (list(rows), ids) for buf, rows, ids in found}
+                rows = [mine.get(id(buf), ([], []))[0] for buf in parts]
+                ids = [mine.get(id(buf), ([], []))[1] for buf in parts]
+                return [(tuple(parts), rows, ids, m)]
+        return [((buf,), [list(rows)], [ids], 1 << (len(rows) - 1).bit_length()) for buf, rows, ids in found]
 
     def _pool_tables(self, layer: int, active: list[int] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(gather, remap) for `_pool_experts` (numpy: jit moves them; an eager jnp.asarray costs more host time).
@@ -878,8 +906,8 @@ class OffloadedRunner(LayerwiseRunner):
                     predicted = [(i + 1, int(e)) for e in self._needed(np.asarray(guess), batch, seq, nv)]
                     issue = self._allocate_prefetch(predicted, protected, stats, i)
                 table, groups, copies = self._exact_table(i, [e for _, e in keys], demand + issue)
-                for j, (buf, m) in enumerate(copies):
-                    cache.copy_rows(buf, table, self._batch_ids[j], self._table_at, m)
+                for j, (bufs, m) in enumerate(copies):
+                    cache.copy_rows(bufs, table, self._batch_ids[j], self._table_at, m)
                 s.bytes_h2d += len(demand) * self.expert_bytes
                 self._count_prefetch(issue, stats)
                 exact = (table, (E, groups))

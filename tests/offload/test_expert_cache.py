@@ -194,28 +194,56 @@ def test_copy_queue_spreads_parts_over_the_programs_before_each_deadline(tiny, h
     assert runner._pop_parts(0, 0) == []
 
 
-@pytest.mark.parametrize("rows", [[3], [2, 0], [1, 3, 0]])
+@pytest.mark.parametrize("rows", [[[3]], [[2, 0]], [[1, 3, 0]], [[2], [], [0, 3]]],
+                         ids=["one", "two", "three-padded", "parts"])
 def test_copy_rows_writes_host_rows_into_their_slots(host_experts, rows):
-    """`ExpertCache.copy_rows`: the rows of a pinned host part land in their pool slots, bit for bit; the
-    padding rows (a power of two) go to a slot past the pool and change nothing else."""
-    layout, part = host_experts.layout, host_experts.layers[2][1]
+    """`ExpertCache.copy_rows`: the rows of pinned host parts (one, or several with m rows each) land in their
+    pool slots, bit for bit; the padding rows go to a slot past the pool and change nothing else."""
+    layout, parts = host_experts.layout, host_experts.layers[2][:len(rows)]
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
     cache = ExpertCache(layout, 6, "lru", num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS, sharding=sharding)
     before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(cache.pool)]
-    slots = [4, 1, 5][:len(rows)]
-    width, base = 4, 3
-    m = 1 << (len(rows) - 1).bit_length()
+    slots = iter([4, 1, 5])
+    slots = [[next(slots) for _ in r] for r in rows]
+    m = 1 << (max(len(r) for r in rows) - 1).bit_length()
+    width, base = 8, 3
     table = np.full((base + 2 * 2 * width,), -7, np.int32)      # batch 1 of two; batch 0 unused
-    at = base + 2 * width
-    table[at:at + len(rows)], table[at + len(rows):at + m] = rows, rows[0]
-    table[at + width:at + width + len(rows)], table[at + width + len(rows):at + width + m] = slots, 6
-    cache.copy_rows(part, jax.device_put(table, sharding), jax.device_put(np.int32(1), sharding), (base, width), m)
-    want = layout.unpack(jnp.asarray(np.asarray(part)[rows]))
+    for b, (r, sl) in enumerate(zip(rows, slots)):
+        lo = base + 2 * width + b * m
+        table[lo:lo + m] = (r + [r[0] if r else 0] * m)[:m]
+        table[lo + width:lo + width + m] = (sl + [6] * m)[:m]
+    cache.copy_rows(tuple(parts), jax.device_put(table, sharding), jax.device_put(np.int32(1), sharding),
+                    (base, width), m)
+    flat = [s for sl in slots for s in sl]
+    want = layout.unpack(jnp.asarray(np.concatenate([np.asarray(p)[r] for p, r in zip(parts, rows) if r])))
     for leaf, old, new in zip(jax.tree_util.tree_leaves(cache.pool), before, jax.tree_util.tree_leaves(want)):
         got = np.asarray(leaf)
-        np.testing.assert_array_equal(got[slots], np.asarray(new))
-        others = [s for s in range(6) if s not in slots]
+        np.testing.assert_array_equal(got[flat], np.asarray(new))
+        others = [s for s in range(6) if s not in flat]
         np.testing.assert_array_equal(got[others], old[others])
+
+
+def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts):
+    """A few experts spread over a layer's parts go as one program over all of them; one part's rows, or
+    padding past PADDED_COPY_BYTES, as one program per part touched."""
+    from hybridlm.offload import scheduler
+
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, host_experts=host_experts)
+    hybridlm.prefill(runner, np.arange(8), chunk_size=8)      # builds the pool
+    per_part = NUM_EXPERTS // HOST_PARTS
+    (bufs, rows, ids, m), = runner._copy_batches(1, [0, per_part + 1, 3 * per_part])
+    assert bufs == tuple(host_experts.layers[1]) and m == 1
+    assert rows == [[0], [1], [], [0]] and ids == [[0], [per_part + 1], [], [3 * per_part]]
+    (bufs, rows, ids, m), = runner._copy_batches(1, [1, 2])             # one part
+    assert bufs == (host_experts.layers[1][0],) and rows == [[1, 2]] and m == 2
+    old = scheduler.PADDED_COPY_BYTES
+    try:
+        scheduler.PADDED_COPY_BYTES = eb - 1                            # no padding allowed
+        batches = runner._copy_batches(1, [0, per_part + 1])
+        assert [len(b[0]) for b in batches] == [1, 1]
+    finally:
+        scheduler.PADDED_COPY_BYTES = old
 
 
 def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, host_experts, prompts,
