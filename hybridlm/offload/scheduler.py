@@ -9,8 +9,9 @@ Per chunk and layer i (see docs/offload.md):
      - whole-layer mode (chunk tokens * top_k >= 4 * experts, where a chunk touches nearly every expert): all
        experts of the layer, no sync.
   3. Misses get a slot (eviction by the cache policy) and are copied host -> device:
-     - exact mode: straight into their pool slots, one program per host part touched (row copies and the
-       scatter into the pool in one program, `ExpertCache.copy_rows`); then the copies of the next layer's
+     - exact mode: straight into their pool slots, one program per host part touched, or one over all of the
+       layer's parts for a few rows in several (row copies and the scatter into the pool in one program,
+       `ExpertCache.copy_rows`); then the copies of the next layer's
        predicted experts, the same way. The host waits for none of them: the device runs each copy before the
        programs that read the pool after it.
      - whole-layer mode: whole host parts of a layer, inside the jitted programs; a partial layer as staged
