@@ -699,10 +699,11 @@ class OffloadedRunner(LayerwiseRunner):
         device in one transfer, and its copies.
 
         `copies` (keys with slots allocated: this layer's misses and the next layer's predicted experts) go
-        host -> device straight into their pool slots (`ExpertCache.copy_rows`, `_copy_batches`). Nothing is staged and the host waits for none of them: the device runs
-        each copy before the programs that read the pool after it. Measured on an H100 (2026-11-27,
-        docs/offload.md): staged row copies and a pool write per batch, each program with its own numpy
-        indices, cost ~8 ms of host time per layer of an offloaded decode step.
+        host -> device straight into their pool slots (`ExpertCache.copy_rows`, batched by `_copy_batches`).
+        Nothing is staged and the host waits for none of them: the device runs each copy before the programs
+        that read the pool after it. Measured on an H100 (2026-11-27, docs/offload.md): staged row copies and a
+        pool write per batch, each program with its own numpy indices, cost ~8 ms of host time per layer of an
+        offloaded decode step.
 
         Returns:
           (int32 table [self._table_len] on the device: remap [E] at 0 and gather [E] at E for
