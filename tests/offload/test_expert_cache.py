@@ -223,7 +223,7 @@ def test_copy_rows_writes_host_rows_into_their_slots(host_experts, rows):
         np.testing.assert_array_equal(got[others], old[others])
 
 
-def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts):
+def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts, monkeypatch):
     """A few experts spread over a layer's parts go as one program over all of them; one part's rows, or
     padding past PADDED_COPY_BYTES, as one program per part touched."""
     from hybridlm.offload import scheduler
@@ -237,13 +237,9 @@ def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts):
     assert rows == [[0], [1], [], [0]] and ids == [[0], [per_part + 1], [], [3 * per_part]]
     (bufs, rows, ids, m), = runner._copy_batches(1, [1, 2])             # one part
     assert bufs == (host_experts.layers[1][0],) and rows == [[1, 2]] and m == 2
-    old = scheduler.PADDED_COPY_BYTES
-    try:
-        scheduler.PADDED_COPY_BYTES = eb - 1                            # no padding allowed
-        batches = runner._copy_batches(1, [0, per_part + 1])
-        assert [len(b[0]) for b in batches] == [1, 1]
-    finally:
-        scheduler.PADDED_COPY_BYTES = old
+    monkeypatch.setattr(scheduler, "PADDED_COPY_BYTES", eb - 1)       # no padding allowed
+    batches = runner._copy_batches(1, [0, per_part + 1])
+    assert [len(b[0]) for b in batches] == [1, 1]
 
 
 def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, host_experts, prompts,
