@@ -58,7 +58,7 @@ class StaticGraph:
         """The module: `nnx.merge(graphdef, params)`; `params` is an nnx State, or the flat tuple of its leaves
         when the graph has a treedef."""
         if self.treedef is not None and isinstance(params, (list, tuple)):
-            params = jax.tree_util.tree_unflatten(self.treedef, params)
+            params = self.params(params)
         return nnx.merge(self.graphdef, params)
 
     def params(self, leaves):
@@ -73,14 +73,14 @@ class StaticGraph:
 _GRAPHS: dict = {}
 
 
-def flat_layer(graphs: dict, graphdef, params) -> tuple[StaticGraph, tuple]:
-    """(graph, weights as a flat tuple of leaves) of one layer, the graph shared through `graphs` by every layer
-    of the same graph and weight structure."""
+def flat_layer(graphdef, params) -> tuple[StaticGraph, tuple]:
+    """(graph, weights as a flat tuple of leaves) of one layer, the graph shared (through `_GRAPHS`) by every
+    layer of the same graph and weight structure."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     key = (graphdef, treedef)
-    if key not in graphs:
-        graphs[key] = StaticGraph(graphdef, treedef)
-    return graphs[key], tuple(leaves)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = StaticGraph(graphdef, treedef)
+    return _GRAPHS[key], tuple(leaves)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -185,8 +185,7 @@ class LayerwiseRunner:
         graphdef, params = nnx.split(model)
         params = commit(params)          # once: the per-layer views below hold these same arrays
         committed = nnx.merge(graphdef, params)
-        self._graphs = _GRAPHS       # one StaticGraph per distinct graph (all GDN layers share one)
-        self.layers = [flat_layer(self._graphs, g, p)               # [(graph, flat weights)]
+        self.layers = [flat_layer(g, p)               # [(graph, flat weights)]; all GDN layers share one graph
                        for g, p in (nnx.split(layer) for layer in committed.layers)]
         self.embed_table = committed.embed[...]
         self.whole = (StaticGraph(graphdef), params)

@@ -236,17 +236,16 @@ class HostExperts:
                 out.append((_gather_to_device(buf, local), rows))
         return out
 
-    def row_batches(self, layer: int, experts) -> list[tuple[jax.Array, np.ndarray, list[int]]]:
-        """Where `experts` (ids of `layer`, no repeats) lie: [(host part, int32 rows within it, their expert ids)],
-        one entry per part touched, split into batches of at most MAX_ROWS_PER_COPY rows."""
+    def row_batches(self, experts) -> list[tuple[int, list[int], list[int]]]:
+        """Where `experts` (expert ids, no repeats) lie: [(host part, rows within it, their expert ids)], one
+        entry per part touched, split into batches of at most MAX_ROWS_PER_COPY rows (the same in every layer)."""
         wanted = sorted(int(e) for e in experts)
         out = []
-        for p, buf in enumerate(self.layers[layer]):
-            start = self.part_start[p]
+        for p, start in enumerate(self.part_start):
             mine = [e for e in wanted if start <= e < start + self.part_rows[p]]
             for at in range(0, len(mine), MAX_ROWS_PER_COPY):
                 ids = mine[at:at + MAX_ROWS_PER_COPY]
-                out.append((buf, np.asarray(ids, np.int32) - start, ids))
+                out.append((p, [e - start for e in ids], ids))
         return out
 
     def compile_row_copies(self, sharding=None) -> None:
@@ -356,13 +355,13 @@ def _staged_experts(layout: ExpertLayout, graph, params, staged, h, u, weights, 
     return _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
-def _placeholder_experts(graphs: dict, graph: StaticGraph, leaves: tuple) -> tuple[StaticGraph, tuple]:
+def _placeholder_experts(graph: StaticGraph, leaves: tuple) -> tuple[StaticGraph, tuple]:
     """A layer's (graph, flat weights) with its expert weights replaced by 1-element placeholders (no device
     memory)."""
     params = jax.tree_util.tree_map(lambda x: x, graph.params(leaves))
     for name in ("experts_gate_up", "experts_down"):
         params["ffn"][name].set_value(jnp.zeros((1, 1, 1), jnp.float32))
-    return flat_layer(graphs, graph.graphdef, params)
+    return flat_layer(graph.graphdef, params)
 
 
 class OffloadedRunner(LayerwiseRunner):
@@ -445,7 +444,7 @@ class OffloadedRunner(LayerwiseRunner):
         self.check_chunk(batch * (chunk_size or 1))      # before copying anything to the host
         self.host = host_experts if host_experts is not None else HostExperts.from_model(model)
         # Per-layer trunk params without expert weights: the runner holds no device copy of any expert.
-        self.layers = [_placeholder_experts(self._graphs, g, p) for g, p in self.layers]
+        self.layers = [_placeholder_experts(g, p) for g, p in self.layers]
         self.cache: ExpertCache | None = None
         self.held_layers: frozenset[int] = frozenset()     # whole-layer mode, static or all fit: held outside the pool
         self.held: dict[int, tuple] = {}                   # ... those loaded: layer -> (gate_up, down) on the device
@@ -742,17 +741,16 @@ class OffloadedRunner(LayerwiseRunner):
         hold a few rows each, one program over all of the layer's parts with m rows from each (padding rows
         dropped) if that pads at most PADDED_COPY_BYTES: each program saved is ~0.2 ms of host time, each
         padding row ~45 us of copying on the H100 (2026-11-27, docs/offload.md)."""
-        found = self.host.row_batches(layer, experts)
+        found = self.host.row_batches(experts)
         parts = self.host.layers[layer]
         if len(found) > 1 and self._padded_max:
             m = 1 << (max(len(rows) for _, rows, _ in found) - 1).bit_length()
             waste = len(parts) * m - sum(len(rows) for _, rows, _ in found)
             if m <= self._padded_max and waste * self.expert_bytes <= PADDED_COPY_BYTES:
-                mine = {id(buf): (list(rows), ids) for buf, rows, ids in found}
-                rows = [mine.get(id(buf), ([], []))[0] for buf in parts]
-                ids = [mine.get(id(buf), ([], []))[1] for buf in parts]
-                return [(tuple(parts), rows, ids, m)]
-        return [((buf,), [list(rows)], [ids], 1 << (len(rows) - 1).bit_length()) for buf, rows, ids in found]
+                mine = {p: (rows, ids) for p, rows, ids in found}    # m <= 8: one batch per part
+                rows, ids = zip(*(mine.get(p, ([], [])) for p in range(len(parts))))
+                return [(tuple(parts), list(rows), list(ids), m)]
+        return [((parts[p],), [rows], [ids], 1 << (len(rows) - 1).bit_length()) for p, rows, ids in found]
 
     def _pool_tables(self, layer: int, active: list[int] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(gather, remap) for `_pool_experts` (numpy: jit moves them; an eager jnp.asarray costs more host time).
