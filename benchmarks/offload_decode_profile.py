@@ -3,7 +3,7 @@ timed, then profiled with cProfile (the Python side of each dispatch, and the wa
 
 Builds the preset with random weights as `benchmarks/offload.py` does (trunk on the device, experts drawn,
 quantized and packed into pinned host memory one layer at a time), then per policy: an `OffloadedRunner`, a
-prompt prefilled in one chunk, a short warm-up `generate` (compiles), a timed `generate` and a profiled one.
+prompt prefilled in one chunk, a compiling and a timed `generate` (`offload.decode_row`) and a profiled one.
 Writes per policy tokens/s, hit rate, bytes copied per step and the profile's top functions by own time.
 
 Run on the GPU machine (README, "GPU machine"), e.g.:
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_io import run_header, write_json
-from offload import build_host_experts, build_trunk
+from offload import build_host_experts, build_trunk, decode_row
 
 import hybridlm
 from hybridlm.offload import OffloadedRunner
@@ -64,12 +64,11 @@ def main(argv=None):
     for policy in a.policies:
         runner = OffloadedRunner(model, expert_budget=a.budget, cache_policy=policy, host_experts=host,
                                  chunk_size=a.prompt_tokens)
-        hybridlm.generate(runner, ids, max_new_tokens=3, chunk_size=a.prompt_tokens)        # compiles
-        g = hybridlm.generate(runner, ids, max_new_tokens=a.decode_tokens + 1, chunk_size=a.prompt_tokens)
+        timed = decode_row(runner, ids, a.decode_tokens + 1, True)      # a compiling call, then the timed one
         s = runner.stats(per_layer=False)["decode"]
-        row = {"policy": policy, "decode_tokens_per_s": round(g.decode_tokens_per_s, 2),
-               "hit_rate": round(s["hit_rate"], 4), "bytes_h2d_per_step": s["bytes_h2d"] // max(1, s["chunks"]),
-               "stall_s": round(s["stall_s"], 4)}
+        row = {"policy": policy, "decode_tokens_per_s": timed["decode_tokens_per_s"],
+               "hit_rate": timed["decode_hit_rate"], "bytes_h2d_per_step": s["bytes_h2d"] // max(1, s["chunks"]),
+               "stall_s": timed["decode_stall_s"]}
         profile = cProfile.Profile()
         profile.enable()
         g = hybridlm.generate(runner, ids, max_new_tokens=max(2, a.decode_tokens // 4) + 1,
