@@ -28,6 +28,7 @@ from bench_io import run_header, write_json
 
 import hybridlm
 from hybridlm.engine import sample
+from pallas_kernels.grouped_matmul import pallas_gemv
 
 MODES = ("one_program", "layerwise")
 
@@ -71,6 +72,9 @@ def main(argv=None):
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also 16 one-program steps under jax.profiler.trace (perfetto trace under DIR/<format>; "
                         "kernel time: benchmarks/trace_summary.py)")
+    p.add_argument("--gemv-max-rows", type=int, nargs="+", default=[pallas_gemv.MAX_ROWS],
+                   help="pallas_gemv.MAX_ROWS values to time in turn (0: the routed experts on the tensor-core "
+                        "kernels; an A/B of the matrix-vector kernels in one process)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -80,13 +84,17 @@ def main(argv=None):
     doc = run_header("decode", preset=config.name, num_layers=config.num_layers, batch=a.batch,
                      prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, rows=[])
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (a.batch, a.prompt_tokens)).astype(np.int32)
+    default_max_rows = pallas_gemv.MAX_ROWS
     for fmt in a.expert_formats:
         model = hybridlm.init_random(config, seed=0, dtype=jnp.bfloat16,
                                      expert_format=None if fmt == "bf16" else fmt)
         runner = hybridlm.LayerwiseRunner(model)
         first_tokens = {}
-        for mode in a.modes:
-            row = {"expert_format": fmt, "mode": mode}
+        for mode, max_rows in [(mode, v) for mode in a.modes for v in a.gemv_max_rows]:
+            if max_rows != pallas_gemv.MAX_ROWS:
+                pallas_gemv.MAX_ROWS = max_rows
+                jax.clear_caches()   # the kernel choice is made while tracing
+            row = {"expert_format": fmt, "mode": mode, "gemv_max_rows": max_rows}
             t = time.perf_counter()
             decode_loop(runner, mode, ids, 2)                                     # compile + warm-up
             row["first_call_s"] = round(time.perf_counter() - t, 2)
@@ -96,12 +104,12 @@ def main(argv=None):
             row["ms_per_step"] = round(seconds / a.new_tokens * 1e3, 3)
             row["enqueue_ms_per_step"] = round(statistics.median(r["enqueue_seconds"] for r in runs)
                                                / a.new_tokens * 1e3, 3)
-            first_tokens[mode] = runs[0]["tokens"]
+            if first_tokens:   # the same greedy continuation as the first configuration (leading tokens)
+                want = next(iter(first_tokens.values()))
+                row["same_tokens_as_first"] = int((runs[0]["tokens"] == want).all(axis=0).cumprod().sum())
+            first_tokens[mode, max_rows] = runs[0]["tokens"]
             doc["rows"].append(row)
             print(row, flush=True)
-        if len(first_tokens) == 2:   # the same greedy continuation from both ways of stepping
-            got, want = first_tokens["one_program"], first_tokens["layerwise"]
-            doc["rows"][-1]["same_tokens_as_one_program"] = int((got == want).all(axis=0).cumprod().sum())
         if a.trace:
             decode_loop(runner, "one_program", ids, 16, trace=f"{a.trace}/{fmt}")
         hybridlm.generate(runner, ids, max_new_tokens=2)                          # its sampling compiles
@@ -111,6 +119,7 @@ def main(argv=None):
         doc["rows"].append(row)
         print(row, flush=True)
         del model, runner
+    pallas_gemv.MAX_ROWS = default_max_rows   # as imported, for whoever runs next in this process
     write_json(doc, a.out)
     return doc
 

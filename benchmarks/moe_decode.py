@@ -36,7 +36,8 @@ from grouped_matmul import rel_err, timeit
 
 import hybridlm
 from hybridlm.layers import moe as moe_lib
-from pallas_kernels.grouped_matmul import pallas_triton
+from pallas_kernels.grouped_matmul import pallas_gemv, pallas_triton, reference
+from pallas_kernels.grouped_matmul.pallas_gemv import GemvBlocks
 from pallas_kernels.grouped_matmul.pallas_triton import BlockSizes
 from pallas_kernels.quantized import QuantizedWeights, quantize_int4, quantize_int8
 
@@ -62,33 +63,45 @@ def nbytes(w) -> int:
     return w.nbytes if isinstance(w, QuantizedWeights) else w.size * w.dtype.itemsize
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
-def decode_layers(x, weights, *, top_k: int, sort: bool):
-    """x [tokens, hidden] through each layer's route + routed experts (a residual sum); returns (x, ids)."""
+# The layers run this many times per timed call, so that the host's dispatch of one call (weights of 8 layers as
+# arguments) is spread over enough device work not to be what is timed.
+REPEAT = 4
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "sort", "repeat"))
+def decode_layers(x, weights, *, top_k: int, sort: bool, repeat: int = 1):
+    """x [tokens, hidden] through each layer's route + routed experts (a residual sum), `repeat` times over the
+    layers; returns (x, the first pass's ids)."""
     all_ids = []
-    for gate_up, down, router in weights:
-        w, ids = moe_lib.route_top_k(x @ router, top_k)
-        y = moe_lib.routed_experts(x, w, ids, gate_up, down, sort=sort)
-        x = (x + 0.1 * y).astype(x.dtype)
-        all_ids.append(ids)
-    return x, jnp.stack(all_ids)
+    for _ in range(repeat):
+        for gate_up, down, router in weights:
+            w, ids = moe_lib.route_top_k(x @ router, top_k)
+            y = moe_lib.routed_experts(x, w, ids, gate_up, down, sort=sort)
+            x = (x + 0.1 * y).astype(x.dtype)
+            all_ids.append(ids)
+    return x, jnp.stack(all_ids[:len(weights)])
 
 
-def layer_rows(config, fmt: str, weights, tokens_list) -> list[dict]:
+def layer_rows(config, fmt: str, weights, tokens_list, gemv_max_rows=(pallas_gemv.MAX_ROWS,),
+               repeat: int = REPEAT) -> list[dict]:
     m = config.moe
     per_expert = (nbytes(weights[0][0]) + nbytes(weights[0][1])) / m.num_experts
     rows = []
     for tokens in tokens_list:
         x = jax.random.normal(jax.random.key(99), (tokens, config.hidden_dim), jnp.bfloat16)
         outs = {}
-        for sort in (True, False):
-            f = functools.partial(decode_layers, top_k=m.top_k, sort=sort)
+        for sort, max_rows in [(True, None)] + [(False, v) for v in gemv_max_rows]:
+            if max_rows is not None and max_rows != pallas_gemv.MAX_ROWS:
+                pallas_gemv.MAX_ROWS = max_rows
+                jax.clear_caches()   # the kernel choice is made while tracing
+            f = functools.partial(decode_layers, top_k=m.top_k, sort=sort, repeat=repeat)
             out, ids = f(x, weights)
             outs[sort] = out
             ids = np.asarray(ids)
             active = float(np.mean([len(np.unique(ids[i])) for i in range(len(weights))]))
-            t = timeit(f, x, weights) / len(weights)
-            row = {"weights": fmt, "tokens": tokens, "path": "sorted" if sort else "unsorted",
+            t = timeit(f, x, weights) / len(weights) / repeat
+            path = "sorted" if sort else f"unsorted, gemv up to {max_rows} rows"
+            row = {"weights": fmt, "tokens": tokens, "path": path,
                    "us_per_layer": round(t * 1e6, 2), "active_experts": active,
                    "active_MB": round(active * per_expert / 1e6, 2),
                    "active_GBps": round(active * per_expert / t / 1e9, 1),
@@ -100,18 +113,25 @@ def layer_rows(config, fmt: str, weights, tokens_list) -> list[dict]:
     return rows
 
 
+def kernel_inputs(config, tokens: int):
+    """(x [tokens, hidden], random experts of the tokens * top_k rows, each row's token, the rows' SwiGLU output
+    [tokens * top_k, ffn]) for timing the two products alone."""
+    m = config.moe
+    x = jax.random.normal(jax.random.key(5), (tokens, config.hidden_dim), jnp.bfloat16)
+    groups = jax.random.randint(jax.random.key(6), (tokens * m.top_k,), 0, m.num_experts)
+    token_of_row = jnp.arange(tokens * m.top_k, dtype=jnp.int32) // m.top_k
+    hidden = jax.random.normal(jax.random.key(7), (tokens * m.top_k, m.expert_ffn_dim), jnp.bfloat16)
+    return x, groups, token_of_row, hidden
+
+
 def sweep_rows(config, fmt: str, weights, tokens_list) -> list[dict]:
     """The unsorted path's kernels alone (gmm_swiglu with the token gather, then gmm) per tile shape."""
-    m, h = config.moe, config.hidden_dim
     convert = "convert" if fmt == "bf16" else "asm"
     configs = [None] + [BlockSizes(block_m=pallas_triton.ROW_BLOCK_M, block_n=bn, block_k=bk, num_warps=4,
                                    num_stages=3, int_to_float=convert) for bn in (32, 64, 128) for bk in (128, 256)]
     rows = []
     for tokens in tokens_list:
-        x = jax.random.normal(jax.random.key(5), (tokens, h), jnp.bfloat16)
-        groups = jax.random.randint(jax.random.key(6), (tokens * m.top_k,), 0, m.num_experts)
-        token_of_row = jnp.arange(tokens * m.top_k, dtype=jnp.int32) // m.top_k
-        hidden = jax.random.normal(jax.random.key(7), (tokens * m.top_k, m.expert_ffn_dim), jnp.bfloat16)
+        x, groups, token_of_row, hidden = kernel_inputs(config, tokens)
         for product in ("gate_up", "down"):
             for bs in configs:
                 if product == "gate_up":
@@ -133,6 +153,60 @@ def sweep_rows(config, fmt: str, weights, tokens_list) -> list[dict]:
     return rows
 
 
+def gemv_configs(quick: bool) -> list[GemvBlocks]:
+    """Matrix-vector kernel shapes for --gemv-sweep: unrolled k over block_n x block_k at 4 warps, then warps and
+    the pipelined loop at the middle shapes."""
+    if quick:
+        return [GemvBlocks()]
+    out = [GemvBlocks(block_n=bn, block_k=bk) for bn in (4, 8, 16) for bk in (256, 512)]
+    out += [GemvBlocks(block_n=bn, block_k=256, num_warps=8) for bn in (8, 16)]
+    out += [GemvBlocks(block_n=8, block_k=256, unroll=False, num_stages=3)]
+    return out
+
+
+def sweep_gemv(config, fmt: str, weights, tokens_list, quick: bool = False) -> list[dict]:
+    """The unsorted path's two products per layer (gmm_swiglu with the token gather; gmm, then the weighted combine
+    in XLA): the tensor-core row kernels against the matrix-vector kernels (`pallas_gemv`) per `GemvBlocks`, each
+    checked against the reference. Each timed call runs `REPEAT` inputs through 8 layers."""
+    m = config.moe
+    rows = []
+    for tokens in tokens_list:
+        x, groups, token_of_row, hidden = kernel_inputs(config, tokens)
+        xs = [x] + [x * (1 + 0.01 * r) for r in range(1, REPEAT)]   # distinct inputs: no call is a repeat of one
+        hs = [hidden] + [hidden * (1 + 0.01 * r) for r in range(1, REPEAT)]
+        rw = jax.nn.softmax(jax.random.normal(jax.random.key(8), (tokens, m.top_k)), axis=-1).astype(jnp.bfloat16)
+        ref = {"gate_up": reference.gmm_swiglu_reference(x, weights[0][0], row_groups=groups, lhs_index=token_of_row),
+               "down": jnp.einsum("ts,tsn->tn", rw.astype(jnp.float32), reference.gmm_reference(
+                   hidden, weights[0][1], row_groups=groups, preferred_element_type=jnp.float32).reshape(
+                       tokens, m.top_k, -1)).astype(jnp.bfloat16)}
+        for product in ("gate_up", "down"):
+            for bs in [None] + gemv_configs(quick):
+                if product == "gate_up":
+                    def f(a, ws, g, t, bs=bs):
+                        return [pallas_triton.gmm_swiglu_pallas(a, w[0], row_groups=g, lhs_index=t) if bs is None else
+                                pallas_gemv.gemv_swiglu_pallas(a, w[0], row_groups=g, lhs_index=t, block_sizes=bs)
+                                for w in ws]
+                else:   # the down product, then the weighted combine in XLA (as `moe.routed_experts` does)
+                    def f(a, ws, g, c, bs=bs):
+                        down = [pallas_triton.gmm_pallas(a, w[1], row_groups=g) if bs is None else
+                                pallas_gemv.gemv_pallas(a, w[1], row_groups=g, block_sizes=bs) for w in ws]
+                        return [jnp.einsum("ts,tsn->tn", c, y.reshape(c.shape[0], c.shape[1], -1),
+                                           preferred_element_type=jnp.float32).astype(a.dtype) for y in down]
+                f = jax.jit(lambda xs, *rest, f=f: [y for a in xs for y in f(a, *rest)])   # REPEAT inputs
+                args = (xs, weights, groups, token_of_row) if product == "gate_up" else (hs, weights, groups, rw)
+                name = ("rows (tensor cores)" if bs is None else
+                        f"gemv {bs.block_n}x{bs.block_k} w{bs.num_warps}" + ("" if bs.unroll else f" loop s{bs.num_stages}"))
+                row = {"sweep": product, "weights": fmt, "tokens": tokens, "config": name}
+                try:
+                    row["rel_err"] = rel_err(f(*args)[0], ref["gate_up" if product == "gate_up" else "down"])
+                    row["us"] = round(timeit(f, *args) / len(weights) / REPEAT * 1e6, 2)
+                except Exception as e:  # noqa: BLE001  (a shape the device refuses: recorded, not fatal)
+                    row["error"] = repr(e)[:300]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
@@ -140,16 +214,26 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--layers", type=int, default=8, help="layers, each with its own weights")
     p.add_argument("--sweep", action="store_true", help="instead: the unsorted path's kernels per tile shape")
+    p.add_argument("--gemv-max-rows", type=int, nargs="+", default=[pallas_gemv.MAX_ROWS],
+                   help="pallas_gemv.MAX_ROWS values for the unsorted path (0: the tensor-core row kernels)")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="instead: the row kernels against the matrix-vector kernels per GemvBlocks")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     config = hybridlm.get_config(args.preset)
     doc = run_header("moe_decode", preset=args.preset, layers=args.layers,
                      unsorted_max_rows=moe_lib.UNSORTED_MAX_ROWS,
                      unsorted_max_rows_quantized=moe_lib.UNSORTED_MAX_ROWS_QUANTIZED, rows=[])
+    default_max_rows = pallas_gemv.MAX_ROWS
     for fmt in args.formats:
         weights = layer_weights(config, args.layers, fmt)
-        doc["rows"] += (sweep_rows if args.sweep else layer_rows)(config, fmt, weights, args.tokens)
+        if args.gemv_sweep:
+            doc["rows"] += sweep_gemv(config, fmt, weights, args.tokens, quick=args.preset == "tiny")
+        else:
+            doc["rows"] += (sweep_rows(config, fmt, weights, args.tokens) if args.sweep else layer_rows(
+                config, fmt, weights, args.tokens, args.gemv_max_rows, repeat=1 if args.preset == "tiny" else REPEAT))
         del weights
+    pallas_gemv.MAX_ROWS = default_max_rows   # as imported, for whoever runs next in this process
     write_json(doc, args.out, echo=False)
     return doc
 

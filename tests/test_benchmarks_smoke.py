@@ -23,9 +23,9 @@ def test_moe_layer_breakdown_smoke(tmp_path):
 
 def test_moe_decode_smoke(tmp_path):
     doc = _load("moe_decode").main(["--preset", "tiny", "--layers", "2", "--tokens", "1", "3", "--formats", "int4",
-                                    "--out", str(tmp_path / "decode.json")])
-    assert [(r["tokens"], r["path"]) for r in doc["rows"]] == [(1, "sorted"), (1, "unsorted"), (3, "sorted"),
-                                                               (3, "unsorted")]
+                                    "--gemv-max-rows", "0", "16", "--out", str(tmp_path / "decode.json")])
+    paths = ["sorted", "unsorted, gemv up to 0 rows", "unsorted, gemv up to 16 rows"]
+    assert [(r["tokens"], r["path"]) for r in doc["rows"]] == [(t, p) for t in (1, 3) for p in paths]
     for row in doc["rows"]:
         assert row["finite"] and row["us_per_layer"] > 0 and row["active_experts"] >= 1
         assert row["path"] == "sorted" or row["rel_diff_vs_sorted"] < 1e-2
@@ -119,5 +119,5 @@ def test_decode_smoke(tmp_path):
                                 "--out", str(tmp_path / "decode.json")])
     assert [r["mode"] for r in doc["rows"]] == ["one_program", "layerwise", "generate"]
     assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
-    assert doc["rows"][1]["same_tokens_as_one_program"] == 4   # greedy: the same 4 tokens both ways
+    assert doc["rows"][1]["same_tokens_as_first"] == 4   # greedy: the same 4 tokens both ways
     assert (tmp_path / "decode.json").exists()

@@ -8,18 +8,30 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import pallas_triton, reference
+from pallas_kernels.grouped_matmul import pallas_gemv, pallas_triton, reference
 from pallas_kernels.quantized import QuantizedWeights
 
 Implementation = Literal["auto", "reference", "pallas"]
 
+
+def _pallas(gemv: Callable[..., jax.Array], tiled: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """The Pallas kernel for a call: the matrix-vector kernel for a few rows with their groups named (decode;
+    `pallas_gemv.takes`), else the tensor-core kernel."""
+    def fn(lhs, rhs, group_sizes=None, *, row_groups=None, lhs_index=None, **kwargs):
+        m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
+        if pallas_gemv.takes(m, rhs, row_groups):
+            return gemv(lhs, rhs, row_groups=row_groups, lhs_index=lhs_index, **kwargs)
+        return tiled(lhs, rhs, group_sizes, row_groups=row_groups, lhs_index=lhs_index, **kwargs)
+    return fn
+
+
 _GMM: dict[str, Callable[..., jax.Array]] = {
     "reference": reference.gmm_reference,
-    "pallas": pallas_triton.gmm_pallas,
+    "pallas": _pallas(pallas_gemv.gemv_pallas, pallas_triton.gmm_pallas),
 }
 _GMM_SWIGLU: dict[str, Callable[..., jax.Array]] = {
     "reference": reference.gmm_swiglu_reference,
-    "pallas": pallas_triton.gmm_swiglu_pallas,
+    "pallas": _pallas(pallas_gemv.gemv_swiglu_pallas, pallas_triton.gmm_swiglu_pallas),
 }
 
 
@@ -56,7 +68,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
     sum(group_sizes) belong to no group and come out zero (the MoE drops padding tokens this way).
     Or, with `row_groups` instead of group_sizes, out[i] = lhs[i] @ rhs[row_groups[i]], rows in any order:
     what a decode step's few (token, expert) pairs need, with no sort (llama.cpp's `mul_mat_id`); each row is
-    then its own work item, so a group's weights are read once per row (use it for a few rows only).
+    then its own work item, so a group's weights are read once per row (use it for a few rows only); up to
+    `pallas_gemv.MAX_ROWS` rows the Pallas implementation runs them as matrix-vector products (`pallas_gemv`).
     Accumulation is float32.
 
     Args:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Literal
 
 import jax
@@ -90,10 +91,11 @@ def _asm_byte_to_float(i: int, fma8: bool) -> tuple[str, str]:
     return "mov.b32 m, 0x4B000000;", f"prmt.b32 f{i}, t, m, {0x7540 + i:#x};"
 
 
-def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False):
-    """bf16 weights from codes `[rows, cols]` (int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
+def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False, f32=False):
+    """bf16 weights from codes (any shape; int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
     and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only).
-    int8_fma: the scales are float16 / bfloat16 values, so int8 takes one fma per code (see above)."""
+    int8_fma: the scales are float16 / bfloat16 values, so int8 takes one fma per code (see above).
+    f32: the weights in float32, not rounded to bf16 (the matrix-vector kernel, `pallas_gemv`)."""
     fma8 = part == 8 and int8_fma
     lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], _asm_byte_to_float(0, fma8)[0]]
     for i in range(4):
@@ -107,8 +109,15 @@ def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False):
             lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fCB000000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
         if offset is not None:   # not one fma: the same roundings as the other conversions (bitwise equal)
             lines.append(f"add.rn.f32 f{i}, f{i}, ${7 + i};")
-    lines += ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
     args = [codes, scale] + ([] if offset is None else [offset])
+    if f32:   # four f32 results instead of two bf16 pairs: every input operand moves up by two
+        text = re.sub(r"\$(\d+)", lambda op: f"${int(op.group(1)) + 2}", " ".join(lines))
+        text += " mov.b32 $0, f0; mov.b32 $1, f1; mov.b32 $2, f2; mov.b32 $3, f3;"
+        constraints = "=f,=f,=f,=f,r," + ",".join(["f"] * 4 * (len(args) - 1))
+        [w] = plgpu.elementwise_inline_asm("{" + text + "}", args=args, constraints=constraints, pack=4,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float32)])
+        return w
+    lines += ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
     constraints = "=r,=r,r," + ",".join(["f"] * 4 * (len(args) - 1))
     [w] = plgpu.elementwise_inline_asm("{" + " ".join(lines) + "}", args=args, constraints=constraints, pack=4,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)])
