@@ -9,8 +9,12 @@ Each step feeds the greedy token of the step before (argmax on the device, no ho
 reported: `hybridlm.generate`'s own decode tokens/s (greedy sampling included), and the host time to enqueue the
 steps (when it nears the total, the host's dispatch is the bound, not the device).
 
+With --gemv-max-rows 0 8 each mode runs once per value of `pallas_gemv.MAX_ROWS` (0: one token's expert products
+on the tensor-core kernels), an A/B of the matrix-vector kernels in one process; `same_tokens_as_first` counts the
+leading greedy tokens that agree with the first configuration.
+
 usage (GPU machine): python benchmarks/decode.py [--expert-formats int8 int4] [--prompt-tokens 512]
-    [--new-tokens 128] [--out decode.json]
+    [--new-tokens 128] [--gemv-max-rows 8] [--out decode.json]
 Compilation is excluded (each mode runs once untimed); tokens/s is the median of `--repeats` runs.
 """
 

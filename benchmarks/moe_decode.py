@@ -7,11 +7,14 @@ A decode step sends each of a few tokens to top-8 of 256 experts. `moe.routed_ex
 its own weights (unrolled in one jitted function: a scan over stacked weights would copy each layer's slice, and
 one layer repeated would be served from L2), per weight format, token count and path; "active" bytes are the
 distinct experts the routing picked (their gate_up and down weights, scales included), over the time. It also
-checks that both paths give the same outputs. With --sweep it times the unsorted path's two kernels alone over
-tile shapes (`pallas_triton.BlockSizes`, block_n x block_k).
+checks that both paths give the same outputs. --gemv-max-rows 0 8 times the unsorted path with each value of
+`pallas_gemv.MAX_ROWS` in turn (0: the tensor-core row kernels only; an A/B of the matrix-vector kernels). Each
+timed call runs the layers `REPEAT` times, so that the host's dispatch of the call is not what is timed. With
+--sweep it times the unsorted path's two kernels alone over tile shapes (`pallas_triton.BlockSizes`, block_n x
+block_k); with --gemv-sweep, the tensor-core row kernels against the matrix-vector kernels per `GemvBlocks`.
 
 usage (GPU machine): python benchmarks/moe_decode.py [--formats bf16 int8 int4] [--tokens 1 4 8 16]
-    [--layers 8] [--sweep] [--out moe_decode.json]
+    [--layers 8] [--gemv-max-rows 0 8] [--sweep | --gemv-sweep] [--out moe_decode.json]
 (--preset tiny --layers 2 --tokens 1 3 runs on the CPU as a smoke test, in the Pallas interpreter.)
 """
 

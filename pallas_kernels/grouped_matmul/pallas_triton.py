@@ -92,8 +92,8 @@ def _asm_byte_to_float(i: int, fma8: bool) -> tuple[str, str]:
 
 
 def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False, f32=False):
-    """bf16 weights from codes (any shape; int8 for part=8; packed uint8 for the 4-bit "lo" / "hi" nibbles)
-    and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only).
+    """bf16 (or float32) weights from codes (any shape; int8 for part=8; packed uint8 for the 4-bit "lo" / "hi"
+    nibbles) and float32 `scale` (and `offset`) of the same shape, by inline PTX (sm_80+; compiled kernels only).
     int8_fma: the scales are float16 / bfloat16 values, so int8 takes one fma per code (see above).
     f32: the weights in float32, not rounded to bf16 (the matrix-vector kernel, `pallas_gemv`)."""
     fma8 = part == 8 and int8_fma
@@ -113,14 +113,13 @@ def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False, f32=Fals
     if f32:   # four f32 results instead of two bf16 pairs: every input operand moves up by two
         text = re.sub(r"\$(\d+)", lambda op: f"${int(op.group(1)) + 2}", " ".join(lines))
         text += " mov.b32 $0, f0; mov.b32 $1, f1; mov.b32 $2, f2; mov.b32 $3, f3;"
-        constraints = "=f,=f,=f,=f,r," + ",".join(["f"] * 4 * (len(args) - 1))
-        [w] = plgpu.elementwise_inline_asm("{" + text + "}", args=args, constraints=constraints, pack=4,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float32)])
-        return w
-    lines += ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"]
-    constraints = "=r,=r,r," + ",".join(["f"] * 4 * (len(args) - 1))
-    [w] = plgpu.elementwise_inline_asm("{" + " ".join(lines) + "}", args=args, constraints=constraints, pack=4,
-                                       result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)])
+        results, dtype = "=f,=f,=f,=f", jnp.float32
+    else:
+        text = " ".join(lines + ["cvt.rn.bf16x2.f32 $0, f1, f0;", "cvt.rn.bf16x2.f32 $1, f3, f2;"])
+        results, dtype = "=r,=r", jnp.bfloat16
+    constraints = results + ",r," + ",".join(["f"] * 4 * (len(args) - 1))
+    [w] = plgpu.elementwise_inline_asm("{" + text + "}", args=args, constraints=constraints, pack=4,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, dtype)])
     return w
 
 
