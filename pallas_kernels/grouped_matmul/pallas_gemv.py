@@ -19,6 +19,8 @@ the two products of a layer on an H100, 1.2 TB/s). This kernel is llama.cpp's `m
   precise than the tensor-core kernels' (rounded to bf16), the reference's values exactly.
 
 Outputs agree with `reference.gmm_reference` (float32 weights and accumulation; the order of the sum differs).
+The kernel also takes float weights `[groups, k, n]` (tiles `[block_k, block_n]`, n contiguous), but `gmm` keeps
+those on the tensor-core kernel, which reads them faster (`takes`).
 Speed: docs/benchmarks_gmm.md ("2026-11-27: decode's products as matrix-vector kernels").
 """
 
@@ -37,8 +39,8 @@ from pallas_kernels.grouped_matmul.pallas_triton import MAX_OPERAND_ELEMENTS, _d
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
-# Up to this many rows with their groups named (`row_groups`: a decode step's token copies, top-8 per token), the
-# Pallas `gmm` and `gmm_swiglu` run this kernel instead of the tensor-core one. H200, 2026-11-27
+# Up to this many rows with their groups named (`row_groups`: a decode step's token copies, top-8 per token) and
+# quantized weights (`takes`), the Pallas `gmm` and `gmm_swiglu` run this kernel instead of the tensor-core one. H200, 2026-11-27
 # (benchmarks/moe_decode.py --gemv-sweep, 8 layers x 4 inputs a call; docs/benchmarks_gmm.md), us per layer at one
 # token, tensor cores -> this kernel (8 x 256): int8 gate_up 15.6 -> 10.3, down 8.8 -> 9.5; 4-bit gate_up 16.2 ->
 # 12.8, down 17.0 -> 9.9. At two tokens the tensor-core kernel is level or faster for int8. Whole decode layer
@@ -143,15 +145,12 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
     plgpu.store(out_ref.at[r, pl.ds(j * bn, bn)], jnp.where(valid, out, 0.0).astype(out_ref.dtype), mask=col_in)
 
 
-def supported(rhs) -> bool:
-    """Whether this kernel takes `rhs`: float `[groups, k, n]`, or `QuantizedWeights` with k-major codes."""
-    return not isinstance(rhs, QuantizedWeights) or rhs.k_major
-
-
 def takes(m: int, rhs, row_groups) -> bool:
     """Whether the Pallas grouped matmul runs `m` product rows on this kernel: their groups named (`row_groups`),
-    at most `MAX_ROWS` of them, and weights it reads (`supported`)."""
-    return row_groups is not None and m <= MAX_ROWS and supported(rhs)
+    at most `MAX_ROWS` of them, and quantized weights with k-major codes. Float weights `[groups, k, n]` stay on
+    the tensor-core kernel: read 8 columns (16 bytes) per k-row here, a bf16 decode layer took 71.0 us against
+    43.7 (H100, 2026-11-27 05:27, `docs/results/2026-11-27_h100_moe_decode_gemv_ab_bf16.json`)."""
+    return row_groups is not None and m <= MAX_ROWS and isinstance(rhs, QuantizedWeights) and rhs.k_major
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "block_sizes", "interpret"))

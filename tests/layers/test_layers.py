@@ -21,6 +21,7 @@ from hybridlm.layers.moe import dispatch, route_top_k, routed_experts
 from hybridlm.layers.norms import gated_rms_norm, rms_norm
 from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
 from hybridlm.state import KVCache
+from pallas_kernels.quantized import quantize_int4, quantize_int8
 
 rng = np.random.default_rng(0)
 
@@ -93,19 +94,17 @@ def test_routing_softmax_topk_renormalised():
 
 
 # sort=False: the copies in (token, slot) order with each row's expert named (decode's path, the default up to
-# moe.UNSORTED_MAX_ROWS copies); True: sorted by expert (dispatch), as longer chunks run. 4 tokens x top-2 = 8
-# rows: the Pallas products run as matrix-vector kernels (pallas_gemv.MAX_ROWS) on the unsorted path.
+# moe.UNSORTED_MAX_ROWS copies); True: sorted by expert (dispatch), as longer chunks run.
 @pytest.mark.parametrize("implementation", ["reference", "pallas"])
 @pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("with_padding", [False, True])
-@pytest.mark.parametrize("tokens", [13, 4])
-def test_routed_experts_match_per_token_loop(tokens, with_padding, sort, implementation):
-    hidden, ffn, experts, top_k = 16, 16, 5, 2
+def test_routed_experts_match_per_token_loop(with_padding, sort, implementation):
+    tokens, hidden, ffn, experts, top_k = 13, 16, 16, 5, 2
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     gate_up = rng.standard_normal((experts, hidden, 2 * ffn)).astype(np.float32)
     down = rng.standard_normal((experts, ffn, hidden)).astype(np.float32)
     w, ids = route_top_k(jnp.asarray(rng.standard_normal((tokens, experts)).astype(np.float32)), top_k)
-    valid = np.arange(tokens) < (tokens - 3 if with_padding else tokens)
+    valid = np.arange(tokens) < (9 if with_padding else tokens)
     got = np.asarray(routed_experts(jnp.asarray(x), w, ids, jnp.asarray(gate_up), jnp.asarray(down),
                                     valid=jnp.asarray(valid), implementation=implementation, sort=sort))
     assert_finite(got)
@@ -120,6 +119,28 @@ def test_routed_experts_match_per_token_loop(tokens, with_padding, sort, impleme
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     d = dispatch(ids, experts, jnp.asarray(valid))
     assert int(d.group_sizes.sum()) == valid.sum() * top_k
+
+
+# A decode step of one token with quantized experts: 8 (token, expert) rows, which the Pallas products run as
+# matrix-vector kernels (`pallas_gemv.takes`), against the per-token loop on the dequantized weights.
+@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
+def test_routed_experts_decode_step_quantized(quantize, implementation):
+    hidden, ffn, experts, top_k = 64, 64, 12, 8
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    gate_up = quantize(jnp.asarray(rng.standard_normal((experts, hidden, 2 * ffn)).astype(np.float32) / 8))
+    down = quantize(jnp.asarray(rng.standard_normal((experts, ffn, hidden)).astype(np.float32) / 8))
+    w, ids = route_top_k(jnp.asarray(rng.standard_normal((1, experts)).astype(np.float32)), top_k)
+    got = np.asarray(routed_experts(jnp.asarray(x), w, ids, gate_up, down, implementation=implementation))
+    assert_finite(got)
+    gu, dn = np.asarray(gate_up.dequantize()), np.asarray(down.dequantize())
+    want = np.zeros_like(x)
+    for j in range(top_k):
+        e = int(ids[0, j])
+        h = x[0] @ gu[e]
+        want[0] += float(w[0, j]) * ((h[:ffn] / (1 + np.exp(-h[:ffn])) * h[ffn:]) @ dn[e])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_top_k_by_argmax_is_lax_top_k():
