@@ -41,9 +41,11 @@ def test_h2d_copies_smoke(tmp_path):
 
 
 def test_offload_trace_and_summary_smoke(tmp_path):
+    # two chunks of 16, KV capacity 32: the decode's 16-token prompt (and the decode profile's below) has these
+    # shapes, so it reuses the prompts' programs (256 tokens in chunks of 128 compiled a second set: 36 s -> 20 s)
     doc = _load("offload").main(["--preset", "tiny", "--num-layers", "4", "--expert-formats", "int4",
-                                 "--budgets", "1MiB", "--policies", "static", "--prompt-tokens", "256",
-                                 "--chunk-size", "128", "--no-resident", "--trace", str(tmp_path / "traces"),
+                                 "--budgets", "1MiB", "--policies", "static", "--prompt-tokens", "32",
+                                 "--chunk-size", "16", "--no-resident", "--trace", str(tmp_path / "traces"),
                                  "--decode-tokens", "4", "--decode-prompt-tokens", "16"])
     row, decode = doc["results"]
     assert row["tokens_per_s"] > 0 and 0 <= row["hit_rate"] <= 1
