@@ -1,9 +1,24 @@
 """Shared test setup: CPU JAX, float32 matmuls at full precision, tiny models, HF fixtures, a finiteness guard."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+# One persistent compilation cache for the session, empty at its start: a program compiled once is read back
+# instead of compiled again after `jax.clear_caches()` (every test module, below, and the benchmarks' own), in
+# later modules, and in the notebook kernels and subprocesses (they inherit the environment). On 2 CPU cores
+# compilation is most of the suite's time (2026-11-27: tests/engine, tests/offload, test_cli.py and
+# test_benchmarks_smoke.py took 357 s with it, 560 s without). Every distinct program is still compiled once
+# per run; set JAX_COMPILATION_CACHE_DIR yourself to keep a cache across runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="hybridlm-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the default, 1 s, skips most
 
 import jax
 import numpy as np
@@ -11,6 +26,9 @@ import pytest
 from support import FIXTURES, HF_FIXTURES, assert_finite  # noqa: F401  (re-exported for fixtures)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])   # were jax imported
+jax.config.update("jax_persistent_cache_min_compile_time_secs",                           # before this file
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
