@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul import reference
-from pallas_kernels.grouped_matmul.pallas_triton import MAX_OPERAND_ELEMENTS, _dequantize_asm
+from pallas_kernels.grouped_matmul.pallas_triton import _dequantize_asm, check_int32_offsets
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
@@ -190,10 +190,7 @@ def _gemv(lhs, rhs, row_groups, lhs_index, *, swiglu: bool, preferred_element_ty
         qb = 0
         bs = dataclasses.replace(bs, block_k=min(bs.block_k, max(16, pl.next_power_of_2(k))))
         weights = (rhs,)
-    for operand in (lhs, *weights):   # Triton's int32 offsets, as in the tensor-core kernel
-        if operand.size >= MAX_OPERAND_ELEMENTS:
-            raise ValueError(f"gmm operand of shape {tuple(operand.shape)} has {operand.size} elements, more than "
-                             f"the kernel's int32 offsets address ({MAX_OPERAND_ELEMENTS})")
+    check_int32_offsets(lhs, *weights)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)

@@ -266,6 +266,16 @@ class BlockSizes:
         return cls(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
+def check_int32_offsets(*operands) -> None:
+    """Raises ValueError for an operand of `MAX_OPERAND_ELEMENTS` elements or more, which a Triton kernel would read
+    at wrapped int32 offsets (this kernel's and `pallas_gemv`'s)."""
+    for operand in operands:
+        if operand.size >= MAX_OPERAND_ELEMENTS:
+            raise ValueError(f"gmm operand of shape {tuple(operand.shape)} has {operand.size} elements, more than "
+                             f"the kernel's int32 offsets address ({MAX_OPERAND_ELEMENTS}); split it (the offload "
+                             f"scheduler gathers the experts a chunk needs out of its pool)")
+
+
 def make_schedule(group_sizes: jax.Array, m: int, block_m: int, search: str | None = None):
     """Work items (group, chunk of <= block_m rows) for `m` rows sorted by group, on device.
 
@@ -561,11 +571,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, lhs_index=None, row_groups=None, *, swigl
         weights = (rhs.values, rhs.scales) + (() if rhs.offsets is None else (rhs.offsets,))
     else:
         weights = (rhs,)
-    for operand in (lhs, *weights):
-        if operand.size >= MAX_OPERAND_ELEMENTS:
-            raise ValueError(f"gmm operand of shape {tuple(operand.shape)} has {operand.size} elements, more than "
-                             f"the kernel's int32 offsets address ({MAX_OPERAND_ELEMENTS}); split it (the offload "
-                             f"scheduler gathers the experts a chunk needs out of its pool)")
+    check_int32_offsets(lhs, *weights)
     kernel = functools.partial(
         _kernel, m=m, k=k, n_out=n_out, groups=groups, n_tiles=n_tiles, bs=bs, swiglu=swiglu, bits=bits,
         quant_block=rhs.block_size if quantized else 0, dot_dtype=dot_dtype, precision=precision,
