@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 
@@ -28,3 +29,22 @@ def write_json(doc: dict, path: str | None, *, echo: bool = True) -> None:
             f.write(text)
     if echo:
         print(text)
+
+
+@contextlib.contextmanager
+def gemv_max_rows(value: int):
+    """`pallas_gemv.MAX_ROWS` set to `value` inside the block (0: decode's expert products on the tensor-core kernel),
+    for an A/B of the matrix-vector kernel in one process. The choice is made while tracing, so JAX's caches are
+    cleared where the value changes, on entry and again on exit (where the former value comes back)."""
+    from pallas_kernels.grouped_matmul import pallas_gemv
+
+    former = pallas_gemv.MAX_ROWS
+    if value != former:
+        pallas_gemv.MAX_ROWS = value
+        jax.clear_caches()
+    try:
+        yield
+    finally:
+        if value != former:
+            pallas_gemv.MAX_ROWS = former
+            jax.clear_caches()

@@ -747,7 +747,8 @@ class OffloadedRunner(LayerwiseRunner):
             m = 1 << (max(len(rows) for _, rows, _ in found) - 1).bit_length()
             waste = len(parts) * m - sum(len(rows) for _, rows, _ in found)
             if m <= self._padded_max and waste * self.expert_bytes <= PADDED_COPY_BYTES:
-                mine = {p: (rows, ids) for p, rows, ids in found}    # m <= 8: one batch per part
+                # m <= _padded_max <= MAX_ROWS_PER_COPY // 2: row_batches gave each part one batch
+                mine = {p: (rows, ids) for p, rows, ids in found}
                 rows, ids = zip(*(mine.get(p, ([], [])) for p in range(len(parts))))
                 return [(tuple(parts), list(rows), list(ids), m)]
         return [((parts[p],), [rows], [ids], 1 << (len(rows) - 1).bit_length()) for p, rows, ids in found]
