@@ -32,19 +32,25 @@ def write_json(doc: dict, path: str | None, *, echo: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def gemv_max_rows(value: int):
-    """`pallas_gemv.MAX_ROWS` set to `value` inside the block (0: decode's expert products on the tensor-core kernel),
-    for an A/B of the matrix-vector kernel in one process. The choice is made while tracing, so JAX's caches are
-    cleared where the value changes, on entry and again on exit (where the former value comes back)."""
-    from pallas_kernels.grouped_matmul import pallas_gemv
-
-    former = pallas_gemv.MAX_ROWS
+def traced_constant(module, name: str, value):
+    """`module.name` set to `value` inside the block, for an A/B in one process of a choice made while tracing
+    (a module constant read when a program is traced). JAX's caches are cleared where the value changes, on entry
+    and again on exit (where the former value comes back)."""
+    former = getattr(module, name)
     if value != former:
-        pallas_gemv.MAX_ROWS = value
+        setattr(module, name, value)
         jax.clear_caches()
     try:
         yield
     finally:
         if value != former:
-            pallas_gemv.MAX_ROWS = former
+            setattr(module, name, former)
             jax.clear_caches()
+
+
+def gemv_max_rows(value: int):
+    """`pallas_gemv.MAX_ROWS` set to `value` inside the block (0: decode's expert products on the tensor-core
+    kernel), for an A/B of the matrix-vector kernel in one process (`traced_constant`)."""
+    from pallas_kernels.grouped_matmul import pallas_gemv
+
+    return traced_constant(pallas_gemv, "MAX_ROWS", value)

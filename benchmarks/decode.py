@@ -10,11 +10,12 @@ reported: `hybridlm.generate`'s own decode tokens/s (greedy sampling included), 
 steps (when it nears the total, the host's dispatch is the bound, not the device).
 
 With --gemv-max-rows 0 8 each mode runs once per value of `pallas_gemv.MAX_ROWS` (0: one token's expert products
-on the tensor-core kernels), an A/B of the matrix-vector kernels in one process; `same_tokens_as_first` counts the
-leading greedy tokens that agree with the first configuration.
+on the tensor-core kernels), an A/B of the matrix-vector kernels in one process; likewise --decode-attention xla
+cudnn for the attention layers' decode step (`gated_attention.DECODE_IMPLEMENTATION`). `same_tokens_as_first`
+counts the leading greedy tokens that agree with the first configuration.
 
 usage (GPU machine): python benchmarks/decode.py [--expert-formats int8 int4] [--prompt-tokens 512]
-    [--new-tokens 128] [--gemv-max-rows 8] [--out decode.json]
+    [--new-tokens 128] [--gemv-max-rows 8] [--decode-attention xla cudnn] [--out decode.json]
 Compilation is excluded (each mode runs once untimed); tokens/s is the median of `--repeats` runs.
 """
 
@@ -28,10 +29,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_io import gemv_max_rows, run_header, write_json
+from bench_io import gemv_max_rows, run_header, traced_constant, write_json
 
 import hybridlm
 from hybridlm.engine import sample
+from hybridlm.layers import gated_attention
 from pallas_kernels.grouped_matmul import pallas_gemv
 
 MODES = ("one_program", "layerwise")
@@ -79,6 +81,9 @@ def main(argv=None):
     p.add_argument("--gemv-max-rows", type=int, nargs="+", default=[pallas_gemv.MAX_ROWS],
                    help="pallas_gemv.MAX_ROWS values to time in turn (0: the routed experts on the tensor-core "
                         "kernels; an A/B of the matrix-vector kernels in one process)")
+    p.add_argument("--decode-attention", nargs="+", choices=("xla", "cudnn"),
+                   default=[gated_attention.DECODE_IMPLEMENTATION],
+                   help="gated_attention.DECODE_IMPLEMENTATION values to time in turn (an A/B in one process)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -93,9 +98,10 @@ def main(argv=None):
                                      expert_format=None if fmt == "bf16" else fmt)
         runner = hybridlm.LayerwiseRunner(model)
         first_tokens = {}
-        for mode, max_rows in [(mode, v) for mode in a.modes for v in a.gemv_max_rows]:
-            row = {"expert_format": fmt, "mode": mode, "gemv_max_rows": max_rows}
-            with gemv_max_rows(max_rows):
+        for mode, max_rows, attention in [(mode, v, at) for mode in a.modes for v in a.gemv_max_rows
+                                          for at in a.decode_attention]:
+            row = {"expert_format": fmt, "mode": mode, "gemv_max_rows": max_rows, "decode_attention": attention}
+            with gemv_max_rows(max_rows), traced_constant(gated_attention, "DECODE_IMPLEMENTATION", attention):
                 t = time.perf_counter()
                 decode_loop(runner, mode, ids, 2)                                 # compile + warm-up
                 row["first_call_s"] = round(time.perf_counter() - t, 2)
@@ -108,7 +114,7 @@ def main(argv=None):
             if first_tokens:   # the same greedy continuation as the first configuration (leading tokens)
                 want = next(iter(first_tokens.values()))
                 row["same_tokens_as_first"] = int((runs[0]["tokens"] == want).all(axis=0).cumprod().sum())
-            first_tokens[mode, max_rows] = runs[0]["tokens"]
+            first_tokens[mode, max_rows, attention] = runs[0]["tokens"]
             doc["rows"].append(row)
             print(row, flush=True)
         if a.trace:

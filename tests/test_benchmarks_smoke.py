@@ -115,6 +115,15 @@ def test_gdn_sustained_clock_reads_nvidia_smi_samples(tmp_path):
     assert sustained["samples"] == 2 and sustained["sm_clock_min_mhz"] == 1545 and sustained["power_capped"] == 1.0
 
 
+def test_decode_repeatability_smoke(tmp_path):
+    doc = _load("decode_repeatability").main(["--preset", "tiny", "--num-layers", "4", "--prompt-tokens", "16",
+                                              "--steps", "3", "--runs", "2", "--attention", "xla",
+                                              "--out", str(tmp_path / "repeat.json")])
+    [row] = doc["rows"]
+    assert row["attention"] == "xla" and row["identical"] and row["first_differences"] == []
+    assert (tmp_path / "repeat.json").exists()
+
+
 def test_decode_smoke(tmp_path):
     doc = _load("decode").main(["--preset", "tiny", "--num-layers", "4", "--expert-formats", "int4",
                                 "--prompt-tokens", "16", "--new-tokens", "4", "--repeats", "1",

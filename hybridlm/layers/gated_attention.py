@@ -59,6 +59,12 @@ def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, 
     return acc, new_lse
 
 
+# Decode (one query per sequence) attends through this implementation when none is named. cuDNN's flash attention
+# with one query and key lengths is not repeatable bit for bit on an H100 (JAX 0.11.2, 2026-11-27: two greedy
+# decodes of the same tokens from the same state diverged after ~20 steps in an attention layer; with "xla", 48
+# steps were identical, docs/benchmarks.md "Decode"). The XLA form is a few small fusions for one query.
+DECODE_IMPLEMENTATION = "xla"
+
 # With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs (whose
 # predicate XLA's GPU runtime reads back to the host on every iteration: dispatch then waits for the device).
 MAX_UNROLLED_BLOCKS = 16
@@ -88,15 +94,18 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] of this chunk (post-RoPE).
       cache: the KV cache *before* this chunk was written (positions >= start are ignored).
       start: absolute position of the chunk's first token (int32 scalar, may be traced).
-      implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn").
+      implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn"); None with one query per
+        sequence (decode): `DECODE_IMPLEMENTATION`.
       static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN.
 
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
     """
     seq = q.shape[1]
-    if static_blocks is None:
-        static_blocks = _resolve(implementation, q.dtype) == "cudnn"
+    if seq == 1 and implementation is None:
+        implementation = DECODE_IMPLEMENTATION
+    if static_blocks is None:   # decode reads the cache as one block: no loop either way
+        static_blocks = seq == 1 or _resolve(implementation, q.dtype) == "cudnn"
     out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
     blocks = cache.capacity // seq if seq > 1 and cache.capacity % seq == 0 else 1
     block = cache.capacity // blocks

@@ -194,6 +194,24 @@ def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypat
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seq,implementation,want", [(1, None, "xla"), (1, "cudnn", "cudnn"), (4, None, None)])
+def test_cached_attention_decode_implementation(seq, implementation, want, monkeypatch):
+    # Decode (one query) with no implementation named attends through DECODE_IMPLEMENTATION (XLA: repeatable bit
+    # for bit on a GPU, where cuDNN's one-query kernel was not); a named one is kept, and chunks keep the default.
+    seen = []
+    real = jax.nn.dot_product_attention
+
+    def spy(*args, implementation=None, **kwargs):
+        seen.append(implementation)
+        return real(*args, implementation=None if implementation == "cudnn" else implementation, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    q, k, v = (jnp.ones((1, seq, h, 16)) for h in (4, 2, 2))
+    cache = KVCache(jnp.ones((1, 32, 2, 16)), jnp.ones((1, 32, 2, 16)))
+    out = cached_attention(q, k, v, cache, jnp.int32(8), implementation=implementation)
+    assert np.isfinite(np.asarray(out)).all() and seen and set(seen) == {want}
+
+
 def test_gdn_layer_decode_step_pallas_equals_reference():
     """A decode step (seq = 1) of the Gated DeltaNet layer with gdn_implementation="pallas" (the fused Pallas
     step, interpreter on the CPU) against the pure-JAX step, from a non-zero state."""
