@@ -96,7 +96,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
       start: absolute position of the chunk's first token (int32 scalar, may be traced).
       implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn"); None with one query per
         sequence (decode): `DECODE_IMPLEMENTATION`.
-      static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN.
+      static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN, and for one
+        query per sequence (its one block, whichever the implementation).
 
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
