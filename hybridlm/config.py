@@ -109,7 +109,8 @@ class ModelConfig:
                                                           # and None on GPU up to 8 sequences, take the fused
                                                           # Pallas step, the rest the JAX one)
     moe_implementation: str | None = None                 # grouped matmul: "reference" | "pallas"
-    attention_implementation: str | None = None           # None (cuDNN on GPU for bf16/fp16, else XLA) | "xla" | "cudnn"
+    attention_implementation: str | None = None           # None (cuDNN on GPU for bf16/fp16 chunks, XLA for decode's
+                                                          # one query and on CPU) | "xla" | "cudnn"
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_dim", "num_layers", "full_attention_interval"):
