@@ -5,6 +5,8 @@ After one prefill, a first run decodes `--steps` greedy tokens (`LayerwiseRunner
 tokens. After every step a checksum of the logits and of every state leaf (the int32 sum of their float32 bits)
 is taken on the device, so the first (step, leaf) where two runs differ names the layer whose kernel is not
 repeatable. Run once per attention implementation of the decode step (`gated_attention.DECODE_IMPLEMENTATION`).
+The prefill is checked too: the prompt twice in chunks of `--prefill-chunk` tokens (by default two chunks, so that
+the second attends to the first through the cache's blocks), its logits and states compared the same way.
 
 On an H100 (JAX 0.11.2, 2026-11-27) cuDNN's one-query attention made two runs differ after ~20 steps, first in an
 attention layer, and XLA's did not (docs/benchmarks.md, "Decode", item 6).
@@ -59,6 +61,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--runs", type=int, default=3, help="runs in all, the first one included")
     p.add_argument("--attention", nargs="+", choices=("xla", "cudnn"), default=["xla", "cudnn"])
+    p.add_argument("--prefill-chunk", type=int, default=None, help="default: half the prompt")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -73,15 +76,23 @@ def main(argv=None):
     names = ["logits"] + [f"layer {jax.tree_util.keystr(path)}"
                           for path, _ in jax.tree_util.tree_leaves_with_path(pre.states)]
     first_token = sample(pre.logits, None)
+    chunk = a.prefill_chunk or max(a.prompt_tokens // 2, 1)
     doc = run_header("decode_repeatability", preset=config.name, num_layers=config.num_layers,
-                     expert_format=a.expert_format, prompt_tokens=a.prompt_tokens, steps=a.steps, rows=[])
+                     expert_format=a.expert_format, prompt_tokens=a.prompt_tokens, prefill_chunk=chunk,
+                     steps=a.steps, rows=[])
+    prefills = [hybridlm.prefill(runner, ids, chunk_size=chunk, max_new_tokens=a.steps + 8) for _ in range(2)]
+    first, again = (np.asarray(checksums(r.logits, r.states)) for r in prefills)
+    row = {"check": "prefill", "identical": bool((first == again).all()),
+           "first_differences": [names[int(i)] for i in np.flatnonzero(first != again)[:8]]}
+    doc["rows"].append(row)
+    print(row, flush=True)
     for attention in a.attention:
         with traced_constant(gated_attention, "DECODE_IMPLEMENTATION", attention):
             want, tokens = decode_checksums(runner, pre.states, first_token, a.prompt_tokens, a.steps)
             for run in range(1, a.runs):
                 got, _ = decode_checksums(runner, pre.states, first_token, a.prompt_tokens, a.steps, tokens)
                 where = np.argwhere(got != want)
-                row = {"attention": attention, "run": run, "identical": not len(where),
+                row = {"check": "decode", "attention": attention, "run": run, "identical": not len(where),
                        "differing_step_leaf_pairs": len(where),
                        "first_differences": [{"step": int(s), "leaf": names[int(i)]} for s, i in where[:8]]}
                 doc["rows"].append(row)

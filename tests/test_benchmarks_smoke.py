@@ -119,8 +119,9 @@ def test_decode_repeatability_smoke(tmp_path):
     doc = _load("decode_repeatability").main(["--preset", "tiny", "--num-layers", "4", "--prompt-tokens", "16",
                                               "--steps", "3", "--runs", "2", "--attention", "xla",
                                               "--out", str(tmp_path / "repeat.json")])
-    [row] = doc["rows"]
-    assert row["attention"] == "xla" and row["identical"] and row["first_differences"] == []
+    assert [r["check"] for r in doc["rows"]] == ["prefill", "decode"]     # the prompt in two chunks, then decode
+    assert all(r["identical"] and r["first_differences"] == [] for r in doc["rows"])
+    assert doc["prefill_chunk"] == 8 and doc["rows"][1]["attention"] == "xla"
     assert (tmp_path / "repeat.json").exists()
 
 

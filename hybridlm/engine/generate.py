@@ -28,6 +28,10 @@ def decode_step(runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerSt
 
     Returns:
       logits [batch, vocab] float32 for the next position, and the new states.
+
+    Raises:
+      ValueError: a position below 0 or at / past the KV cache's capacity (given as an int; a position held on
+        the device is not checked).
     """
     return runner.decode_step(tokens, states, position)
 

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from hybridlm.model import HybridLM
-from hybridlm.state import LayerState
+from hybridlm.state import KVCache, LayerState
 
 PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
 
@@ -139,6 +139,25 @@ def _decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
     return model.logits(x[:, 0]), new_states
 
 
+def check_decode_position(states: list[LayerState], position) -> None:
+    """Refuses a decode step whose position falls outside the KV cache: below 0, or at or past its capacity (a
+    write there would be clamped onto the last slot, a silently wrong answer). A position given as a Python or
+    numpy int is checked; one held on the device is not read back (that would make the host wait for it).
+
+    Raises:
+      ValueError: naming the position and the capacity, and how to reserve room (prefill's max_new_tokens).
+    """
+    if isinstance(position, jax.Array):
+        return
+    pos = int(position)
+    capacity = min((s.capacity for s in states if isinstance(s, KVCache)), default=None)
+    if pos < 0:
+        raise ValueError(f"decode position {pos} is negative")
+    if capacity is not None and pos >= capacity:
+        raise ValueError(f"decode position {pos} is past the KV cache's capacity of {capacity} tokens; reserve room "
+                         f"for the tokens to decode when prefilling (hybridlm.prefill(..., max_new_tokens=N))")
+
+
 class PhaseTimer:
     """Wall-clock seconds per phase; when enabled it waits for each phase's result (host sync)."""
 
@@ -216,7 +235,11 @@ class LayerwiseRunner:
 
         Returns:
           logits [batch, vocab] float32 for the next position, and the new states.
+
+        Raises:
+          ValueError: a position outside the KV cache (`check_decode_position`).
         """
+        check_decode_position(states, position)
         treedef, leaves = self._flat_weights
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
             tokens = jnp.asarray(tokens, jnp.int32)    # (a no-op asarray still costs a dispatch)
@@ -228,7 +251,11 @@ class LayerwiseRunner:
     def decode_step_layerwise(self, tokens: jax.Array, states: list[LayerState],
                               position) -> tuple[jax.Array, list[LayerState]]:
         """`decode_step` through `forward_chunk` (three programs per layer, the seams where the offload runner
-        pages experts) and the head: the same results, with ~120 dispatches a step instead of one."""
+        pages experts) and the head: the same results, with ~120 dispatches a step instead of one.
+
+        Raises:
+          ValueError: a position outside the KV cache (`check_decode_position`)."""
+        check_decode_position(states, position)
         x, states = self.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
         return self.head_logits(x[:, 0]), states
 

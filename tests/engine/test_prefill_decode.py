@@ -72,6 +72,19 @@ def test_one_program_decode_step_equals_layer_by_layer(tiny_runner, prompt):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("step", ["decode_step", "decode_step_layerwise"])
+def test_decode_refuses_positions_outside_the_cache(tiny_runner, prompt, step):
+    # Past the capacity a step's KV write would land clamped on the last slot: a silently wrong answer.
+    result = hybridlm.prefill(tiny_runner, prompt[:, :16], chunk_size=16, max_new_tokens=0)
+    decode = getattr(tiny_runner, step)
+    for pos, match in ((result.capacity, "past the KV cache's capacity of 16 tokens.*max_new_tokens"),
+                       (np.int32(result.capacity + 3), "past the KV cache"), (-1, "negative")):
+        with pytest.raises(ValueError, match=match):
+            decode(prompt[:, 15], jax.tree_util.tree_map(jnp.copy, result.states), pos)
+    logits, _ = decode(prompt[:, 15], result.states, result.capacity - 1)   # the last slot is fine
+    assert_finite(logits)
+
+
 def test_prefill_in_two_calls_equals_one(tiny_runner, prompt):
     """prefill(a + b) == prefill(a) then feeding b token by token (state carried)."""
     whole = hybridlm.prefill(tiny_runner, prompt, chunk_size=32)
