@@ -139,14 +139,20 @@ def _decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
     return model.logits(x[:, 0]), new_states
 
 
-def check_decode_position(states: list[LayerState], position) -> None:
-    """Refuses a decode step whose position falls outside the KV cache: below 0, or at or past its capacity (a
-    write there would be clamped onto the last slot, a silently wrong answer). A position given as a Python or
-    numpy int is checked; one held on the device is not read back (that would make the host wait for it).
+def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], position) -> None:
+    """Refuses a decode step whose position falls outside the KV cache (below 0, or at or past its capacity: a
+    write there would be clamped onto the last slot, a silently wrong answer), or whose token ids fall outside
+    [0, vocab_size) (the embedding gather would clamp them too). Values given on the host (Python / numpy) are
+    checked; values held on the device are not read back (that would make the host wait for them).
 
     Raises:
-      ValueError: naming the position and the capacity, and how to reserve room (prefill's max_new_tokens).
+      ValueError: naming the position and the capacity and how to reserve room (prefill's max_new_tokens), or
+        the token ids' range.
     """
+    if not isinstance(tokens, jax.Array):
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{ids.min()}, {ids.max()}]")
     if isinstance(position, jax.Array):
         return
     pos = int(position)
@@ -237,9 +243,9 @@ class LayerwiseRunner:
           logits [batch, vocab] float32 for the next position, and the new states.
 
         Raises:
-          ValueError: a position outside the KV cache (`check_decode_position`).
+          ValueError: a position outside the KV cache, or token ids outside the vocabulary (`check_decode_inputs`).
         """
-        check_decode_position(states, position)
+        check_decode_inputs(self.config.vocab_size, tokens, states, position)
         treedef, leaves = self._flat_weights
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
             tokens = jnp.asarray(tokens, jnp.int32)    # (a no-op asarray still costs a dispatch)
@@ -254,8 +260,8 @@ class LayerwiseRunner:
         pages experts) and the head: the same results, with ~120 dispatches a step instead of one.
 
         Raises:
-          ValueError: a position outside the KV cache (`check_decode_position`)."""
-        check_decode_position(states, position)
+          ValueError: a position outside the KV cache, or token ids outside the vocabulary (`check_decode_inputs`)."""
+        check_decode_inputs(self.config.vocab_size, tokens, states, position)
         x, states = self.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
         return self.head_logits(x[:, 0]), states
 

@@ -73,7 +73,7 @@ def test_one_program_decode_step_equals_layer_by_layer(tiny_runner, prompt):
 
 
 @pytest.mark.parametrize("step", ["decode_step", "decode_step_layerwise"])
-def test_decode_refuses_positions_outside_the_cache(tiny_runner, prompt, step):
+def test_decode_refuses_positions_outside_the_cache_and_bad_tokens(tiny_runner, prompt, step):
     # Past the capacity a step's KV write would land clamped on the last slot: a silently wrong answer.
     result = hybridlm.prefill(tiny_runner, prompt[:, :16], chunk_size=16, max_new_tokens=0)
     decode = getattr(tiny_runner, step)
@@ -81,6 +81,8 @@ def test_decode_refuses_positions_outside_the_cache(tiny_runner, prompt, step):
                        (np.int32(result.capacity + 3), "past the KV cache"), (-1, "negative")):
         with pytest.raises(ValueError, match=match):
             decode(prompt[:, 15], jax.tree_util.tree_map(jnp.copy, result.states), pos)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+        decode(np.array([tiny_runner.config.vocab_size]), result.states, result.capacity - 1)
     logits, _ = decode(prompt[:, 15], result.states, result.capacity - 1)   # the last slot is fine
     assert_finite(logits)
 
