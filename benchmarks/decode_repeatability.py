@@ -1,6 +1,6 @@
 """Is greedy decode repeatable bit for bit? Two decodes of the same tokens from copies of one prefill state.
 
-After one prefill, a first run decodes `--steps` greedy tokens (`LayerwiseRunner.decode_step`, what
+After a prefill, a first run decodes `--steps` greedy tokens (`LayerwiseRunner.decode_step`, what
 `hybridlm.generate` runs); each later run starts again from a copy of the same state and is fed the first run's
 tokens. After every step a checksum of the logits and of every state leaf (the int32 sum of their float32 bits)
 is taken on the device, so the first (step, leaf) where two runs differ names the layer whose kernel is not
@@ -72,16 +72,15 @@ def main(argv=None):
                                  expert_format=None if a.expert_format == "bf16" else a.expert_format)
     runner = hybridlm.LayerwiseRunner(model)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, a.prompt_tokens)).astype(np.int32)
-    pre = hybridlm.prefill(runner, ids, chunk_size=a.prompt_tokens, max_new_tokens=a.steps + 8)
-    names = ["logits"] + [f"layer {jax.tree_util.keystr(path)}"
-                          for path, _ in jax.tree_util.tree_leaves_with_path(pre.states)]
-    first_token = sample(pre.logits, None)
     chunk = a.prefill_chunk or max(a.prompt_tokens // 2, 1)
     doc = run_header("decode_repeatability", preset=config.name, num_layers=config.num_layers,
                      expert_format=a.expert_format, prompt_tokens=a.prompt_tokens, prefill_chunk=chunk,
                      steps=a.steps, rows=[])
-    prefills = [hybridlm.prefill(runner, ids, chunk_size=chunk, max_new_tokens=a.steps + 8) for _ in range(2)]
-    first, again = (np.asarray(checksums(r.logits, r.states)) for r in prefills)
+    pre, pre_again = (hybridlm.prefill(runner, ids, chunk_size=chunk, max_new_tokens=a.steps + 8) for _ in range(2))
+    names = ["logits"] + [f"layer {jax.tree_util.keystr(path)}"
+                          for path, _ in jax.tree_util.tree_leaves_with_path(pre.states)]
+    first_token = sample(pre.logits, None)
+    first, again = (np.asarray(checksums(r.logits, r.states)) for r in (pre, pre_again))
     row = {"check": "prefill", "identical": bool((first == again).all()),
            "first_differences": [names[int(i)] for i in np.flatnonzero(first != again)[:8]]}
     doc["rows"].append(row)
