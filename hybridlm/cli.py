@@ -70,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import hybridlm
+    from hybridlm.engine.sampling import check_sampling
     from hybridlm.tokenizer import Tokenizer, default_prompt
+
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        return _fail(f"--{str(e).replace('_', '-', 1)}")
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
     if dtype is None:

@@ -33,6 +33,8 @@ def test_generate_with_options(capsys, tmp_path):
     (["prefill", "--model", "/no/such/model.gguf"], "model path not found"),
     (["prefill", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
     (["prefill", "--chunk-size", "0"], "--chunk-size must be positive"),
+    (["generate", "--temperature", "-1"], "--temperature=-1.0 must be >= 0"),
+    (["generate", "--top-p", "0"], "--top-p=0.0 must lie in (0, 1]"),
 ])
 def test_errors_are_one_line_with_nonzero_exit(capsys, argv, message):
     assert main(argv) == 2

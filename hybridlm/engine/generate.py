@@ -11,7 +11,7 @@ import numpy as np
 
 from hybridlm.engine.prefill import DEFAULT_CHUNK_SIZE, PrefillResult, prefill
 from hybridlm.engine.runner import LayerwiseRunner
-from hybridlm.engine.sampling import is_greedy, sample
+from hybridlm.engine.sampling import check_sampling, is_greedy, sample
 from hybridlm.model import HybridLM
 from hybridlm.state import LayerState
 
@@ -71,10 +71,12 @@ def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: in
       chunk_size: prefill chunk size in tokens.
 
     Raises:
-      ValueError: max_new_tokens < 1, or bad prompt (see `prefill`).
+      ValueError: max_new_tokens < 1, sampling settings out of range (`sampling.check_sampling`), or a bad prompt
+        (see `prefill`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    check_sampling(temperature, top_k, top_p)          # before the prefill's work
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     key = jax.random.key(seed)

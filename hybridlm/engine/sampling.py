@@ -23,11 +23,13 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: float | jax
       [batch] int32 token ids.
 
     Raises:
-      ValueError: key is None where the tokens are sampled (a temperature other than a Python 0).
+      ValueError: key is None where the tokens are sampled (a temperature other than a Python 0), or a setting
+        out of range (`check_sampling`).
 
     A Python temperature of 0 runs the argmax alone, and a Python top_p of 1 skips the nucleus' sort of the
     vocabulary (a decode step's cost: 248 320 logits); array arguments take the general program.
     """
+    check_sampling(temperature, top_k, top_p)
     if is_greedy(temperature):
         return _greedy(logits)
     if key is None:
@@ -35,6 +37,22 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: float | jax
                          "decoding, a Python temperature of 0)")
     nucleus = not (isinstance(top_p, (int, float)) and top_p >= 1)
     return _sample(logits, key, temperature, top_p, top_k=top_k, nucleus=nucleus)
+
+
+def check_sampling(temperature, top_k: int, top_p) -> None:
+    """Refuses sampling settings that would silently mean something else: a negative temperature (the program
+    would fall back to greedy), a negative top_k, a top_p outside (0, 1] (at 0 or below the nucleus would keep
+    every token). Array values (traced or on the device) are not read back.
+
+    Raises:
+      ValueError: naming the setting and its valid range.
+    """
+    if isinstance(temperature, (int, float)) and not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0: greedy)")
+    if not (isinstance(top_k, int) and top_k >= 0):
+        raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0: no limit)")
+    if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must lie in (0, 1] (1: no limit)")
 
 
 def is_greedy(temperature) -> bool:

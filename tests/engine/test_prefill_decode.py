@@ -155,6 +155,18 @@ def test_sample_greedy_needs_no_key_and_sampling_does():
         hybridlm.engine.sample(logits, None, temperature=0.7)
 
 
+@pytest.mark.parametrize("setting, match", [({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+                                             ({"top_k": -1}, "top_k=-1"), ({"top_p": 0.0}, r"top_p=0.0 must lie in \(0, 1\]"),
+                                             ({"top_p": 1.5}, "top_p=1.5")])
+def test_sampling_settings_out_of_range_are_refused(tiny_runner, prompt, setting, match):
+    # Each would silently mean something else (greedy, or no nucleus); generate refuses them before prefilling.
+    logits = jnp.zeros((1, 4), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        hybridlm.engine.sample(logits, jax.random.key(0), **{"temperature": 1.0, **setting})
+    with pytest.raises(ValueError, match=match):
+        hybridlm.generate(tiny_runner, prompt[:, :4], max_new_tokens=2, **{"temperature": 1.0, **setting})
+
+
 def test_sample_top_k_and_top_p_restrict_support():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
     keys = jax.random.split(jax.random.key(0), 400)
