@@ -140,15 +140,21 @@ def _decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
 
 
 def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], position) -> None:
-    """Refuses a decode step whose position falls outside the KV cache (below 0, or at or past its capacity: a
-    write there would be clamped onto the last slot, a silently wrong answer), or whose token ids fall outside
-    [0, vocab_size) (the embedding gather would clamp them too). Values given on the host (Python / numpy) are
-    checked; values held on the device are not read back (that would make the host wait for them).
+    """Refuses a decode step whose tokens are not one per sequence of the states, whose position falls outside
+    the KV cache (below 0, or at or past its capacity: a write there would be clamped onto the last slot, a
+    silently wrong answer), or whose token ids fall outside [0, vocab_size) (the embedding gather would clamp them
+    too). Shapes are always checked; values only where given on the host (Python / numpy): values held on the
+    device are not read back (that would make the host wait for them).
 
     Raises:
-      ValueError: naming the position and the capacity and how to reserve room (prefill's max_new_tokens), or
-        the token ids' range.
+      ValueError: naming the tokens' shape and the states' batch, the position and the capacity and how to
+        reserve room (prefill's max_new_tokens), or the token ids' range.
     """
+    first = states[0] if states else None
+    batch = None if first is None else (first.key if isinstance(first, KVCache) else first.conv).shape[0]
+    if np.shape(tokens) != (batch,) and batch is not None:
+        raise ValueError(f"tokens must be [batch] = [{batch}] (one per sequence of the states), got shape "
+                         f"{np.shape(tokens)}")
     if not isinstance(tokens, jax.Array):
         ids = np.asarray(tokens)
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):

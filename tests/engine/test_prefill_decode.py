@@ -81,8 +81,11 @@ def test_decode_refuses_positions_outside_the_cache_and_bad_tokens(tiny_runner, 
                        (np.int32(result.capacity + 3), "past the KV cache"), (-1, "negative")):
         with pytest.raises(ValueError, match=match):
             decode(prompt[:, 15], jax.tree_util.tree_map(jnp.copy, result.states), pos)
+    for tokens in (np.array([1, 2, 3]), np.array([[1], [2]])):    # the prompt's batch is 2
+        with pytest.raises(ValueError, match=r"tokens must be \[batch\] = \[2\]"):
+            decode(tokens, result.states, result.capacity - 1)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
-        decode(np.array([tiny_runner.config.vocab_size]), result.states, result.capacity - 1)
+        decode(np.array([0, tiny_runner.config.vocab_size]), result.states, result.capacity - 1)
     logits, _ = decode(prompt[:, 15], result.states, result.capacity - 1)   # the last slot is fine
     assert_finite(logits)
 
