@@ -76,7 +76,19 @@ class HybridLM(nnx.Module):
         return (self.final_norm(hidden) @ self.head_weight()).astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
-        """input_ids [batch, seq] int -> logits [batch, seq, vocab] float32 (no cache)."""
+        """input_ids [batch, seq] int -> logits [batch, seq, vocab] float32 (no cache).
+
+        Raises:
+          ValueError: input_ids not [batch, seq], or (given on the host: numpy or lists) ids outside
+            [0, vocab_size), which the embedding gather would clamp. Ids held on the device are not read back.
+        """
+        if np.ndim(input_ids) != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {np.shape(input_ids)}")
+        if not isinstance(input_ids, jax.Array):
+            ids = np.asarray(input_ids)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); "
+                                 f"got [{ids.min()}, {ids.max()}]")
         x = self.embed[...][input_ids]
         for layer in self.layers:
             x, _ = layer(x)

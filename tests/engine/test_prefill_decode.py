@@ -90,6 +90,13 @@ def test_decode_refuses_positions_outside_the_cache_and_bad_tokens(tiny_runner, 
     assert_finite(logits)
 
 
+def test_full_forward_refuses_bad_ids(tiny_model):
+    with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+        tiny_model(np.arange(4))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+        tiny_model(np.array([[0, tiny_model.config.vocab_size]]))
+
+
 def test_prefill_in_two_calls_equals_one(tiny_runner, prompt):
     """prefill(a + b) == prefill(a) then feeding b token by token (state carried)."""
     whole = hybridlm.prefill(tiny_runner, prompt, chunk_size=32)
