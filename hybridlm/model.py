@@ -49,6 +49,14 @@ class DecoderLayer(nnx.Module):
         return h + self.ffn(self.post_norm(h), valid), state
 
 
+def check_token_ids(ids, vocab_size: int) -> None:
+    """Raises ValueError where host-side token ids (numpy, lists) fall outside [0, vocab_size): the embedding
+    gather would clamp them, a silently wrong answer."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{ids.min()}, {ids.max()}]")
+
+
 class HybridLM(nnx.Module):
     """Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid language model (text only).
 
@@ -85,10 +93,7 @@ class HybridLM(nnx.Module):
         if np.ndim(input_ids) != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {np.shape(input_ids)}")
         if not isinstance(input_ids, jax.Array):
-            ids = np.asarray(input_ids)
-            if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); "
-                                 f"got [{ids.min()}, {ids.max()}]")
+            check_token_ids(input_ids, self.config.vocab_size)
         x = self.embed[...][input_ids]
         for layer in self.layers:
             x, _ = layer(x)

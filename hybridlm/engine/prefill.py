@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridlm.engine.runner import PHASES, LayerwiseRunner, PhaseTimer
-from hybridlm.model import HybridLM
+from hybridlm.model import HybridLM, check_token_ids
 from hybridlm.state import LayerState, init_layer_states
 
 DEFAULT_CHUNK_SIZE = 2048
@@ -87,8 +87,7 @@ def prefill(model: HybridLM | LayerwiseRunner, input_ids, *, chunk_size: int = D
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
-    if ids.min() < 0 or ids.max() >= config.vocab_size:
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}); got [{ids.min()}, {ids.max()}]")
+    check_token_ids(ids, config.vocab_size)
     batch, seq = ids.shape
     if seq + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"prompt ({seq}) + max_new_tokens ({max_new_tokens}) exceeds "

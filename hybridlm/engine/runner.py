@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridlm.model import HybridLM
+from hybridlm.model import HybridLM, check_token_ids
 from hybridlm.state import KVCache, LayerState
 
 PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
@@ -156,9 +156,7 @@ def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], posit
         raise ValueError(f"tokens must be [batch] = [{batch}] (one per sequence of the states), got shape "
                          f"{np.shape(tokens)}")
     if not isinstance(tokens, jax.Array):
-        ids = np.asarray(tokens)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{ids.min()}, {ids.max()}]")
+        check_token_ids(tokens, vocab_size)
     if isinstance(position, jax.Array):
         return
     pos = int(position)

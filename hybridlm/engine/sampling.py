@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ def check_sampling(temperature, top_k: int, top_p) -> None:
     """
     if isinstance(temperature, (int, float)) and not temperature >= 0:
         raise ValueError(f"temperature={temperature!r} must be >= 0 (0: greedy)")
-    if not (isinstance(top_k, int) and top_k >= 0):
+    if not (isinstance(top_k, numbers.Integral) and top_k >= 0):
         raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0: no limit)")
     if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r} must lie in (0, 1] (1: no limit)")
