@@ -30,8 +30,9 @@ def decode_step(runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerSt
       logits [batch, vocab] float32 for the next position, and the new states.
 
     Raises:
-      ValueError: a position below 0 or at / past the KV cache's capacity, or token ids outside the vocabulary
-        (values given on the host; values held on the device are not checked).
+      ValueError: tokens not one per sequence of the states, a position below 0 or at / past the KV cache's
+        capacity, or token ids outside the vocabulary (values given on the host; values held on the device are not
+        checked).
     """
     return runner.decode_step(tokens, states, position)
 

@@ -150,11 +150,12 @@ def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], posit
       ValueError: naming the tokens' shape and the states' batch, the position and the capacity and how to
         reserve room (prefill's max_new_tokens), or the token ids' range.
     """
-    first = states[0] if states else None
-    batch = None if first is None else (first.key if isinstance(first, KVCache) else first.conv).shape[0]
-    if np.shape(tokens) != (batch,) and batch is not None:
-        raise ValueError(f"tokens must be [batch] = [{batch}] (one per sequence of the states), got shape "
-                         f"{np.shape(tokens)}")
+    if states:
+        first = states[0]
+        batch = (first.key if isinstance(first, KVCache) else first.conv).shape[0]
+        if np.shape(tokens) != (batch,):
+            raise ValueError(f"tokens must be [batch] = [{batch}] (one per sequence of the states), got shape "
+                             f"{np.shape(tokens)}")
     if not isinstance(tokens, jax.Array):
         check_token_ids(tokens, vocab_size)
     if isinstance(position, jax.Array):
@@ -247,7 +248,8 @@ class LayerwiseRunner:
           logits [batch, vocab] float32 for the next position, and the new states.
 
         Raises:
-          ValueError: a position outside the KV cache, or token ids outside the vocabulary (`check_decode_inputs`).
+          ValueError: tokens not one per sequence, a position outside the KV cache, or token ids outside the
+            vocabulary (`check_decode_inputs`).
         """
         check_decode_inputs(self.config.vocab_size, tokens, states, position)
         treedef, leaves = self._flat_weights
@@ -264,7 +266,8 @@ class LayerwiseRunner:
         pages experts) and the head: the same results, with ~120 dispatches a step instead of one.
 
         Raises:
-          ValueError: a position outside the KV cache, or token ids outside the vocabulary (`check_decode_inputs`)."""
+          ValueError: tokens not one per sequence, a position outside the KV cache, or token ids outside the
+            vocabulary (`check_decode_inputs`)."""
         check_decode_inputs(self.config.vocab_size, tokens, states, position)
         x, states = self.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
         return self.head_logits(x[:, 0]), states

@@ -74,6 +74,7 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
     col_bases = (j * bn, n_out + j * bn) if swiglu else (j * bn,)
     k_rows = k // 2 if bits == 4 else k
     steps = pl.cdiv(k_rows, bk)
+    nb = bk // quant_block if bits else 0          # quantization blocks per step
 
     g = group_ref[r]
     valid = (g >= 0) & (g < groups)               # a row of no group: group 0's weights are read, zeros stored
@@ -86,12 +87,12 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
             at = lhs_ref.at[pl.ds(src, 1), pl.ds(kk, bk)]
             x = plgpu.load(at, mask=((kk + jnp.arange(bk)) < k)[None, :], other=0) if k % bk else plgpu.load(at)
         else:
-            x = plgpu.load(lhs_ref.at[pl.ds(src, 1), pl.ds(kk // quant_block, bk // quant_block), :])
+            x = plgpu.load(lhs_ref.at[pl.ds(src, 1), pl.ds(kk // quant_block, nb), :])
         return x.astype(jnp.float32)
 
     def per_block(ref, kb, col0):
         # [bn, nb, 1] f32 scales / offsets of blocks kb + [0, nb) (stored [groups, k / 32, n])
-        v = plgpu.load(ref.at[g, pl.ds(kb, bk // quant_block), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
+        v = plgpu.load(ref.at[g, pl.ds(kb, nb), pl.ds(col0, bn)], mask=col_in[None, :], other=0)
         return v.astype(jnp.float32).T[:, :, None]
 
     def product(acc, kk, col0):
@@ -103,7 +104,6 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
                 mask = mask & ((kk + jnp.arange(bk)) < k)[:, None]
             wt = plgpu.load(rhs_ref.at[g, pl.ds(kk, bk), pl.ds(col0, bn)], mask=mask, other=0)
             return acc + x_chunk(kk).T * wt.astype(jnp.float32)
-        nb = bk // quant_block
         codes = plgpu.load(rhs_ref.at[g, pl.ds(col0, bn), pl.ds(kk // quant_block, nb), :],
                            mask=col_in[:, None, None], other=0)          # [bn, nb, 32], k contiguous
         if bits == 8:
@@ -126,7 +126,7 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
             acc = acc + x_chunk(x_row0) * wt
         return acc
 
-    shape = (bk, bn) if bits is None else (bn, bk // quant_block, quant_block)
+    shape = (bk, bn) if bits is None else (bn, nb, quant_block)
     accs = tuple(jnp.zeros(shape, jnp.float32) for _ in col_bases)
 
     def step(i, accs):
