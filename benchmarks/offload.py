@@ -128,11 +128,13 @@ def run_prompts(runner, prompts: dict[int, np.ndarray], warmup: dict[int, np.nda
 
 def decode_row(runner, ids: np.ndarray, new_tokens: int, offload: bool) -> dict:
     """`hybridlm.generate` after a prompt of ids: greedy decode tokens/s (the steps after the first, which
-    compiles on a first call) and, offloaded, the decode steps' cache statistics."""
+    compiles on a first call, and with device paging fills the expert pool: its seconds are reported beside) and,
+    offloaded, the decode steps' cache statistics."""
     hybridlm.generate(runner, ids, max_new_tokens=2, chunk_size=ids.shape[1])    # compiles the step's programs
     g = hybridlm.generate(runner, ids, max_new_tokens=new_tokens, chunk_size=ids.shape[1])
     row = {"decode_prompt_tokens": ids.shape[1], "decode_tokens": new_tokens,
-           "decode_tokens_per_s": round(g.decode_tokens_per_s, 2)}
+           "decode_tokens_per_s": round(g.decode_tokens_per_s, 2), "decode_s": round(g.decode_s, 3),
+           "decode_first_step_s": round(g.first_step_s, 3)}
     if offload:
         s = runner.stats(per_layer=False)["decode"]
         row.update({f"decode_{k}": s[k] for k in ("lookups", "hits", "misses", "prefetched", "prefetch_used",

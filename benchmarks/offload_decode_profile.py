@@ -4,7 +4,8 @@ timed, then profiled with cProfile (the Python side of each dispatch, and the wa
 Builds the preset with random weights as `benchmarks/offload.py` does (trunk on the device, experts drawn,
 quantized and packed into pinned host memory one layer at a time), then per policy: an `OffloadedRunner`, a
 prompt prefilled in one chunk, a compiling and a timed `generate` (`offload.decode_row`) and a profiled one.
-Writes per policy tokens/s, hit rate, bytes copied per step and the profile's top functions by own time.
+Writes per policy (and `--decode-paging` mode) tokens/s, the first step's seconds (with device paging it fills the
+expert pool), hit rate, bytes copied per step and the profile's top functions by own time.
 
 Run on the GPU machine (README, "GPU machine"), e.g.:
     python benchmarks/offload_decode_profile.py --policies lru static --out offload_decode_profile.json
@@ -48,6 +49,9 @@ def main(argv=None):
     p.add_argument("--policies", nargs="+", default=["lru", "static"])
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32, help="timed steps (the profiled run takes a quarter)")
+    p.add_argument("--decode-paging", nargs="+", choices=("device", "host"), default=["device"],
+                   help="OffloadedRunner decode_paging values to run in turn (an A/B in one process)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled generate")
     p.add_argument("--top", type=int, default=25, help="functions listed per profile")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -61,22 +65,26 @@ def main(argv=None):
     host = build_host_experts(config, a.expert_format, dtype)
     doc["build_s"] = round(time.perf_counter() - t, 1)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, a.prompt_tokens)).astype(np.int32)
-    for policy in a.policies:
+    for policy, paging in [(policy, paging) for policy in a.policies for paging in a.decode_paging]:
         runner = OffloadedRunner(model, expert_budget=a.budget, cache_policy=policy, host_experts=host,
-                                 chunk_size=a.prompt_tokens)
+                                 chunk_size=a.prompt_tokens, decode_paging=paging)
         timed = decode_row(runner, ids, a.decode_tokens + 1, True)      # a compiling call, then the timed one
         s = runner.stats(per_layer=False)["decode"]
-        row = {"policy": policy, "decode_tokens_per_s": timed["decode_tokens_per_s"],
+        row = {"policy": policy, "decode_paging": paging, "decode_tokens_per_s": timed["decode_tokens_per_s"],
+               "decode_s": timed["decode_s"], "first_step_s": timed["decode_first_step_s"],
                "hit_rate": timed["decode_hit_rate"], "bytes_h2d_per_step": s["bytes_h2d"] // max(1, s["chunks"]),
-               "stall_s": timed["decode_stall_s"]}
-        profile = cProfile.Profile()
-        profile.enable()
-        g = hybridlm.generate(runner, ids, max_new_tokens=max(2, a.decode_tokens // 4) + 1,
-                              chunk_size=a.prompt_tokens)
-        profile.disable()
-        row["profiled_tokens_per_s"] = round(g.decode_tokens_per_s, 2)
-        row["profile_note"] = "the profiled generate includes its prompt's prefill"
-        row["profile_top_tottime"] = top_functions(profile, a.top)
+               "prefetched": s["prefetched"], "stall_s": timed["decode_stall_s"]}
+        g = hybridlm.generate(runner, ids, max_new_tokens=16, chunk_size=a.prompt_tokens)
+        row["first_16_tokens"] = g.tokens[0].tolist()     # the same in every paging mode (same numerics)
+        if not a.no_profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            g = hybridlm.generate(runner, ids, max_new_tokens=max(2, a.decode_tokens // 4) + 1,
+                                  chunk_size=a.prompt_tokens)
+            profile.disable()
+            row["profiled_tokens_per_s"] = round(g.decode_tokens_per_s, 2)
+            row["profile_note"] = "the profiled generate includes its prompt's prefill"
+            row["profile_top_tottime"] = top_functions(profile, a.top)
         print({k: v for k, v in row.items() if k != "profile_top_tottime"}, flush=True)
         doc["rows"].append(row)
         del runner

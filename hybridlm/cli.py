@@ -183,8 +183,10 @@ def _print_offload(o: dict) -> None:
         s = o[kind]
         if not s["chunks"]:
             continue
+        # device-paged decode steps are never waited for, so they have no wall time of their own
+        rate = f"{s['achieved_gbps']:.2f} GB/s" if s["wall_s"] > 0 else "GB/s untimed"
         print(f"  {kind:8s} lookups {s['lookups']}  hits {s['hits']}  misses {s['misses']}  hit rate "
-              f"{100 * s['hit_rate']:.1f}%  H2D {s['bytes_h2d'] / 1e9:.3f} GB  {s['achieved_gbps']:.2f} GB/s  "
+              f"{100 * s['hit_rate']:.1f}%  H2D {s['bytes_h2d'] / 1e9:.3f} GB  {rate}  "
               f"stall {s['stall_s'] * 1e3:.1f} ms  evictions {s['evictions']}  prefetched {s['prefetched']} "
               f"(used {s['prefetch_used']})")
     layers = o["prefill"].get("per_layer", [])

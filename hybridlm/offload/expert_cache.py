@@ -330,7 +330,8 @@ class CacheStats:
     layers: list[LayerStats]
     chunks: int = 0                         # forward_chunk calls (decode: steps)
     tokens: int = 0                         # batch * chunk tokens processed (padding included)
-    wall_s: float = 0.0                     # from the first chunk's start to the logits being ready
+    wall_s: float = 0.0                     # from the first chunk's start to the logits being ready (device-paged
+                                            # decode steps are not waited for: not counted)
 
     @property
     def total(self) -> LayerStats:

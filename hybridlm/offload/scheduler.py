@@ -28,12 +28,18 @@ Per chunk and layer i (see docs/offload.md):
   In whole-layer mode prefetched bytes wait in device staging buffers until their layer runs, so the compute
   stream never waits on a copy it does not need yet.
 
+Decode (`OffloadedRunner.decode_step`, so `generate`): by default the whole step is one program in which the device
+picks each routed expert from the pool or held layers (as the last prefill left them, free slots filled once) or
+reads it straight from pinned host memory (`_decode_paged`): no ids go back to the host. decode_paging="host" (and
+large batches) step layer by layer through the schedule above instead.
+
 Device memory: pool slots + staging buffers <= expert_budget. The trunk (embeddings, mixers, router, shared
 expert, head) stays on the device.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import statistics
@@ -43,6 +49,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from hybridlm.engine.runner import (
     LayerwiseRunner,
@@ -52,6 +59,7 @@ from hybridlm.engine.runner import (
     _experts,
     _mix,
     _route,
+    check_decode_inputs,
     flat_layer,
 )
 from hybridlm.model import HybridLM
@@ -355,6 +363,97 @@ def _staged_experts(layout: ExpertLayout, graph, params, staged, h, u, weights, 
     return _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts)
 
 
+# A decode step pages on the device (`_decode_paged`) up to this many expert copies a layer (batch x top_k): each is
+# one conditional copy in the program, unrolled, so the program grows with it. Larger batches take the layer-by-layer
+# step.
+PAGED_MAX_COPIES = 64
+
+
+# Where a device-paged decode step finds a layer's experts (`_decode_paged`), known on the host when the step's pool
+# view is made (`OffloadedRunner._make_paged_view`): static per layer, so that only layers with experts in host
+# memory pay for the conditional copies.
+HELD, IN_POOL, MIXED, IN_HOST = "held", "pool", "mixed", "host"
+
+
+def _fetch_experts(layout: ExpertLayout, host_parts: tuple, part_start: tuple[int, ...], pool, slots: jax.Array,
+                   ids: jax.Array, source: str):
+    """The weights of experts `ids` [n] of one layer as (gate_up, down) [n, ...] on the device, each from the pool
+    where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its pinned host part.
+
+    `source` (static): IN_POOL, every expert of the layer is in the pool (a gather, no control flow); IN_HOST, none
+    is; MIXED, some are. Where any may be in host memory, each copy is one `lax.switch`: branch 1 + p a dynamic
+    slice of host part p moved to the device, which XLA runs as a kernel reading that row from host memory
+    (measured on an H100, JAX 0.11.2, 2026-11-27: 8 rows of 2 MiB a layer from device-computed ids at 43 GB/s,
+    the host not waiting), and, in a MIXED layer, branch 0 a zero row for a resident expert, whose pool row is
+    selected instead. Each switch costs the launch of the step's CUDA graph ~30 us of host time, which bounds the
+    step (docs/offload.md); its branches are kept to one operation each (unpacking inside them cost 20% more time
+    a step for the "static" policy, measured)."""
+    if source == IN_POOL:
+        return jax.tree_util.tree_map(lambda a: a[slots], pool)
+    starts = jnp.asarray(part_start, jnp.int32)
+
+    def from_host(p):
+        return lambda row: jax.device_put(jax.lax.dynamic_index_in_dim(host_parts[p], row, keepdims=True),
+                                          jax.memory.Space.Device)
+
+    def resident(row):
+        return jnp.zeros((1, layout.nbytes), jnp.uint8)
+
+    mixed = source == MIXED
+    branches = ([resident] if mixed else []) + [from_host(p) for p in range(len(host_parts))]
+    rows = []
+    for j in range(ids.shape[0]):
+        part = jnp.sum(ids[j] >= starts[1:]).astype(jnp.int32)
+        index = jnp.where(slots[j] >= 0, 0, 1 + part) if mixed else part
+        rows.append(jax.lax.switch(index, branches, ids[j] - starts[part]))
+    copied = layout.unpack(jnp.concatenate(rows))                       # leaves [n, ...]
+    if not mixed:
+        return copied
+    where = slots >= 0
+    return jax.tree_util.tree_map(
+        lambda a, c: jnp.where(where.reshape((-1,) + (1,) * (c.ndim - 1)), a[jnp.maximum(slots, 0)], c), pool, copied)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 16))
+def _decode_paged(layout: ExpertLayout, graphs: tuple, head_graph: StaticGraph, sources: tuple[str, ...],
+                  part_start: tuple[int, ...], embed, layer_leaves: tuple, head_leaves: tuple, lm_head, tokens,
+                  states, position, host: tuple, pool, slot_table, held: tuple, hits):
+    """One decode step of the offloaded model as one program, its experts paged by the device
+    (`OffloadedRunner.decode_step`).
+
+    Per layer: the mixer, the router, then each routed copy's expert from the device (a held layer's arrays, or
+    the pool where `slot_table` [layers, experts] int32 gives its slot) or from pinned host memory
+    (`_fetch_experts`), chosen on the device: no ids go back to the host. The experts then run as in the
+    all-resident model, each copy naming its own fetched expert. `sources` (static) says per layer where its
+    experts are: HELD (`held[i]`), IN_POOL, MIXED or IN_HOST (`_fetch_experts`). Returns (logits [batch, vocab]
+    float32, the new states, hits + this step's resident copies per layer ([layers] int32))."""
+    x = embed[tokens[:, None]]
+    batch, _, hidden = x.shape
+    valid = jnp.ones((batch,), bool)
+    new_states, step_hits = [], []
+    for i, (graph, leaves, state) in enumerate(zip(graphs, layer_leaves, states)):
+        layer = graph.merge(leaves)
+        h, state = layer.mix(x, state, position, 1)
+        new_states.append(state)
+        u = layer.post_norm(h).reshape(batch, hidden)
+        weights, ids = layer.ffn.route(u)                                  # [batch, top_k]
+        flat = ids.reshape(-1)
+        if sources[i] == HELD:
+            experts = jax.tree_util.tree_map(lambda a, flat=flat: a[flat], held[i])
+            step_hits.append(jnp.int32(flat.shape[0]))
+        else:
+            slots = slot_table[i][flat]
+            experts = _fetch_experts(layout, host[i], part_start, pool, slots, flat, sources[i])
+            step_hits.append(jnp.sum(slots >= 0).astype(jnp.int32))
+        layer.ffn.experts_gate_up.set_value(experts[0])
+        layer.ffn.experts_down.set_value(experts[1])
+        local = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(ids.shape)   # copy j runs fetched expert j
+        x = h + layer.ffn.experts(u, weights, local, valid).reshape(batch, 1, hidden)
+    head_weight = embed.T if lm_head is None else lm_head                # as HybridLM.logits
+    logits = (head_graph.merge(head_leaves)(x[:, 0]) @ head_weight).astype(jnp.float32)
+    return logits, new_states, hits + jnp.stack(step_hits)
+
+
 def _placeholder_experts(graph: StaticGraph, leaves: tuple) -> tuple[StaticGraph, tuple]:
     """A layer's (graph, flat weights) with its expert weights replaced by 1-element placeholders (no device
     memory)."""
@@ -390,18 +489,27 @@ class OffloadedRunner(LayerwiseRunner):
       in_program_copies: whole-layer mode: copy the next layer absent from the device inside this layer's
         mixer and experts programs (one host part each), where the copy overlaps their compute; False: a separate
         `jax.device_put` (which, measured on an H100 with JAX 0.11.2, runs mostly after the queued compute).
+      decode_paging: how `decode_step` (and so `generate`) pages experts. "device" (default): the whole step is
+        one program that picks each routed expert on the device, from the pool or held layers as the last
+        prefill left them (read only: decode evicts and inserts nothing) or else straight from pinned host
+        memory; no ids go back to the host (`_decode_paged`). Batches of more than PAGED_MAX_COPIES / top_k
+        sequences take the "host" path: layer by layer, the ids read back each layer and misses inserted into
+        the pool by the cache policy (`decode_step_layerwise`).
 
     Raises:
-      ValueError: unknown policy or prefetch mode; budget above the device memory; budget below the
-        experts one layer needs for one token (or for `chunk_size`); a model without MoE.
+      ValueError: unknown policy, prefetch mode or decode paging; budget above the device memory; budget below
+        the experts one layer needs for one token (or for `chunk_size`); a model without MoE.
     """
 
     def __init__(self, model: HybridLM, *, expert_budget: int | str, cache_policy: str = "slru",
                  prefetch: Prefetch = "auto", prefetch_depth: int = 2, whole_layer: bool | None = None,
                  host_experts: HostExperts | None = None, chunk_size: int | None = None, batch: int = 1,
-                 device_memory_bytes: int | None = None, in_program_copies: bool = True):
+                 device_memory_bytes: int | None = None, in_program_copies: bool = True,
+                 decode_paging: Literal["device", "host"] = "device"):
         if model.config.moe is None:
             raise ValueError("OffloadedRunner needs a sparse-MoE model (config.moe is None)")
+        if decode_paging not in ("device", "host"):
+            raise ValueError(f"unknown decode_paging {decode_paging!r}; choose from device, host")
         if cache_policy not in POLICIES:
             raise ValueError(f"unknown cache_policy {cache_policy!r}; choose from {POLICIES}")
         if prefetch not in ("auto", "router", "layer", "none"):
@@ -455,6 +563,14 @@ class OffloadedRunner(LayerwiseRunner):
         self._prefill_stats = self._new_stats("prefill")
         self._decode_stats = self._new_stats("decode")
         self._t_start: float | None = None
+        # Device-paged decode (`decode_step`): the final norm and head as the program takes them, the pool's
+        # residency as the device reads it (made after the pool last changed), and its counters.
+        self.decode_paging = decode_paging
+        committed = self.whole[0].merge(self.whole[1])
+        self._head = flat_layer(*nnx.split(committed.final_norm))
+        self._lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
+        self._paged_view: tuple | None = None
+        self._reset_paged_counters()
 
     # ----- budget -----
     def min_experts(self, tokens: int) -> int:
@@ -526,6 +642,7 @@ class OffloadedRunner(LayerwiseRunner):
             self.held_layers = frozenset(k[0] for k in static_pinned_keys(self.num_layers, self.num_experts, hold))
             slots, pinned = slots - hold, 0
         self.staging_slots = staging
+        self._paged_view = None
         self._staged.clear()
         self._queue.clear()
         self.cache = None
@@ -569,7 +686,26 @@ class OffloadedRunner(LayerwiseRunner):
         self._num_chunks = num_chunks
         self._prefill_stats = self._new_stats("prefill")
         self._decode_stats = self._new_stats("decode")
+        self._reset_paged_counters()
         self._t_start = None
+
+    def _reset_paged_counters(self) -> None:
+        self._paged_lookups = 0                                          # per layer, over the paged steps
+        self._paged_hits = jnp.zeros((self.num_layers,), jnp.int32, device=self.dev_sharding)   # on the device
+
+    def _decode_stats_now(self) -> CacheStats:
+        """The decode statistics, with the device-paged steps' lookups, hits and misses added (their hits were
+        counted on the device; read back here). Paged steps are not in wall_s (they are never waited for)."""
+        if not self._paged_lookups:
+            return self._decode_stats
+        out = copy.deepcopy(self._decode_stats)
+        for s, hits in zip(out.layers, np.asarray(self._paged_hits).tolist()):
+            misses = self._paged_lookups - hits
+            s.lookups += self._paged_lookups
+            s.hits += hits
+            s.misses += misses
+            s.bytes_h2d += misses * self.expert_bytes
+        return out
 
     def stats(self, per_layer: bool = True) -> dict:
         """{'prefill': last prefill's statistics, 'decode': decode steps since, 'pool': pool configuration}."""
@@ -578,7 +714,7 @@ class OffloadedRunner(LayerwiseRunner):
                 "slots": self.cache.num_slots if self.cache else None,
                 "staging_slots": getattr(self, "staging_slots", None),
                 "pinned": (len(self.cache.pinned) + len(self.held_layers) * self.num_experts) if self.cache else 0}
-        return {"prefill": self._prefill_stats.to_dict(per_layer), "decode": self._decode_stats.to_dict(per_layer),
+        return {"prefill": self._prefill_stats.to_dict(per_layer), "decode": self._decode_stats_now().to_dict(per_layer),
                 "pool": pool}
 
     def head_logits(self, x_last: jax.Array) -> jax.Array:
@@ -810,8 +946,77 @@ class OffloadedRunner(LayerwiseRunner):
         return demand
 
     def decode_step(self, tokens: jax.Array, states: list[LayerState], position) -> tuple[jax.Array, list[LayerState]]:
-        """`LayerwiseRunner.decode_step` layer by layer (`decode_step_layerwise`), so that experts are paged."""
-        return self.decode_step_layerwise(tokens, states, position)
+        """`LayerwiseRunner.decode_step` with the experts paged (same arguments and results).
+
+        With decode_paging="device" (and batch x top_k <= PAGED_MAX_COPIES) one program a step, which reads each
+        routed expert from the pool or held layers the last prefill left, or else from pinned host memory, as
+        the device's router picks it (`_decode_paged`); otherwise layer by layer (`decode_step_layerwise`).
+
+        Raises:
+          ValueError: tokens not one per sequence, a position outside the KV cache, or token ids outside the
+            vocabulary (`check_decode_inputs`).
+        """
+        batch = np.shape(tokens)[0] if np.ndim(tokens) else 0
+        if self.decode_paging == "host" or batch * self.top_k > PAGED_MAX_COPIES:
+            return self.decode_step_layerwise(tokens, states, position)
+        check_decode_inputs(self.config.vocab_size, tokens, states, position)
+        self._ensure_pool(batch)
+        if self._paged_view is None:
+            self._paged_view = self._make_paged_view()
+        slot_table, sources, held = self._paged_view
+        if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
+            tokens = jnp.asarray(tokens, jnp.int32)
+        if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
+            tokens, states = jax.device_put((tokens, states), self.dev_sharding)
+        graphs, leaves = zip(*self.layers)
+        logits, states, self._paged_hits = _decode_paged(
+            self.host.layout, graphs, self._head[0], sources, tuple(self.host.part_start), self.embed_table,
+            leaves, self._head[1], self._lm_head, tokens, states,
+            position if isinstance(position, jax.Array) else np.int32(position),
+            tuple(tuple(parts) for parts in self.host.layers), self.cache.pool, slot_table, held, self._paged_hits)
+        self._paged_lookups += batch * self.top_k
+        self._decode_stats.chunks += 1
+        self._decode_stats.tokens += batch
+        self._kind = "decode"
+        return logits, states
+
+    def _make_paged_view(self) -> tuple:
+        """(slot table [layers, experts] int32 on the device: pool slot or -1, each layer's source (HELD, IN_POOL,
+        MIXED or IN_HOST), held arrays) for `_decode_paged`.
+
+        First, staged bytes still waiting for their layer (whole-layer prefetch at the end of a prefill) are
+        written into their pool slots, and (any policy but "stream") the pool's free slots are filled with whole
+        layers spread over the depth (counted as prefetched in the decode statistics): a whole-layer prefill
+        below the full-model budget leaves the pool empty, and a paged step reads every expert not resident from
+        host memory again (~0.6 GB a step for Qwen3.6-35B-A3B with 4-bit experts)."""
+        cache = self.cache
+        pending = []
+        for b in self._staged.values():
+            if not any(b is x for x in pending):
+                pending.append(b)
+        self._staged.clear()
+        for b in pending:
+            cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
+        layers = [i for i in range(self.num_layers) if i not in self.held]
+        if cache.free and layers and self.cache_policy != "stream":
+            n = min(len(layers), len(cache.free) // self.num_experts + 1)
+            for layer in [layers[int((k + 0.5) * len(layers) / n)] for k in range(n)]:
+                experts = [e for e in range(self.num_experts) if (layer, e) not in cache][:len(cache.free)]
+                for e in experts:
+                    cache.allocate((layer, e), set())
+                for buf, ids in self.host.to_device(layer, experts, self.dev_sharding) if experts else ():
+                    cache.write(buf, [cache.slot_of[(layer, e)] for e in ids])
+                s = self._decode_stats.layers[layer]
+                s.prefetched += len(experts)
+                s.bytes_h2d += len(experts) * self.expert_bytes
+        table = np.full((self.num_layers, self.num_experts), -1, np.int32)
+        for (layer, expert), slot in self.cache.slot_of.items():
+            table[layer, expert] = slot
+        resident = (table >= 0).sum(axis=1)
+        sources = tuple(HELD if i in self.held else IN_POOL if resident[i] == self.num_experts
+                        else MIXED if resident[i] else IN_HOST for i in range(self.num_layers))
+        held = tuple(self.held.get(i) for i in range(self.num_layers))
+        return jax.device_put(table, self.dev_sharding), sources, held
 
     def forward_chunk(self, ids: jax.Array, states: list[LayerState], start, num_valid: int,
                       timer: PhaseTimer | None = None) -> tuple[jax.Array, list[LayerState]]:
@@ -823,6 +1028,7 @@ class OffloadedRunner(LayerwiseRunner):
         batch, seq = ids.shape
         tokens = batch * seq
         self._ensure_pool(tokens)          # budget errors before any work
+        self._paged_view = None            # the pool changes below
         whole = self.uses_whole_layer(tokens)
         stats = self._prefill_stats if self._kind == "prefill" else self._decode_stats
         if self._t_start is None:

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from offload_helpers import assert_stats_add_up
+from offload_helpers import assert_decode_matches, assert_stats_add_up
 
 import hybridlm
 from hybridlm.offload import HostExperts, OffloadedRunner, parse_bytes, static_pinned_keys
@@ -244,14 +244,15 @@ def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts, monkeypa
 
 def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, host_experts, prompts,
                                                                          monkeypatch):
-    """An offloaded decode step (exact mode, router prefetch) copies its experts straight into the pool: no
-    staged batches, no pool writes, one index table moved to the device per layer, at most one copy program
-    per host part of the layer and of the next; the mixer, router and prediction run as one program."""
+    """A layer-by-layer offloaded decode step (decode_paging="host": exact mode, router prefetch) copies its
+    experts straight into the pool: no staged batches, no pool writes, one index table moved to the device per
+    layer, at most one copy program per host part of the layer and of the next; the mixer, router and
+    prediction run as one program."""
     from hybridlm.offload import scheduler
 
     eb = host_experts.layout.nbytes
     runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
-                             host_experts=host_experts)
+                             host_experts=host_experts, decode_paging="host")
     pre = hybridlm.prefill(runner, prompts["short"], chunk_size=16, max_new_tokens=2)
     calls = {"write": 0, "copy_rows": 0, "table": 0, "mix_route": 0}
     for name in ("write", "copy_rows"):
@@ -270,3 +271,102 @@ def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, h
     assert 0 < calls["copy_rows"] <= NUM_LAYERS * 2 * HOST_PARTS
     assert stats["misses"] > 0 and stats["prefetched"] > 0 and stats["stall_s"] == 0.0
     assert_stats_add_up(stats, eb)
+
+
+def _count_calls(monkeypatch, module, names: tuple[str, ...]) -> dict:
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a))
+    return calls
+
+
+def test_device_paged_decode_is_one_program_reading_the_pool_as_left(tiny, host_experts, base_runner, prompts,
+                                                                    monkeypatch):
+    """decode_paging="device" (the default): each step is one program (no per-layer programs, copies or tables)
+    with the all-resident logits. The first step fills the pool's free slots with whole layers (the whole-layer
+    prefill below the full-model budget left it empty), counted as prefetched; later steps insert and evict
+    nothing. Every routed copy of every layer is a lookup, a hit exactly where its expert was resident."""
+    from hybridlm.offload import scheduler
+
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
+                             host_experts=host_experts)
+    ids, steps = prompts["short"], 3
+    pre = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=steps)
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=steps)
+    assert not runner.cache.slot_of                  # whole-layer mode released every layer after use
+    calls = _count_calls(monkeypatch, scheduler, ("_decode_paged", "_mix_route", "_mix", "_pool_experts_table"))
+    filled = {}
+
+    def pool_filled_once(step):
+        if step == 0:
+            filled.update(runner.cache.slot_of)
+            assert len(filled) == runner.cache.num_slots and not runner.cache.free
+        assert runner.cache.slot_of == filled
+
+    assert_decode_matches(runner, base_runner, pre, ref, len(ids), steps, after_step=pool_filled_once)
+    assert calls == {"_decode_paged": steps, "_mix_route": 0, "_mix": 0, "_pool_experts_table": 0}
+    stats = runner.stats()["decode"]
+    assert stats["chunks"] == steps and stats["lookups"] == steps * NUM_LAYERS * TOP_K
+    assert stats["prefetched"] == len(filled) and stats["prefetch_used"] == 0
+    assert_stats_add_up(stats, eb)
+    assert 0 < stats["hits"] < stats["lookups"]
+    filled_layers = {layer for layer, _ in filled}
+    for layer, s in enumerate(stats["per_layer"]):
+        assert (s["hits"] == s["lookups"]) if layer in filled_layers else s["hits"] == 0
+    assert runner._paged_view[1] == tuple(scheduler.IN_POOL if layer in filled_layers else scheduler.IN_HOST
+                                          for layer in range(NUM_LAYERS))
+
+
+def test_device_paged_decode_with_partly_resident_layers(tiny, host_experts, base_runner, prompts):
+    """After an exact-mode prefill the pool holds some experts of each layer (MIXED layers: a resident copy is
+    taken from the pool, the others from host memory): the all-resident logits, bit for bit."""
+    from hybridlm.offload import scheduler
+
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=NUM_LAYERS * NUM_EXPERTS * eb // 2, cache_policy="lru",
+                             host_experts=host_experts, whole_layer=False)
+    ids = prompts["short"][:6]
+    pre = hybridlm.prefill(runner, ids, chunk_size=2, max_new_tokens=2)
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=2, max_new_tokens=2)
+    assert_decode_matches(runner, base_runner, pre, ref, len(ids), 2)
+    assert scheduler.MIXED in runner._paged_view[1]
+    assert_stats_add_up(runner.stats()["decode"], eb)
+
+
+@pytest.mark.parametrize("policy,layers_budget,want_hits", [("lru", NUM_LAYERS, TOP_K), ("stream", 3, 0)])
+def test_device_paged_decode_counts_hits_per_layer(tiny, host_experts, prompts, policy, layers_budget, want_hits):
+    """Per layer, a device-paged step's hits are its routed copies found on the device: all of them when every
+    expert fits, none under "stream" (which keeps nothing and fills no slots for decode)."""
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=layers_budget * NUM_EXPERTS * eb, cache_policy=policy,
+                             host_experts=host_experts)
+    ids = prompts["short"]
+    pre = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=2)
+    token = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
+    logits, _ = runner.decode_step(token, pre.states, len(ids))
+    assert np.isfinite(np.asarray(logits)).all()
+    stats = runner.stats()["decode"]
+    assert_stats_add_up(stats, eb)
+    assert [s["hits"] for s in stats["per_layer"]] == [want_hits] * NUM_LAYERS
+    assert [s["lookups"] for s in stats["per_layer"]] == [TOP_K] * NUM_LAYERS
+
+
+def test_device_paged_decode_falls_back_to_layers_for_large_batches(tiny, host_experts, prompts, monkeypatch):
+    """Batches past PAGED_MAX_COPIES routed copies a layer take the layer-by-layer step; an unknown
+    decode_paging is refused by name."""
+    from hybridlm.offload import scheduler
+
+    eb = host_experts.layout.nbytes
+    with pytest.raises(ValueError, match="decode_paging"):
+        OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, host_experts=host_experts, decode_paging="gpu")
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru", host_experts=host_experts)
+    ids = np.stack([prompts["short"], prompts["short"][::-1]])
+    pre = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=2)
+    monkeypatch.setattr(scheduler, "PAGED_MAX_COPIES", TOP_K)      # one sequence's copies
+    calls = _count_calls(monkeypatch, scheduler, ("_decode_paged", "_mix_route"))
+    token = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
+    logits, _ = runner.decode_step(token, pre.states, ids.shape[1])
+    assert np.isfinite(np.asarray(logits)).all()
+    assert calls == {"_decode_paged": 0, "_mix_route": NUM_LAYERS}

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from offload_helpers import assert_finite, assert_stats_add_up, quantized_tiny
+from offload_helpers import assert_decode_matches, assert_finite, assert_stats_add_up, quantized_tiny
 
 import hybridlm
 from hybridlm.offload import POLICIES, OffloadedRunner
@@ -129,6 +129,23 @@ def test_quantized_experts(bits):
     stats = runner.stats()["prefill"]
     assert_stats_add_up(stats, runner.expert_bytes)
     assert stats["bytes_h2d"] > 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("paging", ["device", "host"])
+def test_quantized_experts_decode(bits, paging):
+    """Decode with QuantizedWeights experts paged either way: the all-resident logits at every step."""
+    model = quantized_tiny(bits)
+    base = hybridlm.LayerwiseRunner(model)
+    ids = np.random.default_rng(3).integers(0, model.config.vocab_size, 20)
+    ref = hybridlm.prefill(base, ids, chunk_size=16, max_new_tokens=3)
+    eb = OffloadedRunner(model, expert_budget="1MiB").expert_bytes
+    runner = OffloadedRunner(model, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru", decode_paging=paging)
+    out = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=3)
+    assert_decode_matches(runner, base, out, ref, len(ids), 3, exact=False, atol=ATOL)
+    decode = runner.stats()["decode"]
+    assert_stats_add_up(decode, runner.expert_bytes)
+    assert decode["misses"] > 0 and (decode["hits"] > 0 or paging == "host")   # device: the pool filled first
 
 
 @pytest.mark.parametrize("whole_layer", [False, True], ids=["exact", "whole"])
