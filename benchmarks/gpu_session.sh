@@ -3,7 +3,7 @@
 # others' time. Output: $OUT/{gdn,gmm,offload}.json, $OUT/prefill.jsonl (compare with docs/results/).
 #
 #   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gdn-step] [gdn-sustained] [gdn-prepare] [gmm] [gmm-tiles] [gmm-mosaic] [moe] [moe-decode] [decode] [decode-repeat]
-#     [prefill] [prefill-trace] [h2d] [offload]   (prefill-trace: one traced 32k prefill and its kernel split,
+#     [offload-decode] [offload-parity] [prefill] [prefill-trace] [h2d] [offload]   (prefill-trace: one traced 32k prefill and its kernel split,
 #     ~1 min; gmm-tiles: quantized tile shapes at prefill sizes and the fused dispatch gather, ~3 min)
 #   OFFLOAD_FORMAT (int4), OFFLOAD_CHUNK (32768), PREFILL_CHUNKS ("8192 16384 32768") choose the configurations.
 #   No argument: all five (~25 minutes); a command of the device tool may run 10 minutes, so give it one or
@@ -35,6 +35,9 @@ for part in "${parts[@]}"; do
     moe-decode) timeout 300 python3 benchmarks/moe_decode.py --out "$OUT/moe_decode.json" | tail -3 ;;
     decode) timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" | tail -3 ;;
     decode-repeat) timeout 300 python3 benchmarks/decode_repeatability.py --out "$OUT/decode_repeat.json" | tail -3 ;;
+    offload-decode) timeout 500 python3 benchmarks/offload_decode_profile.py --policies static lru --decode-paging device host \
+               --no-profile --out "$OUT/offload_decode.json" | tail -3 ;;
+    offload-parity) timeout 400 python3 benchmarks/offload_decode_parity.py --out "$OUT/offload_parity.json" | tail -3 ;;
     prefill) timeout 420 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 8192 32768 \
                --chunk-sizes ${PREFILL_CHUNKS:-8192 16384 32768} --repeats 2 --profile > "$OUT/prefill.jsonl" ; tail -3 "$OUT/prefill.jsonl" ;;
     prefill-trace) timeout 240 python3 benchmarks/prefill.py --expert-format int8 --prompt-tokens 32768 \
@@ -45,6 +48,6 @@ for part in "${parts[@]}"; do
     offload) timeout 420 python3 benchmarks/offload.py --expert-formats ${OFFLOAD_FORMAT:-int4} --budgets 12GiB 24GiB \
                --chunk-size ${OFFLOAD_CHUNK:-32768} \
                --policies static stream slru --profile --max-seconds 330 --out "$OUT/offload.json" | tail -3 ;;
-    *) echo "unknown part $part (gdn gdn-step gdn-sustained gdn-prepare gmm gmm-tiles gmm-mosaic moe moe-decode decode decode-repeat prefill prefill-trace h2d offload)"; exit 2 ;;
+    *) echo "unknown part $part (gdn gdn-step gdn-sustained gdn-prepare gmm gmm-tiles gmm-mosaic moe moe-decode decode decode-repeat offload-decode offload-parity prefill prefill-trace h2d offload)"; exit 2 ;;
   esac
 done

@@ -67,6 +67,17 @@ def test_offload_decode_profile_smoke(tmp_path):
     assert (tmp_path / "profile.json").exists()
 
 
+def test_offload_decode_parity_smoke(tmp_path):
+    doc = _load("offload_decode_parity").main(["--preset", "tiny", "--num-layers", "4", "--budget-layers", "2",
+                                               "--prompt-tokens", "16", "--steps", "3", "--policies", "lru",
+                                               "--out", str(tmp_path / "parity.json")])
+    device, host = doc["rows"]
+    assert device["decode_paging"] == "device" and device["identical_steps"] == device["argmax_agree"] == 3
+    assert host["decode_paging"] == "host" and host["argmax_agree"] == 3
+    assert all(r["finite"] and 0 <= r["decode_hit_rate"] <= 1 for r in doc["rows"])
+    assert (tmp_path / "parity.json").exists()
+
+
 def test_cached_attention_loop_smoke():
     doc = _load("cached_attention_loop").main(["--chunk", "16", "--capacity", "64", "--heads", "4",
                                                "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"])
