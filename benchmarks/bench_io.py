@@ -31,6 +31,17 @@ def write_json(doc: dict, path: str | None, *, echo: bool = True) -> None:
         print(text)
 
 
+def preset_config(preset: str, num_layers: int | None = None):
+    """`hybridlm.get_config(preset)`, its depth overridden by `num_layers` where given (the benchmarks' smoke tests
+    run 4-layer models)."""
+    import dataclasses
+
+    import hybridlm
+
+    config = hybridlm.get_config(preset)
+    return dataclasses.replace(config, num_layers=num_layers) if num_layers else config
+
+
 @contextlib.contextmanager
 def traced_constant(module, name: str, value):
     """`module.name` set to `value` inside the block, for an A/B in one process of a choice made while tracing

@@ -22,14 +22,13 @@ Compilation is excluded (each mode runs once untimed); tokens/s is the median of
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_io import gemv_max_rows, run_header, traced_constant, write_json
+from bench_io import gemv_max_rows, preset_config, run_header, traced_constant, write_json
 
 import hybridlm
 from hybridlm.engine import sample
@@ -87,9 +86,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
-    config = hybridlm.get_config(a.preset)
-    if a.num_layers:
-        config = dataclasses.replace(config, num_layers=a.num_layers)
+    config = preset_config(a.preset, a.num_layers)
     doc = run_header("decode", preset=config.name, num_layers=config.num_layers, batch=a.batch,
                      prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats, rows=[])
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (a.batch, a.prompt_tokens)).astype(np.int32)

@@ -19,12 +19,11 @@ usage (GPU machine): python benchmarks/decode_repeatability.py [--expert-format 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_io import run_header, traced_constant, write_json
+from bench_io import preset_config, run_header, traced_constant, write_json
 
 import hybridlm
 from hybridlm.engine import sample
@@ -65,9 +64,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
-    config = hybridlm.get_config(a.preset)
-    if a.num_layers:
-        config = dataclasses.replace(config, num_layers=a.num_layers)
+    config = preset_config(a.preset, a.num_layers)
     model = hybridlm.init_random(config, seed=0, dtype=jnp.bfloat16,
                                  expert_format=None if a.expert_format == "bf16" else a.expert_format)
     runner = hybridlm.LayerwiseRunner(model)
