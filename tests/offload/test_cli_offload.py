@@ -27,3 +27,18 @@ def test_cli_prefill_offload_text_and_budget_error(capsys):
     rc = cli.main(["prefill", "--prompt", "Hello there", "--expert-budget", "64KiB", "--no-profile"])
     assert rc == 2
     assert "one layer needs up to" in capsys.readouterr().err
+
+
+def test_cli_generate_offload_decodes_paged_by_the_device(capsys):
+    """`hybridlm generate` with an expert budget: the same tokens as without one; the decode statistics count
+    the device-paged steps (their transfer rate untimed: those steps are never waited for)."""
+    args = ["generate", "--prompt", "Experts page in as the router picks them.", "--chunk-size", "16",
+            "--max-new-tokens", "4", "--no-profile"]
+    assert cli.main(args) == 0
+    resident = capsys.readouterr().out
+    assert cli.main(args + ["--expert-budget", "1MiB", "--cache-policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    generated = [line for line in out.splitlines() if line.startswith("generated")]
+    assert generated and generated == [line for line in resident.splitlines() if line.startswith("generated")]
+    decode = next(line for line in out.splitlines() if line.strip().startswith("decode") and "lookups" in line)
+    assert "GB/s untimed" in decode and "lookups 96" in decode      # 3 steps x 8 layers x top-4
