@@ -29,7 +29,8 @@ Per chunk and layer i (see docs/offload.md):
   stream never waits on a copy it does not need yet.
 
 Decode (`OffloadedRunner.decode_step`, so `generate`): by default the whole step is one program in which the device
-picks each routed expert from the pool or held layers (as the last prefill left them, free slots filled once) or
+picks each routed expert from the pool or held layers (the pool set once after each prefill to whole layers chosen by
+the policy and the budget) or
 reads it straight from pinned host memory (`_decode_paged`): no ids go back to the host. decode_paging="host" (and
 large batches) step layer by layer through the schedule above instead.
 
@@ -492,7 +493,8 @@ class OffloadedRunner(LayerwiseRunner):
         `jax.device_put` (which, measured on an H100 with JAX 0.11.2, runs mostly after the queued compute).
       decode_paging: how `decode_step` (and so `generate`) pages experts. "device" (default): the whole step is
         one program that picks each routed expert on the device, from the pool or held layers as the last
-        prefill left them (read only: decode evicts and inserts nothing) or else straight from pinned host
+        prefill left them, the pool set at the first step to whole layers chosen by the policy and the budget
+        (then read only: decode evicts and inserts nothing), or else straight from pinned host
         memory; no ids go back to the host (`_decode_paged`). Batches of more than PAGED_MAX_COPIES / top_k
         sequences take the "host" path: layer by layer, the ids read back each layer and misses inserted into
         the pool by the cache policy (`decode_step_layerwise`).
@@ -950,7 +952,8 @@ class OffloadedRunner(LayerwiseRunner):
         """`LayerwiseRunner.decode_step` with the experts paged (same arguments and results).
 
         With decode_paging="device" (and batch x top_k <= PAGED_MAX_COPIES) one program a step, which reads each
-        routed expert from the pool or held layers the last prefill left, or else from pinned host memory, as
+        routed expert from the held layers or the pool (set to whole layers at the first step after a prefill,
+        `_make_paged_view`), or else from pinned host memory, as
         the device's router picks it (`_decode_paged`); otherwise layer by layer (`decode_step_layerwise`).
 
         Raises:
@@ -985,12 +988,15 @@ class OffloadedRunner(LayerwiseRunner):
         """(slot table [layers, experts] int32 on the device: pool slot or -1, each layer's source (HELD, IN_POOL,
         MIXED or IN_HOST), held arrays) for `_decode_paged`.
 
-        First, staged bytes still waiting for their layer (whole-layer prefetch at the end of a prefill) are
-        written into their pool slots, and (any policy but "stream") the pool's free slots are filled with whole
-        layers spread over the depth (counted as prefetched in the decode statistics): a whole-layer prefill
-        below the full-model budget leaves the pool empty, and a paged step reads every expert not resident from
-        host memory again (~0.6 GB a step for Qwen3.6-35B-A3B with 4-bit experts)."""
-        cache = self.cache
+        The pool is first set to a content that depends on the policy and the budget only, not on what the last
+        prompt routed, so that the step compiles once per pool (its sources are static arguments; a full-size step
+        compiles for ~30 s or more): staged bytes still waiting for their layer are written, then every policy but
+        "stream" keeps whole layers in the pool, the static policy's pinned layers first, then layers spread over
+        the depth up to the pool's size. Other entries are released and missing experts of those layers copied
+        (counted as prefetched in the decode statistics). A whole-layer prefill below the full-model budget leaves
+        the LRU family's pool empty: without this fill a paged step would read every expert from host memory
+        (~0.6 GB a step for Qwen3.6-35B-A3B with 4-bit experts)."""
+        cache, E = self.cache, self.num_experts
         pending = []
         for b in self._staged.values():
             if not any(b is x for x in pending):
@@ -998,23 +1004,31 @@ class OffloadedRunner(LayerwiseRunner):
         self._staged.clear()
         for b in pending:
             cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
-        layers = [i for i in range(self.num_layers) if i not in self.held]
-        if cache.free and layers and self.cache_policy != "stream":
-            n = min(len(layers), len(cache.free) // self.num_experts + 1)
-            for layer in [layers[int((k + 0.5) * len(layers) / n)] for k in range(n)]:
-                experts = [e for e in range(self.num_experts) if (layer, e) not in cache][:len(cache.free)]
-                for e in experts:
-                    cache.allocate((layer, e), set())
-                for buf, ids in self.host.to_device(layer, experts, self.dev_sharding) if experts else ():
-                    cache.write(buf, [cache.slot_of[(layer, e)] for e in ids])
-                s = self._decode_stats.layers[layer]
-                s.prefetched += len(experts)
-                s.bytes_h2d += len(experts) * self.expert_bytes
-        table = np.full((self.num_layers, self.num_experts), -1, np.int32)
-        for (layer, expert), slot in self.cache.slot_of.items():
+        target: list[int] = []
+        if self.cache_policy != "stream":
+            capacity = cache.num_slots // E
+            pinned = sorted({layer for layer, _ in cache.pinned})[:capacity]
+            others = [i for i in range(self.num_layers) if i not in self.held and i not in pinned]
+            n = max(0, min(len(others), capacity - len(pinned)))
+            target = pinned + [others[int((k + 0.5) * len(others) / n)] for k in range(n)]
+        for layer in range(self.num_layers):
+            if layer not in target:
+                cache.release_layer(layer, keep=cache.pinned)
+        for layer in target:
+            experts = [e for e in range(E) if (layer, e) not in cache]
+            for e in experts:
+                slot, evicted = cache.allocate((layer, e), set())
+                assert evicted is None, "the paged view's layers exceed the pool"
+            for buf, ids in self.host.to_device(layer, experts, self.dev_sharding) if experts else ():
+                cache.write(buf, [cache.slot_of[(layer, e)] for e in ids])
+            s = self._decode_stats.layers[layer]
+            s.prefetched += len(experts)
+            s.bytes_h2d += len(experts) * self.expert_bytes
+        table = np.full((self.num_layers, E), -1, np.int32)
+        for (layer, expert), slot in cache.slot_of.items():
             table[layer, expert] = slot
         resident = (table >= 0).sum(axis=1)
-        sources = tuple(HELD if i in self.held else IN_POOL if resident[i] == self.num_experts
+        sources = tuple(HELD if i in self.held else IN_POOL if resident[i] == E
                         else MIXED if resident[i] else IN_HOST for i in range(self.num_layers))
         held = tuple(self.held.get(i) for i in range(self.num_layers))
         return jax.device_put(table, self.dev_sharding), sources, held

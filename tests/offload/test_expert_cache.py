@@ -319,20 +319,44 @@ def test_device_paged_decode_is_one_program_reading_the_pool_as_left(tiny, host_
                                           for layer in range(NUM_LAYERS))
 
 
-def test_device_paged_decode_with_partly_resident_layers(tiny, host_experts, base_runner, prompts):
-    """After an exact-mode prefill the pool holds some experts of each layer (MIXED layers: a resident copy is
-    taken from the pool, the others from host memory): the all-resident logits, bit for bit."""
+def test_device_paged_decode_compiles_once_across_prompts(tiny, host_experts, base_runner, prompts):
+    """The paged view depends on the policy and the budget, not on what a prompt routed: after exact-mode prompts
+    (their partial layers released, whole layers filled) and a whole-layer one of the same length, the step program
+    compiled once; the all-resident logits, bit for bit, after each."""
     from hybridlm.offload import scheduler
 
     eb = host_experts.layout.nbytes
     runner = OffloadedRunner(tiny, expert_budget=NUM_LAYERS * NUM_EXPERTS * eb // 2, cache_policy="lru",
-                             host_experts=host_experts, whole_layer=False)
-    ids = prompts["short"][:6]
-    pre = hybridlm.prefill(runner, ids, chunk_size=2, max_new_tokens=2)
-    ref = hybridlm.prefill(base_runner, ids, chunk_size=2, max_new_tokens=2)
-    assert_decode_matches(runner, base_runner, pre, ref, len(ids), 2)
-    assert scheduler.MIXED in runner._paged_view[1]
-    assert_stats_add_up(runner.stats()["decode"], eb)
+                             host_experts=host_experts)
+    before = scheduler._decode_paged._cache_size()
+    views = []
+    short = prompts["short"]     # prompts of one length: one KV cache shape (each shape compiles its own step)
+    for ids, chunk in ((short[:16], 2), (short[16:32], 16), (short[8:24], 4)):
+        pre = hybridlm.prefill(runner, ids, chunk_size=chunk, max_new_tokens=2)
+        ref = hybridlm.prefill(base_runner, ids, chunk_size=chunk, max_new_tokens=2)
+        assert_decode_matches(runner, base_runner, pre, ref, len(ids), 2)
+        views.append(runner._paged_view[1])
+    assert views[0] == views[1] == views[2] and set(views[0]) == {scheduler.IN_POOL, scheduler.IN_HOST}
+    assert scheduler._decode_paged._cache_size() == before + 1
+
+
+def test_fetch_experts_takes_each_copy_from_where_it_lies(tiny, host_experts):
+    """`_fetch_experts` returns each id's own expert weights, whether its slot says pool or host memory (a MIXED
+    layer), from host memory alone (IN_HOST) and from the pool alone (IN_POOL)."""
+    from hybridlm.offload import scheduler
+
+    layout, layer = host_experts.layout, 2
+    want = host_experts.unpack_layer(layer)                              # (gate_up, down) [experts, ...]
+    pool = jax.tree_util.tree_map(lambda a: a[::-1], want)               # slot s holds expert E-1-s
+    ids = jnp.asarray([0, 5, 9, 15, 7], jnp.int32)
+    parts, starts = tuple(host_experts.layers[layer]), tuple(host_experts.part_start)
+    for source, resident in ((scheduler.MIXED, [True, False, True, False, False]),
+                             (scheduler.IN_HOST, [False] * 5), (scheduler.IN_POOL, [True] * 5)):
+        slots = jnp.where(jnp.asarray(resident), NUM_EXPERTS - 1 - ids, -1)
+        got = jax.jit(scheduler._fetch_experts, static_argnums=(0, 2, 6))(layout, parts, starts, pool, slots, ids,
+                                                                             source)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w)[np.asarray(ids)])
 
 
 @pytest.mark.parametrize("policy,layers_budget,want_hits", [("lru", NUM_LAYERS, TOP_K), ("stream", 3, 0)])
