@@ -73,9 +73,11 @@ def main(argv=None):
         row = {"policy": policy, "decode_paging": paging, "decode_tokens_per_s": timed["decode_tokens_per_s"],
                "decode_s": timed["decode_s"], "first_step_s": timed["decode_first_step_s"],
                "hit_rate": timed["decode_hit_rate"], "bytes_h2d_per_step": s["bytes_h2d"] // max(1, s["chunks"]),
+               # the experts read for misses alone (bytes_h2d also counts prefetches: device paging's pool fill)
+               "miss_bytes_per_step": s["misses"] * runner.expert_bytes // max(1, s["chunks"]),
                "prefetched": s["prefetched"], "stall_s": timed["decode_stall_s"]}
         g = hybridlm.generate(runner, ids, max_new_tokens=16, chunk_size=a.prompt_tokens)
-        row["first_16_tokens"] = g.tokens[0].tolist()     # the same in every paging mode (same numerics)
+        row["first_16_tokens"] = g.tokens[0].tolist()     # to compare across policies and paging modes
         if not a.no_profile:
             profile = cProfile.Profile()
             profile.enable()

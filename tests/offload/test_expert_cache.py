@@ -284,7 +284,7 @@ def _count_calls(monkeypatch, module, names: tuple[str, ...]) -> dict:
 def test_device_paged_decode_is_one_program_reading_the_pool_as_left(tiny, host_experts, base_runner, prompts,
                                                                     monkeypatch):
     """decode_paging="device" (the default): each step is one program (no per-layer programs, copies or tables)
-    with the all-resident logits. The first step fills the pool's free slots with whole layers (the whole-layer
+    with the all-resident logits. The first step sets the pool to whole layers (the whole-layer
     prefill below the full-model budget left it empty), counted as prefetched; later steps insert and evict
     nothing. Every routed copy of every layer is a lookup, a hit exactly where its expert was resident."""
     from hybridlm.offload import scheduler
