@@ -1015,10 +1015,11 @@ class OffloadedRunner(LayerwiseRunner):
             if layer not in target:
                 cache.release_layer(layer, keep=cache.pinned)
         for layer in target:
-            experts = [e for e in range(E) if (layer, e) not in cache]
+            # free slots only (never an eviction): should pinned keys outside these layers leave too few, the
+            # layer stays partly resident (MIXED), which is correct, only slower
+            experts = [e for e in range(E) if (layer, e) not in cache][:len(cache.free)]
             for e in experts:
-                slot, evicted = cache.allocate((layer, e), set())
-                assert evicted is None, "the paged view's layers exceed the pool"
+                cache.allocate((layer, e), set())
             for buf, ids in self.host.to_device(layer, experts, self.dev_sharding) if experts else ():
                 cache.write(buf, [cache.slot_of[(layer, e)] for e in ids])
             s = self._decode_stats.layers[layer]
