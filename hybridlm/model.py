@@ -57,6 +57,12 @@ def check_token_ids(ids, vocab_size: int) -> None:
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{ids.min()}, {ids.max()}]")
 
 
+def head_logits(final_norm, head_weight: jax.Array, hidden: jax.Array) -> jax.Array:
+    """final_norm(hidden) @ head_weight: [..., hidden] -> [..., vocab] float32 (`HybridLM.logits`, and programs that
+    hold the head's pieces without the model, e.g. the offload runner's decode step)."""
+    return (final_norm(hidden) @ head_weight).astype(jnp.float32)
+
+
 class HybridLM(nnx.Module):
     """Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid language model (text only).
 
@@ -81,7 +87,7 @@ class HybridLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + lm head: [..., hidden] -> [..., vocab] float32."""
-        return (self.final_norm(hidden) @ self.head_weight()).astype(jnp.float32)
+        return head_logits(self.final_norm, self.head_weight(), hidden)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """input_ids [batch, seq] int -> logits [batch, seq, vocab] float32 (no cache).

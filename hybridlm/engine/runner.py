@@ -218,6 +218,10 @@ class LayerwiseRunner:
         self.layers = [flat_layer(g, p)               # [(graph, flat weights)]; all GDN layers share one graph
                        for g, p in (nnx.split(layer) for layer in committed.layers)]
         self.embed_table = committed.embed[...]
+        # the head's pieces for programs that run it without the whole model (the offload runner's decode step):
+        # (graph, flat weights) of the final norm, and lm_head (None when tied to the embedding)
+        self.final_norm = flat_layer(*nnx.split(committed.final_norm))
+        self.lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
         self.whole = (StaticGraph(graphdef), params)
 
     @functools.cached_property
@@ -253,12 +257,17 @@ class LayerwiseRunner:
         """
         check_decode_inputs(self.config.vocab_size, tokens, states, position)
         treedef, leaves = self._flat_weights
+        return _decode(self.whole[0], treedef, leaves, *self._step_inputs(tokens, states, position))
+
+    @staticmethod
+    def _step_inputs(tokens, states, position) -> tuple:
+        """(tokens int32, states, position) as a one-program decode step takes them: tokens and states committed
+        (one kind of input every step: one compilation) and a Python position as an int32 scalar (not static)."""
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
             tokens = jnp.asarray(tokens, jnp.int32)    # (a no-op asarray still costs a dispatch)
         if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
-            tokens, states = commit((tokens, states))   # one kind of input every step: one compilation
-        return _decode(self.whole[0], treedef, leaves, tokens, states,
-                       position if isinstance(position, jax.Array) else np.int32(position))
+            tokens, states = commit((tokens, states))
+        return tokens, states, position if isinstance(position, jax.Array) else np.int32(position)
 
     def decode_step_layerwise(self, tokens: jax.Array, states: list[LayerState],
                               position) -> tuple[jax.Array, list[LayerState]]:

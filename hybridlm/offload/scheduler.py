@@ -29,10 +29,9 @@ Per chunk and layer i (see docs/offload.md):
   stream never waits on a copy it does not need yet.
 
 Decode (`OffloadedRunner.decode_step`, so `generate`): by default the whole step is one program in which the device
-picks each routed expert from the pool or held layers (the pool set once after each prefill to whole layers chosen by
-the policy and the budget) or
-reads it straight from pinned host memory (`_decode_paged`): no ids go back to the host. decode_paging="host" (and
-large batches) step layer by layer through the schedule above instead.
+picks each routed expert from the held layers or the pool (set once after each prefill to whole layers chosen by the
+policy and the budget) or reads it straight from pinned host memory (`_decode_paged`): no ids go back to the host.
+decode_paging="host" (and large batches) step layer by layer through the schedule above instead.
 
 Device memory: pool slots + staging buffers <= expert_budget. The trunk (embeddings, mixers, router, shared
 expert, head) stays on the device.
@@ -50,7 +49,6 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from hybridlm.engine.runner import (
     LayerwiseRunner,
@@ -63,7 +61,7 @@ from hybridlm.engine.runner import (
     check_decode_inputs,
     flat_layer,
 )
-from hybridlm.model import HybridLM
+from hybridlm.model import HybridLM, head_logits
 from hybridlm.offload.expert_cache import (
     POLICIES,
     CacheStats,
@@ -451,8 +449,8 @@ def _decode_paged(layout: ExpertLayout, graphs: tuple, head_graph: StaticGraph, 
         layer.ffn.experts_down.set_value(experts[1])
         local = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(ids.shape)   # copy j runs fetched expert j
         x = h + layer.ffn.experts(u, weights, local, valid).reshape(batch, 1, hidden)
-    head_weight = embed.T if lm_head is None else lm_head                # as HybridLM.logits
-    logits = (head_graph.merge(head_leaves)(x[:, 0]) @ head_weight).astype(jnp.float32)
+    head_weight = embed.T if lm_head is None else lm_head                # as HybridLM.head_weight
+    logits = head_logits(head_graph.merge(head_leaves), head_weight, x[:, 0])
     return logits, new_states, hits + jnp.stack(step_hits)
 
 
@@ -566,12 +564,9 @@ class OffloadedRunner(LayerwiseRunner):
         self._prefill_stats = self._new_stats("prefill")
         self._decode_stats = self._new_stats("decode")
         self._t_start: float | None = None
-        # Device-paged decode (`decode_step`): the final norm and head as the program takes them, the pool's
-        # residency as the device reads it (made after the pool last changed), and its counters.
+        # Device-paged decode (`decode_step`): the pool's residency as the device reads it (made after the pool
+        # last changed), and its counters.
         self.decode_paging = decode_paging
-        committed = self.whole[0].merge(self.whole[1])
-        self._head = flat_layer(*nnx.split(committed.final_norm))
-        self._lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
         self._paged_view: tuple | None = None
         self._reset_paged_counters()
 
@@ -968,15 +963,10 @@ class OffloadedRunner(LayerwiseRunner):
         if self._paged_view is None:
             self._paged_view = self._make_paged_view()
         slot_table, sources, held = self._paged_view
-        if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
-            tokens = jnp.asarray(tokens, jnp.int32)
-        if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
-            tokens, states = jax.device_put((tokens, states), self.dev_sharding)
         graphs, leaves = zip(*self.layers)
         logits, states, self._paged_hits = _decode_paged(
-            self.host.layout, graphs, self._head[0], sources, tuple(self.host.part_start), self.embed_table,
-            leaves, self._head[1], self._lm_head, tokens, states,
-            position if isinstance(position, jax.Array) else np.int32(position),
+            self.host.layout, graphs, self.final_norm[0], sources, tuple(self.host.part_start), self.embed_table,
+            leaves, self.final_norm[1], self.lm_head, *self._step_inputs(tokens, states, position),
             tuple(tuple(parts) for parts in self.host.layers), self.cache.pool, slot_table, held, self._paged_hits)
         self._paged_lookups += batch * self.top_k
         self._decode_stats.chunks += 1
