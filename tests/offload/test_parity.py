@@ -1,12 +1,11 @@
 """Offloaded prefill and decode give the all-resident logits, for every policy, budget and chunk size."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from offload_helpers import assert_decode_matches, assert_finite, assert_stats_add_up, quantized_tiny
 
 import hybridlm
-from hybridlm.offload import POLICIES, OffloadedRunner
+from hybridlm.offload import POLICIES, HostExperts, OffloadedRunner
 
 # Same kernels on the same rows: the pool only renames expert groups. On CPU the logits have come out
 # bit-identical in every case so far; the tolerance leaves room for kernels whose tiling depends on the
@@ -90,14 +89,7 @@ def test_decode_parity_after_offloaded_prefill(tiny, host_experts, base_runner, 
     pre_ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=steps)
     pre = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=steps)
     np.testing.assert_allclose(np.asarray(pre.logits), np.asarray(pre_ref.logits), atol=ATOL, rtol=RTOL)
-    states_ref, states = pre_ref.states, pre.states
-    logits_ref, logits = pre_ref.logits, pre.logits
-    for step in range(steps):
-        token = jnp.argmax(logits_ref, axis=-1).astype(jnp.int32)
-        logits_ref, states_ref = hybridlm.decode_step(base_runner, token, states_ref, len(ids) + step)
-        logits, states = hybridlm.decode_step(runner, token, states, len(ids) + step)
-        assert_finite(logits)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), atol=ATOL, rtol=RTOL)
+    assert_decode_matches(runner, base_runner, pre, pre_ref, len(ids), steps, exact=False, atol=ATOL)
     stats = runner.stats()
     assert stats["decode"]["chunks"] == steps and stats["prefill"]["chunks"] == pre.num_chunks
     assert stats["decode"]["lookups"] > 0
@@ -139,8 +131,9 @@ def test_quantized_experts_decode(bits, paging):
     base = hybridlm.LayerwiseRunner(model)
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, 20)
     ref = hybridlm.prefill(base, ids, chunk_size=16, max_new_tokens=3)
-    eb = OffloadedRunner(model, expert_budget="1MiB").expert_bytes
-    runner = OffloadedRunner(model, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru", decode_paging=paging)
+    host = HostExperts.from_model(model)          # packed once, its layout giving the budget
+    runner = OffloadedRunner(model, expert_budget=3 * NUM_EXPERTS * host.layout.nbytes, cache_policy="lru",
+                             host_experts=host, decode_paging=paging)
     out = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=3)
     assert_decode_matches(runner, base, out, ref, len(ids), 3, exact=False, atol=ATOL)
     decode = runner.stats()["decode"]
@@ -300,12 +293,7 @@ def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_expe
         for layer in runner.held_layers:
             s = stats["prefill"]["per_layer"][layer]
             assert s["hits"] == s["lookups"] - (NUM_EXPERTS if prompt == 0 else 0)
-    logits_ref, states_ref, logits, states = ref.logits, ref.states, out.logits, out.states
-    for step in range(2):
-        token = jnp.argmax(logits_ref, axis=-1).astype(jnp.int32)
-        logits_ref, states_ref = hybridlm.decode_step(base_runner, token, states_ref, len(ids) + step)
-        logits, states = hybridlm.decode_step(runner, token, states, len(ids) + step)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), atol=ATOL, rtol=RTOL)
+    assert_decode_matches(runner, base_runner, out, ref, len(ids), 2, exact=False, atol=ATOL)
     decode = runner.stats()["decode"]
     assert_stats_add_up(decode, eb)
     assert all(decode["per_layer"][layer]["hits"] == decode["per_layer"][layer]["lookups"] > 0
