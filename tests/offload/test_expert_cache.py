@@ -242,6 +242,15 @@ def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts, monkeypa
     assert [len(b[0]) for b in batches] == [1, 1]
 
 
+def _count_calls(monkeypatch, owner, names: tuple[str, ...]) -> dict:
+    """Counts the calls of `owner`'s functions or methods `names` (a module or a class), each still run."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a))
+    return calls
+
+
 def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, host_experts, prompts,
                                                                          monkeypatch):
     """A layer-by-layer offloaded decode step (decode_paging="host": exact mode, router prefetch) copies its
@@ -254,31 +263,16 @@ def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, h
     runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
                              host_experts=host_experts, decode_paging="host")
     pre = hybridlm.prefill(runner, prompts["short"], chunk_size=16, max_new_tokens=2)
-    calls = {"write": 0, "copy_rows": 0, "table": 0, "mix_route": 0}
-    for name in ("write", "copy_rows"):
-        fn = getattr(ExpertCache, name)
-        monkeypatch.setattr(ExpertCache, name, lambda self, *a, _fn=fn, _n=name: calls.__setitem__(
-            _n, calls[_n] + 1) or _fn(self, *a))
-    table_fn, mix_fn = OffloadedRunner._exact_table, scheduler._mix_route
-    monkeypatch.setattr(OffloadedRunner, "_exact_table",
-                        lambda self, *a: calls.__setitem__("table", calls["table"] + 1) or table_fn(self, *a))
-    monkeypatch.setattr(scheduler, "_mix_route",
-                        lambda *a: calls.__setitem__("mix_route", calls["mix_route"] + 1) or mix_fn(*a))
+    calls = {**_count_calls(monkeypatch, ExpertCache, ("write", "copy_rows")),
+             **_count_calls(monkeypatch, OffloadedRunner, ("_exact_table",)),
+             **_count_calls(monkeypatch, scheduler, ("_mix_route",))}
     token = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
     hybridlm.decode_step(runner, token, pre.states, len(prompts["short"]))
     stats = runner.stats()["decode"]
-    assert calls["write"] == 0 and calls["table"] == calls["mix_route"] == NUM_LAYERS
+    assert calls["write"] == 0 and calls["_exact_table"] == calls["_mix_route"] == NUM_LAYERS
     assert 0 < calls["copy_rows"] <= NUM_LAYERS * 2 * HOST_PARTS
     assert stats["misses"] > 0 and stats["prefetched"] > 0 and stats["stall_s"] == 0.0
     assert_stats_add_up(stats, eb)
-
-
-def _count_calls(monkeypatch, module, names: tuple[str, ...]) -> dict:
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        fn = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a))
-    return calls
 
 
 def test_device_paged_decode_is_one_program_reading_the_pool_as_left(tiny, host_experts, base_runner, prompts,
