@@ -242,9 +242,11 @@ def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts, monkeypa
     assert [len(b[0]) for b in batches] == [1, 1]
 
 
-def _count_calls(monkeypatch, owner, names: tuple[str, ...]) -> dict:
-    """Counts the calls of `owner`'s functions or methods `names` (a module or a class), each still run."""
-    calls = dict.fromkeys(names, 0)
+def _count_calls(monkeypatch, owner, names: tuple[str, ...], calls: dict | None = None) -> dict:
+    """Counts the calls of `owner`'s functions or methods `names` (a module or a class), each still run, in `calls`
+    (a new dict, or one shared with other owners' counts)."""
+    calls = {} if calls is None else calls
+    calls.update(dict.fromkeys(names, 0))
     for name in names:
         fn = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a))
@@ -263,9 +265,9 @@ def test_exact_mode_decode_copies_into_the_pool_with_one_table_per_layer(tiny, h
     runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
                              host_experts=host_experts, decode_paging="host")
     pre = hybridlm.prefill(runner, prompts["short"], chunk_size=16, max_new_tokens=2)
-    calls = {**_count_calls(monkeypatch, ExpertCache, ("write", "copy_rows")),
-             **_count_calls(monkeypatch, OffloadedRunner, ("_exact_table",)),
-             **_count_calls(monkeypatch, scheduler, ("_mix_route",))}
+    calls = _count_calls(monkeypatch, ExpertCache, ("write", "copy_rows"))
+    _count_calls(monkeypatch, OffloadedRunner, ("_exact_table",), calls)
+    _count_calls(monkeypatch, scheduler, ("_mix_route",), calls)
     token = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
     hybridlm.decode_step(runner, token, pre.states, len(prompts["short"]))
     stats = runner.stats()["decode"]
