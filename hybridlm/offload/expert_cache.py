@@ -493,9 +493,10 @@ class ExpertCache:
             self.write(staged, np.full((m,), self.num_slots, np.int32))
         jax.block_until_ready(self.pool)
 
-    def slot_table(self, layer: int) -> np.ndarray:
-        """[experts] int32: the slot of each resident expert of `layer`, 0 for the others (never read)."""
-        table = np.zeros((self.num_experts,), np.int32)
+    def slot_table(self, layer: int, missing: int = 0) -> np.ndarray:
+        """[experts] int32: the slot of each resident expert of `layer`, `missing` for the others (0 by default: a
+        slot the grouped matmul may be pointed at but never reads; -1 where the reader tells them apart)."""
+        table = np.full((self.num_experts,), missing, np.int32)
         for e in range(self.num_experts):
             slot = self.slot_of.get((layer, e))
             if slot is not None:

@@ -1015,9 +1015,7 @@ class OffloadedRunner(LayerwiseRunner):
             s = self._decode_stats.layers[layer]
             s.prefetched += len(experts)
             s.bytes_h2d += len(experts) * self.expert_bytes
-        table = np.full((self.num_layers, E), -1, np.int32)
-        for (layer, expert), slot in cache.slot_of.items():
-            table[layer, expert] = slot
+        table = np.stack([cache.slot_table(layer, missing=-1) for layer in range(self.num_layers)])
         resident = (table >= 0).sum(axis=1)
         sources = tuple(HELD if i in self.held else IN_POOL if resident[i] == E
                         else MIXED if resident[i] else IN_HOST for i in range(self.num_layers))
