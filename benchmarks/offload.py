@@ -38,6 +38,7 @@ from flax import nnx
 import hybridlm
 from hybridlm.model import HybridLM, _random_param_jax
 from hybridlm.offload import HostExperts, OffloadedRunner, measure_h2d_gbps, parse_bytes
+from hybridlm.offload.scheduler import HOST_PARTS
 from pallas_kernels.quantized import quantize_int4, quantize_int8
 
 EXPERT_NAMES = ("experts_gate_up", "experts_down")
@@ -69,8 +70,9 @@ def _random_experts(key, num_experts, hidden, ffn, dtype):
 _random_experts = jax.jit(_random_experts, static_argnums=(1, 2, 3, 4))
 
 
-def build_host_experts(config, expert_format: str, dtype, seed: int = 0) -> HostExperts:
-    """Random experts drawn on the device one layer at a time, quantized, packed into pinned host memory."""
+def build_host_experts(config, expert_format: str, dtype, seed: int = 0, parts: int = HOST_PARTS) -> HostExperts:
+    """Random experts drawn on the device one layer at a time, quantized, packed into pinned host memory as
+    `parts` buffers a layer."""
     moe = config.moe
     layout, layers = None, []
     for layer in range(config.num_layers):
@@ -80,7 +82,7 @@ def build_host_experts(config, expert_format: str, dtype, seed: int = 0) -> Host
             gate_up, down = quantize_int8(gate_up), quantize_int8(down)
         elif expert_format == "int4":
             gate_up, down = quantize_int4(gate_up), quantize_int4(down)
-        layout, buffer = HostExperts.pack_layer(gate_up, down)
+        layout, buffer = HostExperts.pack_layer(gate_up, down, parts=parts)
         jax.block_until_ready(buffer)
         del gate_up, down
         layers.append(buffer)
@@ -151,6 +153,8 @@ def main(argv=None):
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--budgets", nargs="+", default=["12GiB", "24GiB"])
     p.add_argument("--policies", nargs="+", default=["static", "slru", "lru", "lfu", "stream"])
+    p.add_argument("--host-parts", type=int, nargs="+", default=[HOST_PARTS],
+                   help="pinned buffers a layer (HostExperts parts), each value a configuration in turn")
     p.add_argument("--prefetch", default="auto", choices=("auto", "router", "layer", "none"))
     p.add_argument("--prefetch-depth", type=int, default=2, help="layers streamed ahead (whole-layer mode)")
     p.add_argument("--no-resident", action="store_true", help="skip the all-resident comparison")
@@ -186,7 +190,7 @@ def main(argv=None):
     decode_ids = rng.integers(0, config.vocab_size, (1, a.decode_prompt_tokens)).astype(np.int32)
     rows = []
 
-    short = ("expert_format", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s", "bytes_h2d",
+    short = ("expert_format", "host_parts", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s", "bytes_h2d",
              "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "phase_seconds", "error",
              "skipped", "decode_tokens_per_s", "decode_hit_rate", "decode_bytes_h2d", "decode_stall_s")
 
@@ -197,12 +201,13 @@ def main(argv=None):
     def out_of_time():
         return time.perf_counter() - t_start > a.max_seconds
 
-    for fmt in a.expert_formats:
+    for fmt, parts in [(fmt, parts) for fmt in a.expert_formats for parts in a.host_parts]:
         if out_of_time():
             break
         t = time.perf_counter()
-        host = build_host_experts(config, fmt, dtype)
-        fmt_info = {"expert_format": fmt, "expert_bytes": host.layout.nbytes, "all_expert_bytes": host.nbytes,
+        host = build_host_experts(config, fmt, dtype, parts=parts)
+        fmt_info = {"expert_format": fmt, "host_parts": parts, "expert_bytes": host.layout.nbytes,
+                    "all_expert_bytes": host.nbytes,
                     "host_init_s": round(time.perf_counter() - t, 1),
                     "experts_h2d_gbps": round(measure_h2d_experts(host), 2),
                     "experts_h2d_gbps_rows_64": round(measure_h2d_experts(host, list(range(0, 256, 4))[:64]), 2)}

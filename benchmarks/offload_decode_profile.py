@@ -30,6 +30,7 @@ from offload import build_host_experts, build_trunk, decode_row
 
 import hybridlm
 from hybridlm.offload import OffloadedRunner
+from hybridlm.offload.scheduler import HOST_PARTS
 
 
 def top_functions(profile: cProfile.Profile, count: int) -> list[str]:
@@ -51,6 +52,7 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=32, help="timed steps (the profiled run takes a quarter)")
     p.add_argument("--decode-paging", nargs="+", choices=("device", "host"), default=["device"],
                    help="OffloadedRunner decode_paging values to run in turn (an A/B in one process)")
+    p.add_argument("--host-parts", type=int, default=HOST_PARTS, help="pinned buffers a layer (HostExperts parts)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled generate")
     p.add_argument("--top", type=int, default=25, help="functions listed per profile")
     p.add_argument("--out", default=None)
@@ -59,10 +61,10 @@ def main(argv=None):
     config = hybridlm.get_config(a.preset)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     doc = run_header("offload_decode_profile", preset=config.name, expert_format=a.expert_format, budget=a.budget,
-                     prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, rows=[])
+                     prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, host_parts=a.host_parts, rows=[])
     t = time.perf_counter()
     model = build_trunk(config, dtype)
-    host = build_host_experts(config, a.expert_format, dtype)
+    host = build_host_experts(config, a.expert_format, dtype, parts=a.host_parts)
     doc["build_s"] = round(time.perf_counter() - t, 1)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, a.prompt_tokens)).astype(np.int32)
     for policy, paging in [(policy, paging) for policy in a.policies for paging in a.decode_paging]:

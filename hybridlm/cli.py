@@ -11,6 +11,13 @@ import json
 import os
 import sys
 
+# `generate` keeps one pinned host buffer a layer from this many new tokens on (unless --host-parts says otherwise).
+# Measured on an H100 (JAX 0.11.2, Qwen3.6-35B-A3B shape, 4-bit experts, 12 GiB, `static`, 2026-11-27,
+# docs/offload.md), one part against four in the same process: a decode step 4.2-5.2 ms shorter (88.4 against
+# 60.6-64.4 tokens/s); the prefill 28-63 ms longer at 512-2 048 tokens, 180-232 ms at 8 192 (chunks of 2 048) and
+# 64 ms at 32 768 (one chunk). So one part pays from ~6-55 new tokens.
+ONE_HOST_PART_FROM_TOKENS = 64
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
@@ -40,8 +47,21 @@ def _parser() -> argparse.ArgumentParser:
                        help="expert cache eviction policy (with --expert-budget)")
         s.add_argument("--prefetch", choices=("auto", "router", "layer", "none"), default="auto",
                        help="expert prefetch (with --expert-budget)")
+        s.add_argument("--host-parts", type=int, default=None, metavar="N",
+                       help="pinned host buffers a layer (with --expert-budget): 4 spreads a layer's copy over the "
+                            "prefill's programs, 1 lets decode copy experts with no control flow (H100, 4-bit, "
+                            "12 GiB: decode 87-88 against 61-71 tokens/s, prefill 9-30%% slower). Default: 1 for "
+                            f"generate with --max-new-tokens >= {ONE_HOST_PART_FROM_TOKENS}, else 4")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def host_parts_for(command: str, max_new_tokens: int, host_parts: int | None) -> int | None:
+    """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 for a `generate`
+    of at least ONE_HOST_PART_FROM_TOKENS new tokens, else None (the runner's default, HOST_PARTS)."""
+    if host_parts is not None:
+        return host_parts
+    return 1 if command == "generate" and max_new_tokens >= ONE_HOST_PART_FROM_TOKENS else None
 
 
 def _fail(msg: str) -> int:
@@ -114,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         from hybridlm.offload import OffloadedRunner
         try:
             runner = OffloadedRunner(model, expert_budget=args.expert_budget, cache_policy=args.cache_policy,
-                                     prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)))
+                                     prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)),
+                                     host_parts=host_parts_for(args.command, args.max_new_tokens,
+                                                               args.host_parts))
         except ValueError as e:
             return _fail(str(e))
     else:
@@ -178,7 +200,7 @@ def _print_offload(o: dict) -> None:
     from hybridlm.offload.expert_cache import format_bytes
     print(f"expert offload budget {format_bytes(pool['budget_bytes'])}, {pool['slots']} slots of "
           f"{pool['expert_bytes']} B (+{pool['staging_slots']} staging), policy {pool['policy']}, "
-          f"prefetch {pool['prefetch']}")
+          f"prefetch {pool['prefetch']}, {pool['host_parts']} host buffer(s) a layer")
     for kind in ("prefill", "decode"):
         s = o[kind]
         if not s["chunks"]:

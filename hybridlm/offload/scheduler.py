@@ -196,7 +196,13 @@ class HostExperts:
     @staticmethod
     def pack_layer(gate_up, down, host_sharding=None, parts: int = HOST_PARTS) -> tuple[ExpertLayout, list[jax.Array]]:
         """One layer's experts (device arrays or QuantizedWeights [experts, ...]) -> (layout, `parts` pinned
-        buffers uint8 [~experts / parts, nbytes]). Packs on the device (bitcasts, no host round trip)."""
+        buffers uint8 [~experts / parts, nbytes]; fewer where the layer has fewer experts). Packs on the device
+        (bitcasts, no host round trip).
+
+        Raises:
+          ValueError: parts < 1."""
+        if parts < 1:
+            raise ValueError(f"parts={parts}: a layer needs at least one host buffer")
         layout = ExpertLayout.of(gate_up, down)
         packed = _pack_layer(layout, gate_up, down)
         bounds = np.linspace(0, packed.shape[0], min(parts, packed.shape[0]) + 1).astype(int)
@@ -380,14 +386,15 @@ def _fetch_experts(layout: ExpertLayout, host_parts: tuple, part_start: tuple[in
     where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its pinned host part.
 
     `source` (static): IN_POOL, every expert of the layer is in the pool (a gather, no control flow); IN_HOST, none
-    is; MIXED, some are. Where any may be in host memory, each copy is one `lax.switch`: branch 1 + p a dynamic
-    slice of host part p moved to the device, which XLA runs as a kernel reading that row from host memory
-    (measured on an H100, JAX 0.11.2, 2026-11-27: 8 rows of 2 MiB a layer from device-computed ids, 43 GB/s from
-    one host buffer and 31.5 GB/s through a switch over four, the host not waiting for either), and, in a MIXED
-    layer, branch 0 a zero row for a resident expert, whose pool row is
-    selected instead. Each switch costs the launch of the step's CUDA graph ~30 us of host time, which bounds the
-    step (docs/offload.md); its branches are kept to one operation each (unpacking inside them cost 20% more time
-    a step for the "static" policy, measured)."""
+    is; MIXED, some are. A copy from host memory is a dynamic slice of the host part holding the expert, moved to
+    the device, which XLA runs as a kernel reading that row from host memory. With one host part a layer
+    (`OffloadedRunner(host_parts=1)`) an IN_HOST layer's copies are just these kernels. Otherwise each copy is one
+    `lax.switch`: branch 1 + p reads host part p, and, in a MIXED layer, branch 0 gives a zero row for a resident
+    expert, whose pool row is selected instead. Measured on an H100, JAX 0.11.2, 2026-11-27 (docs/offload.md):
+    18 layers x 8 copies of 2 MiB from device-computed ids took 7.0 ms a step from one buffer a layer and
+    10.4-10.9 ms through a switch over four; each switch adds ~30 us to the host's launch of the step's CUDA graph
+    and ~20 us on the device. The branches are kept to one operation each (unpacking inside them cost 20% more
+    time a step for the "static" policy, measured)."""
     if source == IN_POOL:
         return jax.tree_util.tree_map(lambda a: a[slots], pool)
     starts = jnp.asarray(part_start, jnp.int32)
@@ -403,6 +410,9 @@ def _fetch_experts(layout: ExpertLayout, host_parts: tuple, part_start: tuple[in
     branches = ([resident] if mixed else []) + [from_host(p) for p in range(len(host_parts))]
     rows = []
     for j in range(ids.shape[0]):
+        if len(branches) == 1:                  # one host part, no resident expert: no control flow
+            rows.append(branches[0](ids[j]))
+            continue
         part = jnp.sum(ids[j] >= starts[1:]).astype(jnp.int32)
         index = jnp.where(slots[j] >= 0, 0, 1 + part) if mixed else part
         rows.append(jax.lax.switch(index, branches, ids[j] - starts[part]))
@@ -489,6 +499,11 @@ class OffloadedRunner(LayerwiseRunner):
       in_program_copies: whole-layer mode: copy the next layer absent from the device inside this layer's
         mixer and experts programs (one host part each), where the copy overlaps their compute; False: a separate
         `jax.device_put` (which, measured on an H100 with JAX 0.11.2, runs mostly after the queued compute).
+      host_parts: pinned host buffers a layer when the runner copies the model's experts (`host_experts` None;
+        default HOST_PARTS = 4). Four let whole-layer prefill spread a layer's copy over several programs; one
+        lets device-paged decode copy each expert with no control flow. Measured on an H100 (JAX 0.11.2,
+        Qwen3.6-35B-A3B shape, 4-bit, 12 GiB, static, 2026-11-27): one part decodes at 88.4 tokens/s against
+        60.6-64.4 and prefills a 32 768-token prompt at 47 143 tokens/s against 51 918-51 932 (docs/offload.md).
       decode_paging: how `decode_step` (and so `generate`) pages experts. "device" (default): the whole step is
         one program that picks each routed expert on the device, from the pool or held layers as the last
         prefill left them, the pool set at the first step to whole layers chosen by the policy and the budget
@@ -499,14 +514,15 @@ class OffloadedRunner(LayerwiseRunner):
 
     Raises:
       ValueError: unknown policy, prefetch mode or decode paging; budget above the device memory; budget below
-        the experts one layer needs for one token (or for `chunk_size`); a model without MoE.
+        the experts one layer needs for one token (or for `chunk_size`); a model without MoE; host_parts < 1, or
+        given with `host_experts` of another part count.
     """
 
     def __init__(self, model: HybridLM, *, expert_budget: int | str, cache_policy: str = "slru",
                  prefetch: Prefetch = "auto", prefetch_depth: int = 2, whole_layer: bool | None = None,
                  host_experts: HostExperts | None = None, chunk_size: int | None = None, batch: int = 1,
                  device_memory_bytes: int | None = None, in_program_copies: bool = True,
-                 decode_paging: Literal["device", "host"] = "device"):
+                 decode_paging: Literal["device", "host"] = "device", host_parts: int | None = None):
         if model.config.moe is None:
             raise ValueError("OffloadedRunner needs a sparse-MoE model (config.moe is None)")
         if decode_paging not in ("device", "host"):
@@ -517,6 +533,11 @@ class OffloadedRunner(LayerwiseRunner):
             raise ValueError(f"unknown prefetch {prefetch!r}; choose from auto, router, layer, none")
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth} must be >= 1")
+        if host_parts is not None and host_parts < 1:
+            raise ValueError(f"host_parts={host_parts} must be >= 1")
+        if host_parts is not None and host_experts is not None and len(host_experts.part_rows) != host_parts:
+            raise ValueError(f"host_parts={host_parts}, but host_experts hold {len(host_experts.part_rows)} "
+                             "buffers a layer (HostExperts.from_model(..., parts=) sets them)")
         super().__init__(model)
         self.budget = parse_bytes(expert_budget)
         self.cache_policy, self.prefetch, self.prefetch_depth = cache_policy, prefetch, prefetch_depth
@@ -551,7 +572,8 @@ class OffloadedRunner(LayerwiseRunner):
         self.expert_bytes = layout.nbytes
         self.total_slots = self.budget // self.expert_bytes
         self.check_chunk(batch * (chunk_size or 1))      # before copying anything to the host
-        self.host = host_experts if host_experts is not None else HostExperts.from_model(model)
+        self.host = host_experts if host_experts is not None else HostExperts.from_model(
+            model, parts=HOST_PARTS if host_parts is None else host_parts)
         # Per-layer trunk params without expert weights: the runner holds no device copy of any expert.
         self.layers = [_placeholder_experts(g, p) for g, p in self.layers]
         self.cache: ExpertCache | None = None
@@ -709,7 +731,7 @@ class OffloadedRunner(LayerwiseRunner):
         """{'prefill': last prefill's statistics, 'decode': decode steps since, 'pool': pool configuration}."""
         pool = {"budget_bytes": self.budget, "expert_bytes": self.expert_bytes, "policy": self.cache_policy,
                 "prefetch": self.prefetch, "prefetch_depth": self.prefetch_depth,
-                "slots": self.cache.num_slots if self.cache else None,
+                "host_parts": len(self.host.part_rows), "slots": self.cache.num_slots if self.cache else None,
                 "staging_slots": getattr(self, "staging_slots", None),
                 "pinned": (len(self.cache.pinned) + len(self.held_layers) * self.num_experts) if self.cache else 0}
         return {"prefill": self._prefill_stats.to_dict(per_layer), "decode": self._decode_stats_now().to_dict(per_layer),

@@ -42,3 +42,24 @@ def test_cli_generate_offload_decodes_paged_by_the_device(capsys):
     assert generated and generated == [line for line in resident.splitlines() if line.startswith("generated")]
     decode = next(line for line in out.splitlines() if line.strip().startswith("decode") and "lookups" in line)
     assert "GB/s untimed" in decode and "lookups 96" in decode      # 3 steps x 8 layers x top-4
+    assert cli.main(args + ["--expert-budget", "1MiB", "--cache-policy", "lru", "--host-parts", "1"]) == 0
+    one_part = capsys.readouterr().out
+    assert [line for line in one_part.splitlines() if line.startswith("generated")] == generated
+    assert cli.main(args + ["--expert-budget", "1MiB", "--host-parts", "0"]) == 2
+    assert "host_parts=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_generate_picks_one_host_part_for_long_answers(capsys):
+    """Without --host-parts, `generate` keeps one host buffer a layer from ONE_HOST_PART_FROM_TOKENS new tokens on,
+    and `prefill` the runner's default; --host-parts overrides both. The report names the choice."""
+    assert cli.host_parts_for("generate", cli.ONE_HOST_PART_FROM_TOKENS, None) == 1
+    assert cli.host_parts_for("generate", cli.ONE_HOST_PART_FROM_TOKENS - 1, None) is None
+    assert cli.host_parts_for("prefill", 0, None) is None
+    assert cli.host_parts_for("generate", 1000, 4) == 4
+    rc = cli.main(["prefill", "--prompt", "Hello there", "--chunk-size", "16", "--expert-budget", "1MiB",
+                   "--no-profile", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["offload"]["pool"]["host_parts"] == 4
+    rc = cli.main(["prefill", "--prompt", "Hello there", "--chunk-size", "16", "--expert-budget", "1MiB",
+                   "--no-profile", "--host-parts", "2"])
+    assert rc == 0 and "2 host buffer(s) a layer" in capsys.readouterr().out

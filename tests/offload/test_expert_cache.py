@@ -336,23 +336,75 @@ def test_device_paged_decode_compiles_once_across_prompts(tiny, host_experts, ba
     assert scheduler._decode_paged._cache_size() == before + 1
 
 
-def test_fetch_experts_takes_each_copy_from_where_it_lies(tiny, host_experts):
+@pytest.fixture(scope="module")
+def host_experts_one_part(tiny):
+    """The tiny model's experts as one pinned buffer a layer (`OffloadedRunner(host_parts=1)`'s layout)."""
+    return HostExperts.from_model(tiny, parts=1)
+
+
+@pytest.mark.parametrize("parts", [HOST_PARTS, 1])
+def test_fetch_experts_takes_each_copy_from_where_it_lies(tiny, host_experts, host_experts_one_part, monkeypatch,
+                                                          parts):
     """`_fetch_experts` returns each id's own expert weights, whether its slot says pool or host memory (a MIXED
-    layer), from host memory alone (IN_HOST) and from the pool alone (IN_POOL)."""
+    layer), from host memory alone (IN_HOST) and from the pool alone (IN_POOL). From one host buffer a layer, an
+    IN_HOST layer's copies carry no `lax.switch`."""
     from hybridlm.offload import scheduler
 
-    layout, layer = host_experts.layout, 2
-    want = host_experts.unpack_layer(layer)                              # (gate_up, down) [experts, ...]
+    host = host_experts if parts == HOST_PARTS else host_experts_one_part
+    assert len(host.layers[0]) == parts
+    layout, layer = host.layout, 2
+    want = host.unpack_layer(layer)                                      # (gate_up, down) [experts, ...]
     pool = jax.tree_util.tree_map(lambda a: a[::-1], want)               # slot s holds expert E-1-s
     ids = jnp.asarray([0, 5, 9, 15, 7], jnp.int32)
-    parts, starts = tuple(host_experts.layers[layer]), tuple(host_experts.part_start)
+    layer_parts, starts = tuple(host.layers[layer]), tuple(host.part_start)
+    switches = _count_calls(monkeypatch, jax.lax, ("switch",))
     for source, resident in ((scheduler.MIXED, [True, False, True, False, False]),
                              (scheduler.IN_HOST, [False] * 5), (scheduler.IN_POOL, [True] * 5)):
         slots = jnp.where(jnp.asarray(resident), NUM_EXPERTS - 1 - ids, -1)
-        got = jax.jit(scheduler._fetch_experts, static_argnums=(0, 2, 6))(layout, parts, starts, pool, slots, ids,
-                                                                             source)
+        before = switches["switch"]
+        got = jax.jit(scheduler._fetch_experts, static_argnums=(0, 2, 6))(layout, layer_parts, starts, pool, slots,
+                                                                             ids, source)
         for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w)[np.asarray(ids)])
+        copies_switched = switches["switch"] - before
+        if source == scheduler.IN_POOL or (source == scheduler.IN_HOST and parts == 1):
+            assert copies_switched == 0, source
+        else:
+            assert copies_switched == len(ids), source
+
+
+@pytest.mark.parametrize("policy", ["lru", "static"])
+def test_one_host_part_a_layer_prefills_and_decodes_exactly(tiny, host_experts, base_runner, reference, prompts,
+                                                            monkeypatch, policy):
+    """OffloadedRunner(host_parts=1) packs one pinned buffer a layer: exact-mode and whole-layer prefills give the
+    all-resident logits, and so do device-paged decode steps, bit for bit, whose copies from host memory carry no
+    `lax.switch`."""
+    from hybridlm.offload import scheduler
+
+    eb = host_experts.layout.nbytes
+    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy=policy, host_parts=1)
+    assert [len(parts) for parts in runner.host.layers] == [1] * NUM_LAYERS
+    ids = prompts["short"]
+    for chunk, whole_layer in ((4, False), (16, True)):
+        runner.whole_layer = whole_layer
+        pre = hybridlm.prefill(runner, ids, chunk_size=chunk, max_new_tokens=3)
+        np.testing.assert_allclose(np.asarray(pre.logits), np.asarray(reference("short", chunk).logits),
+                                   atol=1e-5, rtol=1e-5)
+    ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=3)    # its states are donated below
+    switches = _count_calls(monkeypatch, jax.lax, ("switch",))
+    assert_decode_matches(runner, base_runner, pre, ref, len(ids), 3)
+    assert scheduler.IN_HOST in runner._paged_view[1] and scheduler.MIXED not in runner._paged_view[1]
+    assert switches["switch"] == 0
+
+
+def test_host_parts_errors(tiny, host_experts):
+    eb = host_experts.layout.nbytes
+    with pytest.raises(ValueError, match="host_parts=0 must be >= 1"):
+        OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, host_parts=0)
+    with pytest.raises(ValueError, match=f"host_parts=1, but host_experts hold {HOST_PARTS} buffers a layer"):
+        OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, host_experts=host_experts, host_parts=1)
+    with pytest.raises(ValueError, match="parts=0: a layer needs at least one host buffer"):
+        HostExperts.from_model(tiny, parts=0)
 
 
 @pytest.mark.parametrize("policy,layers_budget,want_hits", [("lru", NUM_LAYERS, TOP_K), ("stream", 3, 0)])
