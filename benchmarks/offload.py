@@ -190,8 +190,8 @@ def main(argv=None):
     decode_ids = rng.integers(0, config.vocab_size, (1, a.decode_prompt_tokens)).astype(np.int32)
     rows = []
 
-    short = ("expert_format", "host_parts", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s", "bytes_h2d",
-             "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "phase_seconds", "error",
+    short = ("expert_format", "host_parts", "mode", "budget", "policy", "prompt_tokens", "tokens_per_s", "ttft_s",
+             "bytes_h2d", "hit_rate", "stall_s", "ratio_to_floor", "ratio_to_bound", "warmup_s", "phase_seconds", "error",
              "skipped", "decode_tokens_per_s", "decode_hit_rate", "decode_bytes_h2d", "decode_stall_s")
 
     def emit(row):

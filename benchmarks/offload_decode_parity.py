@@ -23,6 +23,7 @@ from bench_io import preset_config, run_header, write_json
 
 import hybridlm
 from hybridlm.offload import HostExperts, OffloadedRunner
+from hybridlm.offload.scheduler import HOST_PARTS
 
 
 def decode_logits(runner, pre, tokens: list, position: int) -> list[np.ndarray]:
@@ -44,7 +45,7 @@ def main(argv=None):
     p.add_argument("--decode-paging", nargs="+", choices=("device", "host"), default=["device", "host"])
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--host-parts", type=int, default=None, help="pinned buffers a layer (default HOST_PARTS)")
+    p.add_argument("--host-parts", type=int, default=HOST_PARTS, help="pinned buffers a layer (HostExperts parts)")
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -54,10 +55,10 @@ def main(argv=None):
     model = hybridlm.init_random(config, seed=0, dtype=dtype, expert_format=None if a.expert_format == "bf16"
                                  else a.expert_format)
     base = hybridlm.LayerwiseRunner(model)
-    host = HostExperts.from_model(model) if a.host_parts is None else HostExperts.from_model(model, parts=a.host_parts)
+    host = HostExperts.from_model(model, parts=a.host_parts)
     budget = a.budget if a.budget_layers is None else a.budget_layers * host.num_experts * host.layout.nbytes
     doc = run_header("offload_decode_parity", preset=config.name, num_layers=config.num_layers,
-                     expert_format=a.expert_format, budget=budget, host_parts=len(host.part_rows),
+                     expert_format=a.expert_format, budget=budget, host_parts=a.host_parts,
                      prompt_tokens=a.prompt_tokens, steps=a.steps, rows=[])
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, a.prompt_tokens)).astype(np.int32)
     pre = hybridlm.prefill(base, ids, chunk_size=a.prompt_tokens, max_new_tokens=a.steps)

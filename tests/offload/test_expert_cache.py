@@ -385,8 +385,8 @@ def test_one_host_part_a_layer_prefills_and_decodes_exactly(tiny, host_experts, 
     runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy=policy, host_parts=1)
     assert [len(parts) for parts in runner.host.layers] == [1] * NUM_LAYERS
     ids = prompts["short"]
-    for chunk, whole_layer in ((4, False), (16, True)):
-        runner.whole_layer = whole_layer
+    for chunk in (4, 16):
+        assert runner.uses_whole_layer(chunk) == (chunk == 16)       # exact mode, then whole-layer mode
         pre = hybridlm.prefill(runner, ids, chunk_size=chunk, max_new_tokens=3)
         np.testing.assert_allclose(np.asarray(pre.logits), np.asarray(reference("short", chunk).logits),
                                    atol=1e-5, rtol=1e-5)
