@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--random-weights", action="store_true", help="random weights for --preset")
         s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
         s.add_argument("--expert-format", choices=("int8", "int4"), default=None,
-                       help="with --random-weights: store routed experts quantized (int8 / 4-bit)")
+                       help="store routed experts quantized (int8 / 4-bit): random weights, or an HF checkpoint "
+                            "directory's experts as they load")
         s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
@@ -42,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--no-profile", action="store_true", help="skip the per-phase timing pass")
         s.add_argument("--expert-budget", metavar="BYTES", default=None,
-                       help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB")
+                       help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
+                            "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)")
         s.add_argument("--cache-policy", choices=("lru", "slru", "lfu", "static", "stream"), default="slru",
                        help="expert cache eviction policy (with --expert-budget)")
         s.add_argument("--prefetch", choices=("auto", "router", "layer", "none"), default="auto",
@@ -73,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Validate cheap things before importing JAX.
     from hybridlm.config import PRESETS
-    if args.model and (args.preset or args.random_weights or args.expert_format):
-        return _fail("--model cannot be combined with --preset/--random-weights/--expert-format")
+    if args.model and (args.preset or args.random_weights):
+        return _fail("--model cannot be combined with --preset/--random-weights")
     if args.model and not os.path.exists(args.model):
         return _fail(f"model path not found: {args.model}")
+    if args.model and args.expert_format and not os.path.isdir(args.model):
+        return _fail("--expert-format applies to HF checkpoint directories; a GGUF file keeps its own quantization")
     if args.preset and args.preset not in PRESETS:
         return _fail(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     if args.prompt_file and not os.path.isfile(args.prompt_file):
@@ -101,9 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    host_parts = host_parts_for(args.command, args.max_new_tokens, args.host_parts)
+    host_experts = None
     try:
-        if args.model:
-            model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype)
+        if args.model and args.expert_budget is not None:
+            # experts straight into pinned host memory (GGUF: 4- and 8-bit kept): the device never holds them all
+            from hybridlm.offload import load_offloaded
+            from hybridlm.offload.scheduler import HOST_PARTS
+            model, host_experts = load_offloaded(args.model, dtype=None if args.dtype is None else dtype,
+                                                 expert_format=args.expert_format,
+                                                 parts=HOST_PARTS if host_parts is None else host_parts)
+            source = args.model
+        elif args.model:
+            model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype,
+                                  expert_format=args.expert_format)
             source = args.model
         else:
             config = hybridlm.get_config(args.preset or "tiny")
@@ -135,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runner = OffloadedRunner(model, expert_budget=args.expert_budget, cache_policy=args.cache_policy,
                                      prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)),
-                                     host_parts=host_parts_for(args.command, args.max_new_tokens,
-                                                               args.host_parts))
+                                     host_experts=host_experts, host_parts=None if host_experts else host_parts)
         except ValueError as e:
             return _fail(str(e))
     else:

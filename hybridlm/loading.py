@@ -8,18 +8,21 @@ from hybridlm.model import HybridLM
 
 
 def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None,
-         progress: bool = True) -> HybridLM:
+         expert_format: str | None = None, progress: bool = True) -> HybridLM:
     """Loads a model from an HF checkpoint directory or a `.gguf` file.
 
     Args:
       path: a directory with config.json + *.safetensors, or a GGUF file.
       dtype: parameter dtype; None keeps the checkpoint's (HF) or uses bfloat16 for quantized GGUF tensors.
       keep_quantized: GGUF only: "experts" keeps expert weights quantized (`QuantizedWeights`).
+      expert_format: HF directories only: "int8" / "int4" quantizes the routed experts as they load
+        (`hybridlm.model.quantize_experts`); None keeps them in `dtype`.
       progress: show a progress bar for large checkpoints.
 
     Raises:
       FileNotFoundError: `path` does not exist.
-      ValueError: unknown architecture / model_type, or a malformed checkpoint (message names the tensor).
+      ValueError: unknown architecture / model_type, or a malformed checkpoint (message names the tensor);
+        keep_quantized given for a directory or expert_format for a GGUF file.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -28,10 +31,13 @@ def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = No
         if keep_quantized is not None:
             raise ValueError("keep_quantized applies to GGUF files only")
         from hybridlm.checkpoints.hf import load_hf
-        return load_hf(path, dtype=dtype, progress=progress)
+        return load_hf(path, dtype=dtype, progress=progress, expert_format=expert_format)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.endswith(".gguf"):
+        if expert_format is not None:
+            raise ValueError("expert_format applies to HF checkpoint directories; a GGUF file keeps its own "
+                             "quantization (keep_quantized='experts')")
         from hybridlm.checkpoints.gguf import load_gguf
         return load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")

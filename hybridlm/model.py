@@ -142,7 +142,7 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert
             else:
                 var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), shape, vdtype))
             if expert_format and name in ("experts_gate_up", "experts_down"):
-                var.set_value(_quantize(var.get_value(), expert_format))
+                var.set_value(quantize_experts(var.get_value(), expert_format))
         flat.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -173,7 +173,9 @@ def _random_param(name: str, rng, shape: tuple[int, ...], xp):
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _quantize(w: jax.Array, expert_format: str):
+def quantize_experts(w: jax.Array, expert_format: str):
+    """Routed-expert weights [experts, k, n] as `QuantizedWeights`: "int8" (`quantize_int8`, symmetric, Q8_0-like)
+    or "int4" (`quantize_int4`, scale and offset, Q4_1-like), blocks of 32 along k."""
     from pallas_kernels.quantized import quantize_int4, quantize_int8
     return (quantize_int8 if expert_format == "int8" else quantize_int4)(w)
 

@@ -214,7 +214,7 @@ def _is_trunk_tensor(name: str, num_layers: int) -> bool:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None,
-              progress: bool = True) -> HybridLM:
+              progress: bool = True, expert_sink=None) -> HybridLM:
     """Loads a llama.cpp GGUF file of a `qwen35moe`, `qwen35` or `qwen3next` model.
 
     Args:
@@ -224,6 +224,10 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
         Q4_0, Q4_1 or Q4_K as `QuantizedWeights` (other types, or input dims that do not split into whole
         4-bit halves, are dequantized).
       progress: show a progress bar over tensors.
+      expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
+        ("experts_gate_up" / "experts_down", a `QuantizedWeights` or a device array [experts, ...]) as soon as it
+        is loaded; the model then holds 1-element placeholders for them (`hybridlm.offload.load_offloaded` packs
+        them into pinned host memory one layer at a time).
 
     Returns:
       The model. A GDN model in Qwen3.5 GGUF order gets its V heads back in HF (grouped) order.
@@ -273,7 +277,7 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
             qw = _keep(src, header, mapped)
             if qw is not None:
                 _check_shape(src, 0, qw.shape, wants[0].shape)
-                variables[src.params[0]].set_value(qw)
+                _set_param(variables, src, 0, qw, wants[0].dtype, expert_sink)
                 continue
         arrays = [gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
                   for n in src.tensors]
@@ -284,7 +288,7 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
         del arrays
         for i, (value, want) in enumerate(zip(values, wants)):
             _check_shape(src, i, value.shape, want.shape)
-            variables[src.params[i]].set_value(jnp.asarray(value, dtype=want.dtype))
+            _set_param(variables, src, i, jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink)
     extra = sorted(n for n in names - used if _is_trunk_tensor(n, config.num_layers))
     if extra:
         raise GGUFError(f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. "
@@ -319,6 +323,16 @@ def tensor_data(mapped: np.ndarray, info: TensorInfo) -> np.ndarray:
         return raw.view(np.float16).reshape(info.shape)
     block, type_size = GGML_QUANT_SIZES[info.type]
     return raw.reshape(*info.shape[:-1], info.ne[0] // block * type_size)
+
+
+def _set_param(variables: dict, src, i: int, value, dtype, expert_sink) -> None:
+    """Sets parameter `src.params[i]` to `value`, or, for a routed-expert parameter with an `expert_sink`
+    (`load_gguf`), hands `value` to the sink and sets a 1-element placeholder."""
+    path = src.params[i]                                    # ("layers", layer, "ffn", name)
+    if expert_sink is not None and src.experts:
+        expert_sink(path[1], path[-1], value)
+        value = jnp.zeros((1, 1, 1), dtype)
+    variables[path].set_value(value)
 
 
 def _keep(src, header: Header, mapped) -> QuantizedWeights | None:

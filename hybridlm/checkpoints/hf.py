@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources
 from hybridlm.config import ModelConfig
-from hybridlm.model import HybridLM
+from hybridlm.model import EXPERT_FORMATS, HybridLM, quantize_experts
 
 
 class CheckpointError(ValueError):
@@ -69,22 +69,30 @@ def _detect_prefix(names) -> str:
     return "model."
 
 
-def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True) -> HybridLM:
+def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True, expert_format: str | None = None,
+            expert_sink=None) -> HybridLM:
     """Loads an HF checkpoint directory into a `HybridLM`.
 
     Args:
       directory: holds config.json and model*.safetensors (optionally sharded with an index).
       dtype: parameter dtype (jnp.float32 / jnp.bfloat16); None: the embedding's dtype in the file.
       progress: show a progress bar over tensors.
+      expert_format: None keeps routed-expert weights in `dtype`; "int8" or "int4" quantizes them as they load
+        (`quantize_int8` / `quantize_int4`, as `init_random(expert_format=...)`).
+      expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
+        ("experts_gate_up" / "experts_down" [experts, ...]) as soon as it is loaded; the model then holds
+        1-element placeholders for them (`hybridlm.offload.load_offloaded`).
 
     Returns:
       The model, with every parameter read from the checkpoint (A_log, dt_bias kept in float32).
 
     Raises:
       FileNotFoundError: no config.json.
-      ValueError: unsupported `model_type` (from `ModelConfig.from_hf`).
+      ValueError: unsupported `model_type` (from `ModelConfig.from_hf`); unknown expert_format.
       CheckpointError: a tensor is missing, has the wrong shape, or a file is unreadable.
     """
+    if expert_format not in (None, *EXPERT_FORMATS):
+        raise ValueError(f"unknown expert_format {expert_format!r}; choose from {EXPERT_FORMATS} or None")
     directory = os.fspath(directory)
     config = ModelConfig.from_hf(directory)
     index = _tensor_index(directory)
@@ -108,7 +116,14 @@ def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True) 
         if tuple(value.shape) != tuple(want.shape):
             raise CheckpointError(f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
                                   f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config")
-        var.set_value(jnp.asarray(value, dtype=want.dtype))
+        value = jnp.asarray(value, dtype=want.dtype)
+        if src.path[-1] in ("experts_gate_up", "experts_down"):            # ("layers", i, "ffn", name)
+            if expert_format is not None:
+                value = quantize_experts(value, expert_format)
+            if expert_sink is not None:
+                expert_sink(src.path[1], src.path[-1], value)
+                value = jnp.zeros((1, 1, 1), want.dtype)
+        var.set_value(value)
         used.update(src.tensors)
     unused = sorted(n for n in names - used if not n.startswith(IGNORED_HF_PREFIXES))
     if unused:

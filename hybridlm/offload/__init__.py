@@ -3,6 +3,10 @@
     runner = hybridlm.offload.OffloadedRunner(model, expert_budget="12GiB", cache_policy="slru")
     result = hybridlm.prefill(runner, ids)      # same logits as the all-resident model
     runner.stats()                              # hits, misses, bytes host->device, stall, evictions, per layer
+
+A GGUF file too large for the device loads with its experts straight into pinned host memory:
+    model, host = hybridlm.offload.load_offloaded("model.gguf")
+    runner = hybridlm.offload.OffloadedRunner(model, expert_budget="12GiB", host_experts=host)
 """
 
 from hybridlm.offload.expert_cache import (
@@ -14,7 +18,8 @@ from hybridlm.offload.expert_cache import (
                                            parse_bytes,
                                            static_pinned_keys,
 )
+from hybridlm.offload.load import load_offloaded
 from hybridlm.offload.scheduler import HostExperts, OffloadedRunner, measure_h2d_gbps
 
 __all__ = ["POLICIES", "CacheStats", "ExpertCache", "ExpertLayout", "HostExperts", "LayerStats", "OffloadedRunner",
-           "measure_h2d_gbps", "parse_bytes", "static_pinned_keys"]
+           "load_offloaded", "measure_h2d_gbps", "parse_bytes", "static_pinned_keys"]

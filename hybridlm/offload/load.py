@@ -1,0 +1,98 @@
+"""Loading a model for expert offload without holding all its experts on the device (GGUF files, HF directories)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from hybridlm.model import HybridLM
+from hybridlm.offload.scheduler import HOST_PARTS, HostExperts
+
+EXPERT_PARAMS = ("experts_gate_up", "experts_down")
+
+
+def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "experts",
+                   expert_format: str | None = None, dtype=None, parts: int = HOST_PARTS,
+                   progress: bool = True) -> tuple[HybridLM, HostExperts]:
+    """Loads a model with its routed experts packed into pinned host memory as they are read, one layer at a time.
+
+    The device holds the trunk (embeddings, mixers, routers, shared experts, head) and, while a layer is packed,
+    that layer's experts; the returned model holds 1-element placeholders for the experts. Pass both to
+    `OffloadedRunner(model, host_experts=host, ...)`, which runs the same logits as the model loaded whole
+    (`hybridlm.load`; tested for GGUF files and HF directories). For Qwen3.6-35B-A3B at 4 bits that is ~5 GB on the
+    device instead of ~25 GB.
+
+    Args:
+      path: a .gguf file or an HF checkpoint directory (config.json + *.safetensors).
+      keep_quantized: GGUF: "experts" (default) keeps Q8_0 / Q4_0 / Q4_1 / Q4_K experts quantized in host memory
+        (`QuantizedWeights`, dequantized inside the kernels); None stores them dequantized, in `dtype`. Ignored
+        for HF directories.
+      expert_format: HF directories: None keeps the experts in `dtype`; "int8" / "int4" quantizes each layer's
+        experts as it loads (`hybridlm.model.quantize_experts`), e.g. a bf16 checkpoint's 67 GB of Qwen3.6
+        experts to ~20 GB of 4-bit ones. GGUF files: must be None (their own quantization is kept).
+      dtype: parameter dtype, as `hybridlm.load`.
+      parts: pinned host buffers a layer (`OffloadedRunner`'s `host_parts`).
+      progress: show a progress bar over tensors.
+
+    Returns:
+      (model with placeholder experts, `HostExperts` [layers] of its experts).
+
+    Raises:
+      FileNotFoundError: no file or directory at `path`.
+      ValueError: a file that is not GGUF; expert_format given for a GGUF file, or unknown; a model without
+        MoE; layers whose experts are stored in different formats (e.g. a Q4_K_M file with Q6_K down
+        projections in some layers: the host layout needs one byte size per expert; load with
+        keep_quantized=None); the loaders' errors (`GGUFError`, `CheckpointError`).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    pending: dict[int, dict] = {}
+    packed: dict[int, tuple] = {}
+
+    def sink(layer: int, name: str, value) -> None:
+        pending.setdefault(layer, {})[name] = value
+        if len(pending[layer]) == len(EXPERT_PARAMS):
+            weights = pending.pop(layer)
+            layout, buffers = HostExperts.pack_layer(*(weights[n] for n in EXPERT_PARAMS), parts=parts)
+            jax.block_until_ready(buffers)          # the layer's device copy is freed before the next one loads
+            packed[layer] = (layout, buffers)
+
+    if os.path.isdir(path):
+        from hybridlm.checkpoints.hf import load_hf
+        model = load_hf(path, dtype=dtype, progress=progress, expert_format=expert_format, expert_sink=sink)
+    else:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file")
+        if expert_format is not None:
+            raise ValueError(f"expert_format={expert_format!r} applies to HF checkpoint directories; a GGUF file "
+                             "keeps its own quantization (keep_quantized)")
+        from hybridlm.checkpoints.gguf import load_gguf
+        model = load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress, expert_sink=sink)
+    if model.config.moe is None:
+        raise ValueError(f"{path} holds a dense model ({model.config.name}): there are no experts to offload")
+    return model, host_experts_of_layers(packed, model.config.num_layers)
+
+
+def host_experts_of_layers(packed: dict[int, tuple], num_layers: int) -> HostExperts:
+    """`HostExperts` from {layer: (ExpertLayout, pinned buffers)} for layers 0..num_layers-1.
+
+    Raises:
+      ValueError: a layer missing, or layers packed with different layouts (the message names the first two)."""
+    missing = [i for i in range(num_layers) if i not in packed]
+    if missing:
+        raise ValueError(f"no experts were loaded for layers {missing[:8]}")
+    first = packed[0][0]
+    for i in range(num_layers):
+        if packed[i][0] != first:
+            raise ValueError(f"the experts of layer 0 and layer {i} are stored differently ({_describe(first)} "
+                             f"against {_describe(packed[i][0])}); one host layout needs one format for every "
+                             "layer's experts (load with keep_quantized=None to dequantize them all)")
+    return HostExperts(first, [packed[i][1] for i in range(num_layers)])
+
+
+def _describe(layout) -> str:
+    return (f"{layout.nbytes} bytes an expert in leaves "
+            + ", ".join(f"{d.name}{list(shape)}" for shape, d in zip(layout.shapes, layout.dtypes)))

@@ -1,0 +1,107 @@
+"""`load_offloaded`: a GGUF file's or HF directory's experts packed into pinned host memory as they load, giving the
+logits of the model loaded whole; its errors; the CLI's use of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from offload_helpers import assert_finite
+from support import FIXTURES
+
+import hybridlm
+from hybridlm import cli
+from hybridlm.offload import ExpertLayout, HostExperts, OffloadedRunner, load_offloaded
+from hybridlm.offload.load import host_experts_of_layers
+from pallas_kernels.quantized import QuantizedWeights
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tiny, tmp_path_factory):
+    """The tiny model written as a Q8_0 GGUF file (its experts kept as 8-bit `QuantizedWeights` on loading)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"
+    hybridlm.save_gguf(tiny, path, "q8_0")
+    return path
+
+
+def test_experts_go_to_host_memory_and_give_the_whole_models_logits(q8_gguf, prompts):
+    whole = hybridlm.load(q8_gguf, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    model, host = load_offloaded(q8_gguf, dtype=jnp.float32, progress=False, parts=2)
+    assert isinstance(whole.layers[0].ffn.experts_gate_up.get_value(), QuantizedWeights)
+    for layer in model.layers:                      # placeholders only: no expert weights on the device
+        assert layer.ffn.experts_gate_up.get_value().size == 1 and layer.ffn.experts_down.get_value().size == 1
+    assert host.num_layers == whole.config.num_layers and [len(p) for p in host.layers] == [2] * host.num_layers
+    assert {buf.sharding.memory_kind for parts in host.layers for buf in parts} == {"pinned_host"}
+    ffn = whole.layers[0].ffn
+    assert host.layout == ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
+    for i in (0, whole.config.num_layers - 1):       # the packed bytes unpack to the loaded experts, bit for bit
+        ffn = whole.layers[i].ffn
+        want = jax.tree_util.tree_leaves((ffn.experts_gate_up.get_value(), ffn.experts_down.get_value()))
+        for got, w in zip(jax.tree_util.tree_leaves(host.unpack_layer(i)), want):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    eb = host.layout.nbytes
+    runner = OffloadedRunner(model, expert_budget=3 * host.num_experts * eb, cache_policy="lru", host_experts=host)
+    ids = prompts["short"]
+    got = hybridlm.prefill(runner, ids, chunk_size=16).logits
+    want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=16).logits
+    assert_finite(got)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_load_offloaded_errors(tmp_path, host_experts):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_offloaded(tmp_path / "missing.gguf")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_offloaded(tmp_path)                    # a directory without a checkpoint
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf file")
+    with pytest.raises(ValueError, match="is neither a checkpoint directory nor a GGUF file"):
+        load_offloaded(not_gguf)
+    with pytest.raises(ValueError, match="unknown expert_format 'int3'"):
+        load_offloaded(FIXTURES / "hf" / "qwen35moe_text", expert_format="int3")
+    layout, parts = host_experts.layout, host_experts.layers[0]
+    other = ExpertLayout.of(np.zeros((16, 2, 2), np.float32), np.zeros((16, 2, 2), np.float32))
+    with pytest.raises(ValueError, match="no experts were loaded for layers \\[1\\]"):
+        host_experts_of_layers({0: (layout, parts)}, 2)
+    with pytest.raises(ValueError, match="the experts of layer 0 and layer 1 are stored differently"):
+        host_experts_of_layers({0: (layout, parts), 1: (other, parts)}, 2)
+    assert isinstance(host_experts_of_layers({0: (layout, parts), 1: (layout, parts)}, 2), HostExperts)
+
+
+def test_gguf_refuses_expert_format(q8_gguf):
+    with pytest.raises(ValueError, match="expert_format='int4' applies to HF checkpoint directories"):
+        load_offloaded(q8_gguf, expert_format="int4")
+    with pytest.raises(ValueError, match="expert_format applies to HF checkpoint directories"):
+        hybridlm.load(q8_gguf, expert_format="int4")
+
+
+@pytest.mark.parametrize("expert_format", [None, "int8"])
+def test_hf_directory_experts_quantized_into_host_memory(expert_format):
+    """An HF checkpoint directory: each layer's experts quantized as they load (or kept in dtype) and packed into
+    host memory; the offloaded logits are the model's loaded whole with the same `expert_format`."""
+    path = FIXTURES / "hf" / "qwen35moe_text"
+    whole = hybridlm.load(path, dtype=jnp.float32, expert_format=expert_format, progress=False)
+    model, host = load_offloaded(path, dtype=jnp.float32, expert_format=expert_format, progress=False)
+    assert isinstance(whole.layers[0].ffn.experts_down.get_value(), QuantizedWeights) == (expert_format == "int8")
+    assert all(layer.ffn.experts_down.get_value().size == 1 for layer in model.layers)
+    ids = np.arange(1, 40) % whole.config.vocab_size
+    runner = OffloadedRunner(model, expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru",
+                             host_experts=host)
+    got = hybridlm.prefill(runner, ids, chunk_size=8).logits
+    want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=8).logits
+    assert_finite(got)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_cli_loads_a_gguf_files_experts_into_host_memory(q8_gguf, capsys):
+    """`hybridlm generate --model F.gguf --expert-budget B` loads the experts straight into host memory (4-bit and
+    8-bit ones kept) and generates what the model loaded whole does."""
+    args = ["generate", "--model", str(q8_gguf), "--prompt", "Experts load into host memory.", "--chunk-size", "16",
+            "--max-new-tokens", "3", "--no-profile", "--dtype", "float32"]
+    assert cli.main(args) == 0
+    whole = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generated")]
+    assert cli.main(args + ["--expert-budget", "1MiB", "--host-parts", "1"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("generated")] == whole
+    assert "1 host buffer(s) a layer" in out
+    assert cli.main(args + ["--expert-format", "int4"]) == 2
+    assert "--expert-format applies to HF checkpoint directories" in capsys.readouterr().err
