@@ -36,12 +36,10 @@ from bench_io import run_header, write_json
 from flax import nnx
 
 import hybridlm
-from hybridlm.model import HybridLM, _random_param_jax
+from hybridlm.model import EXPERT_PARAMS, HybridLM, _random_param_jax
 from hybridlm.offload import HostExperts, OffloadedRunner, measure_h2d_gbps, parse_bytes
 from hybridlm.offload.scheduler import HOST_PARTS
 from pallas_kernels.quantized import quantize_int4, quantize_int8
-
-EXPERT_NAMES = ("experts_gate_up", "experts_down")
 
 
 def build_trunk(config, dtype) -> HybridLM:
@@ -52,7 +50,7 @@ def build_trunk(config, dtype) -> HybridLM:
     flat = []
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
         name, value = path[-1], var.get_value()
-        if name in EXPERT_NAMES:
+        if name in EXPERT_PARAMS:
             var.set_value(jnp.zeros((1, 1, 1), dtype))
         elif hasattr(value, "shape"):
             var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), tuple(value.shape), value.dtype))

@@ -107,6 +107,7 @@ class HybridLM(nnx.Module):
 
 
 EXPERT_FORMATS = ("int8", "int4")
+EXPERT_PARAMS = ("experts_gate_up", "experts_down")   # the routed experts' parameters in each layer's ffn
 
 
 def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert_format: str | None = None) -> HybridLM:
@@ -141,7 +142,7 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert
                 var.set_value(jnp.asarray(_random_param(name, rng, shape, np).astype(vdtype)))
             else:
                 var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), shape, vdtype))
-            if expert_format and name in ("experts_gate_up", "experts_down"):
+            if expert_format and name in EXPERT_PARAMS:
                 var.set_value(quantize_experts(var.get_value(), expert_format))
         flat.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources
 from hybridlm.config import ModelConfig
-from hybridlm.model import EXPERT_FORMATS, HybridLM, quantize_experts
+from hybridlm.model import EXPERT_FORMATS, EXPERT_PARAMS, HybridLM, quantize_experts
 
 
 class CheckpointError(ValueError):
@@ -117,7 +117,7 @@ def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True, 
             raise CheckpointError(f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
                                   f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config")
         value = jnp.asarray(value, dtype=want.dtype)
-        if src.path[-1] in ("experts_gate_up", "experts_down"):            # ("layers", i, "ffn", name)
+        if src.path[-1] in EXPERT_PARAMS:                                   # ("layers", i, "ffn", name)
             if expert_format is not None:
                 value = quantize_experts(value, expert_format)
             if expert_sink is not None:

@@ -6,10 +6,8 @@ import os
 
 import jax
 
-from hybridlm.model import HybridLM
+from hybridlm.model import EXPERT_PARAMS, HybridLM
 from hybridlm.offload.scheduler import HOST_PARTS, HostExperts
-
-EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
 
 def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "experts",

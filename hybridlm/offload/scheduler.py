@@ -61,7 +61,7 @@ from hybridlm.engine.runner import (
     check_decode_inputs,
     flat_layer,
 )
-from hybridlm.model import HybridLM, head_logits
+from hybridlm.model import EXPERT_PARAMS, HybridLM, head_logits
 from hybridlm.offload.expert_cache import (
     POLICIES,
     CacheStats,
@@ -468,7 +468,7 @@ def _placeholder_experts(graph: StaticGraph, leaves: tuple) -> tuple[StaticGraph
     """A layer's (graph, flat weights) with its expert weights replaced by 1-element placeholders (no device
     memory)."""
     params = jax.tree_util.tree_map(lambda x: x, graph.params(leaves))
-    for name in ("experts_gate_up", "experts_down"):
+    for name in EXPERT_PARAMS:
         params["ffn"][name].set_value(jnp.zeros((1, 1, 1), jnp.float32))
     return flat_layer(graph.graphdef, params)
 
