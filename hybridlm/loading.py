@@ -8,7 +8,7 @@ from hybridlm.model import HybridLM
 
 
 def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None,
-         expert_format: str | None = None, progress: bool = True) -> HybridLM:
+         expert_format: str | None = None, progress: bool = True, expert_sink=None) -> HybridLM:
     """Loads a model from an HF checkpoint directory or a `.gguf` file.
 
     Args:
@@ -18,6 +18,9 @@ def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = No
       expert_format: HF directories only: "int8" / "int4" quantizes the routed experts as they load
         (`hybridlm.model.quantize_experts`); None keeps them in `dtype`.
       progress: show a progress bar for large checkpoints.
+      expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter as it loads,
+        the model holding 1-element placeholders instead (`hybridlm.model.loaded_value`; used by
+        `hybridlm.offload.load_offloaded`).
 
     Raises:
       FileNotFoundError: `path` does not exist.
@@ -31,13 +34,14 @@ def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = No
         if keep_quantized is not None:
             raise ValueError("keep_quantized applies to GGUF files only")
         from hybridlm.checkpoints.hf import load_hf
-        return load_hf(path, dtype=dtype, progress=progress, expert_format=expert_format)
+        return load_hf(path, dtype=dtype, progress=progress, expert_format=expert_format, expert_sink=expert_sink)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.endswith(".gguf"):
         if expert_format is not None:
-            raise ValueError("expert_format applies to HF checkpoint directories; a GGUF file keeps its own "
-                             "quantization (keep_quantized='experts')")
+            raise ValueError(f"expert_format={expert_format!r} applies to HF checkpoint directories; a GGUF file "
+                             "keeps its own quantization (keep_quantized='experts')")
         from hybridlm.checkpoints.gguf import load_gguf
-        return load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+        return load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress,
+                         expert_sink=expert_sink)
     raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")

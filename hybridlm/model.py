@@ -110,6 +110,16 @@ EXPERT_FORMATS = ("int8", "int4")
 EXPERT_PARAMS = ("experts_gate_up", "experts_down")   # the routed experts' parameters in each layer's ffn
 
 
+def loaded_value(path: tuple, value, dtype, expert_sink=None):
+    """What a checkpoint loader sets parameter `path` (e.g. ("layers", i, "ffn", name)) to: `value`, or, for a
+    routed-expert parameter (EXPERT_PARAMS) when an `expert_sink` is given, a 1-element `dtype` placeholder after
+    handing `value` to expert_sink(layer, name, value) (`hybridlm.offload.load_offloaded`)."""
+    if expert_sink is None or path[-1] not in EXPERT_PARAMS:
+        return value
+    expert_sink(path[1], path[-1], value)
+    return jnp.zeros((1, 1, 1), dtype)
+
+
 def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert_format: str | None = None) -> HybridLM:
     """A model with random weights drawn so that activations and logits stay O(1).
 

@@ -29,7 +29,7 @@ from hybridlm.checkpoints import gguf_quants
 from hybridlm.checkpoints.gguf_header import GGUFError, Header, TensorInfo, read_header
 from hybridlm.checkpoints.mapping import gguf_sources
 from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
-from hybridlm.model import HybridLM
+from hybridlm.model import HybridLM, loaded_value
 from pallas_kernels.quantized import QuantizedWeights
 
 __all__ = ["SUPPORTED_ARCHS", "GGUFError", "config_from_gguf", "load_gguf", "load_gguf_tokenizer", "save_gguf"]
@@ -277,7 +277,7 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
             qw = _keep(src, header, mapped)
             if qw is not None:
                 _check_shape(src, 0, qw.shape, wants[0].shape)
-                _set_param(variables, src, 0, qw, wants[0].dtype, expert_sink)
+                variables[src.params[0]].set_value(loaded_value(src.params[0], qw, wants[0].dtype, expert_sink))
                 continue
         arrays = [gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
                   for n in src.tensors]
@@ -288,7 +288,8 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
         del arrays
         for i, (value, want) in enumerate(zip(values, wants)):
             _check_shape(src, i, value.shape, want.shape)
-            _set_param(variables, src, i, jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink)
+            variables[src.params[i]].set_value(
+                loaded_value(src.params[i], jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink))
     extra = sorted(n for n in names - used if _is_trunk_tensor(n, config.num_layers))
     if extra:
         raise GGUFError(f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. "
@@ -323,16 +324,6 @@ def tensor_data(mapped: np.ndarray, info: TensorInfo) -> np.ndarray:
         return raw.view(np.float16).reshape(info.shape)
     block, type_size = GGML_QUANT_SIZES[info.type]
     return raw.reshape(*info.shape[:-1], info.ne[0] // block * type_size)
-
-
-def _set_param(variables: dict, src, i: int, value, dtype, expert_sink) -> None:
-    """Sets parameter `src.params[i]` to `value`, or, for a routed-expert parameter with an `expert_sink`
-    (`load_gguf`), hands `value` to the sink and sets a 1-element placeholder."""
-    path = src.params[i]                                    # ("layers", layer, "ffn", name)
-    if expert_sink is not None and src.experts:
-        expert_sink(path[1], path[-1], value)
-        value = jnp.zeros((1, 1, 1), dtype)
-    variables[path].set_value(value)
 
 
 def _keep(src, header: Header, mapped) -> QuantizedWeights | None:

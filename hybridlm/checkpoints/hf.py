@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources
 from hybridlm.config import ModelConfig
-from hybridlm.model import EXPERT_FORMATS, EXPERT_PARAMS, HybridLM, quantize_experts
+from hybridlm.model import EXPERT_FORMATS, EXPERT_PARAMS, HybridLM, loaded_value, quantize_experts
 
 
 class CheckpointError(ValueError):
@@ -117,13 +117,9 @@ def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True, 
             raise CheckpointError(f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
                                   f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config")
         value = jnp.asarray(value, dtype=want.dtype)
-        if src.path[-1] in EXPERT_PARAMS:                                   # ("layers", i, "ffn", name)
-            if expert_format is not None:
-                value = quantize_experts(value, expert_format)
-            if expert_sink is not None:
-                expert_sink(src.path[1], src.path[-1], value)
-                value = jnp.zeros((1, 1, 1), want.dtype)
-        var.set_value(value)
+        if expert_format is not None and src.path[-1] in EXPERT_PARAMS:
+            value = quantize_experts(value, expert_format)
+        var.set_value(loaded_value(src.path, value, want.dtype, expert_sink))
         used.update(src.tensors)
     unused = sorted(n for n in names - used if not n.startswith(IGNORED_HF_PREFIXES))
     if unused:

@@ -38,14 +38,15 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
 
     Raises:
       FileNotFoundError: no file or directory at `path`.
-      ValueError: a file that is not GGUF; expert_format given for a GGUF file, or unknown; a model without
-        MoE; layers whose experts are stored in different formats (e.g. a Q4_K_M file with Q6_K down
-        projections in some layers: the host layout needs one byte size per expert; load with
-        keep_quantized=None); the loaders' errors (`GGUFError`, `CheckpointError`).
+      ValueError: neither a directory nor a GGUF file, or expert_format given for a GGUF file or unknown (the
+        errors of `hybridlm.load`, which reads the checkpoint); a model without MoE; layers whose experts are
+        stored in different formats (e.g. a Q4_K_M file with Q6_K down projections in some layers: the host
+        layout needs one byte size per expert; load with keep_quantized=None); the loaders' errors
+        (`GGUFError`, `CheckpointError`).
     """
+    from hybridlm.loading import load
+
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
     pending: dict[int, dict] = {}
     packed: dict[int, tuple] = {}
 
@@ -57,18 +58,8 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
             jax.block_until_ready(buffers)          # the layer's device copy is freed before the next one loads
             packed[layer] = (layout, buffers)
 
-    if os.path.isdir(path):
-        from hybridlm.checkpoints.hf import load_hf
-        model = load_hf(path, dtype=dtype, progress=progress, expert_format=expert_format, expert_sink=sink)
-    else:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file")
-        if expert_format is not None:
-            raise ValueError(f"expert_format={expert_format!r} applies to HF checkpoint directories; a GGUF file "
-                             "keeps its own quantization (keep_quantized)")
-        from hybridlm.checkpoints.gguf import load_gguf
-        model = load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress, expert_sink=sink)
+    model = load(path, dtype=dtype, keep_quantized=None if os.path.isdir(path) else keep_quantized,
+                 expert_format=expert_format, progress=progress, expert_sink=sink)
     if model.config.moe is None:
         raise ValueError(f"{path} holds a dense model ({model.config.name}): there are no experts to offload")
     return model, host_experts_of_layers(packed, model.config.num_layers)

@@ -70,7 +70,7 @@ def test_load_offloaded_errors(tmp_path, host_experts):
 def test_gguf_refuses_expert_format(q8_gguf):
     with pytest.raises(ValueError, match="expert_format='int4' applies to HF checkpoint directories"):
         load_offloaded(q8_gguf, expert_format="int4")
-    with pytest.raises(ValueError, match="expert_format applies to HF checkpoint directories"):
+    with pytest.raises(ValueError, match="expert_format='int4' applies to HF checkpoint directories"):
         hybridlm.load(q8_gguf, expert_format="int4")
 
 
