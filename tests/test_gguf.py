@@ -16,7 +16,7 @@ from support import FIXTURES, assert_finite
 
 import hybridlm
 from hybridlm.checkpoints import gguf_quants
-from hybridlm.checkpoints.gguf import GGUFError, load_gguf, save_gguf
+from hybridlm.checkpoints.gguf import GGUFError, load_gguf, save_gguf, use_more_bits
 from hybridlm.checkpoints.gguf_header import read_header
 from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 from pallas_kernels.quantized import QuantizedWeights
@@ -182,13 +182,38 @@ def test_every_type_dequantizes_like_gguf(tmp_path):
         np.testing.assert_array_equal(got, want, err_msg=t.name)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K])
+@pytest.mark.parametrize("qtype", gguf_quants.KEEPABLE_TYPES, ids=lambda t: t.name)
 def test_quantized_weights_from_raw_blocks_are_exact(qtype):
     rng = np.random.default_rng(1)
     raw = _random_raw(qtype, rows=3 * 5, blocks=2, rng=rng).reshape(3, 5, -1)   # [experts, out, bytes]
     qw = gguf_quants.to_quantized_weights([(raw, qtype)])
+    assert (qw.bits, qw.block_size) == (gguf_quants.KEPT_BITS[qtype], gguf_quants.KEPT_BLOCK[qtype])
     want = gguf.quants.dequantize(raw, qtype)                                      # [experts, out, k]
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
+
+
+def test_quantized_weights_concatenate_blocks_of_two_sizes():
+    """A gate in Q6_K beside an up in Q8_0: one 8-bit tensor with Q8_0's scales repeated per 16 elements."""
+    rng = np.random.default_rng(4)
+    gate, up = (_random_raw(t, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1) for t in (T.Q6_K, T.Q8_0))
+    up = np.concatenate([up] + [_random_raw(T.Q8_0, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1)
+                                for _ in range(7)], axis=-1)                       # 256 elements, as the gate
+    qw = gguf_quants.to_quantized_weights([(gate, T.Q6_K), (up, T.Q8_0)])
+    assert qw.block_size == 16 and qw.scales.dtype == jnp.float32 and qw.shape == (2, 256, 6)
+    want = np.concatenate([gguf.quants.dequantize(gate, T.Q6_K), gguf.quants.dequantize(up, T.Q8_0)], axis=1)
+    np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
+    with pytest.raises(ValueError, match="8-bit and 4-bit.*Q6_K, Q4_K"):
+        gguf_quants.to_quantized_weights([(gate, T.Q6_K), (_random_raw(T.Q4_K, 6, 1, rng).reshape(2, 3, -1), T.Q4_K)])
+    with pytest.raises(ValueError, match="Q5_K cannot be kept"):
+        gguf_quants.to_quantized_weights([(_random_raw(T.Q5_K, 6, 1, rng).reshape(2, 3, -1), T.Q5_K)])
+
+
+def test_q6_k_quantizer_round_trips():
+    x = np.random.default_rng(2).standard_normal((4, 512)).astype(np.float32)
+    y = gguf.quants.dequantize(gguf_quants.quantize_q6_k(x), T.Q6_K)
+    err = np.abs(y - x)
+    assert err.mean() < 0.02 and err.max() < 0.07   # a step of ~max|x| / 32 per 16 values
+    assert not gguf.quants.dequantize(gguf_quants.quantize_q6_k(np.zeros((1, 256), np.float32)), T.Q6_K).any()
 
 
 def test_q4_k_quantizer_round_trips():
@@ -206,12 +231,12 @@ def k256_model():
     return hybridlm.init_random(K256, seed=3)
 
 
-@pytest.mark.parametrize("tensor_type,bytes_per_param", [("q8_0", 34 / 32), ("q4_k", 0.75)])
+@pytest.mark.parametrize("tensor_type,bytes_per_param", [("q8_0", 34 / 32), ("q4_k", 0.75), ("q6_k", 1.25)])
 def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, bytes_per_param):
     path = tmp_path / f"k256-{tensor_type}.gguf"
     save_gguf(k256_model, path, tensor_type)
     header = read_header(path)
-    want_type = T.Q8_0 if tensor_type == "q8_0" else T.Q4_K
+    want_type = {"q8_0": T.Q8_0, "q4_k": T.Q4_K, "q6_k": T.Q6_K}[tensor_type]
     assert header.tensors["blk.0.ffn_down_exps.weight"].type == want_type
     dense = load_gguf(path, dtype=jnp.float32, progress=False)
     kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts", progress=False)
@@ -219,7 +244,7 @@ def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, byte
     for layer_kept, layer_dense in zip(kept.layers, dense.layers):
         for name in ("experts_gate_up", "experts_down"):
             qw = getattr(layer_kept.ffn, name).get_value()
-            assert isinstance(qw, QuantizedWeights) and qw.bits == (8 if tensor_type == "q8_0" else 4)
+            assert isinstance(qw, QuantizedWeights) and qw.bits == (4 if tensor_type == "q4_k" else 8)
             dense_w = getattr(layer_dense.ffn, name).get_value()
             assert qw.shape == dense_w.shape
             assert qw.bytes_per_param == pytest.approx(bytes_per_param)
@@ -229,6 +254,41 @@ def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, byte
     got = np.asarray(forward(kept, ids))
     assert_finite(got, "logits")
     assert np.abs(got - want).max() < 1e-4   # same weights, only the summation order may differ
+
+
+def test_use_more_bits_is_llama_quantize_rule():
+    # llama.cpp's Q4_K_M ffn_down layers for 40 blocks (Qwen3.5/3.6-35B-A3B): 0-4, every third from 7, 35-39
+    more = [i for i in range(40) if use_more_bits(i, 40)]
+    assert more == [0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 35, 36, 37, 38, 39]
+
+
+def test_keep_quantized_q4_k_m_mix(k256_model, forward, tmp_path):
+    """A Q4_K_M-like file: Q4_K experts, with Q6_K ffn_down in the layers of `use_more_bits`. Every expert stays
+    quantized (the Q6_K downs as int8 with a float32 scale per 16) with the file's exact weights."""
+    path = tmp_path / "k256-q4_k_m.gguf"
+    save_gguf(k256_model, path, "q4_k_m")
+    header = read_header(path)
+    layers = K256.num_layers
+    for i in range(layers):
+        want = T.Q6_K if use_more_bits(i, layers) else T.Q4_K
+        assert header.tensors[f"blk.{i}.ffn_down_exps.weight"].type == want
+        assert header.tensors[f"blk.{i}.ffn_gate_exps.weight"].type == T.Q4_K
+    assert header.tensors["output.weight"].type == T.Q6_K
+    dense = load_gguf(path, dtype=jnp.float32, progress=False)
+    kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts", progress=False)
+    for i, (layer_kept, layer_dense) in enumerate(zip(kept.layers, dense.layers)):
+        for name in ("experts_gate_up", "experts_down"):
+            qw = getattr(layer_kept.ffn, name).get_value()
+            six = name == "experts_down" and use_more_bits(i, layers)
+            assert isinstance(qw, QuantizedWeights) and (qw.bits, qw.block_size) == ((8, 16) if six else (4, 32))
+            np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)),
+                                          np.asarray(getattr(layer_dense.ffn, name).get_value()))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, K256.vocab_size, (2, 19)), jnp.int32)
+    got = np.asarray(forward(kept, ids))
+    assert_finite(got, "logits")
+    assert np.abs(got - np.asarray(forward(dense, ids))).max() < 1e-4
+    # against the model it was written from: Q4_K / Q6_K error, bounded like the all-Q4_K file's
+    assert np.abs(got - np.asarray(forward(k256_model, ids))).mean() < QUANT_MEAN_ABS_ERROR["q4_k"]
 
 
 def test_keep_quantized_falls_back_for_other_types(gguf_case, tmp_path):

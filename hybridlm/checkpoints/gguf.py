@@ -221,8 +221,9 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
       path: the .gguf file (one file; split `-00001-of-0000N` files are not supported).
       dtype: parameter dtype; None: float32 if the embedding is F32, else bfloat16.
       keep_quantized: None dequantizes everything; "experts" keeps routed-expert tensors stored as Q8_0,
-        Q4_0, Q4_1 or Q4_K as `QuantizedWeights` (other types, or input dims that do not split into whole
-        4-bit halves, are dequantized).
+        Q5_0 or Q6_K (as 8-bit) or as Q4_0, Q4_1 or Q4_K (as 4-bit) `QuantizedWeights`, exactly
+        (`gguf_quants.to_quantized_weights`); other types, or input dims that do not split into whole 4-bit
+        halves, are dequantized.
       progress: show a progress bar over tensors.
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
         ("experts_gate_up" / "experts_down", a `QuantizedWeights` or a device array [experts, ...]) as soon as it
@@ -331,7 +332,7 @@ def _keep(src, header: Header, mapped) -> QuantizedWeights | None:
     infos = [header.tensors[n] for n in src.tensors]
     if not all(gguf_quants.can_keep(t.type, t.ne[0]) and len(t.ne) == 3 for t in infos):
         return None
-    bits = {8 if t.type == T.Q8_0 else 4 for t in infos}
+    bits = {gguf_quants.KEPT_BITS[t.type] for t in infos}
     if len(bits) != 1:
         return None
     return gguf_quants.to_quantized_weights([(tensor_data(mapped, t), t.type) for t in infos])
@@ -342,10 +343,31 @@ def _keep(src, header: Header, mapped) -> QuantizedWeights | None:
 # ----------------------------------------------------------------------------------------------------------
 _TENSOR_TYPES = {"f32": (T.F32, LlamaFileType.ALL_F32), "f16": (T.F16, LlamaFileType.MOSTLY_F16),
                  "bf16": (T.BF16, LlamaFileType.MOSTLY_BF16), "q8_0": (T.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-                 "q4_k": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S)}
+                 "q4_k": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S), "q6_k": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+                 "q4_k_m": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M)}
 # Fallbacks when ne0 does not fit the block (llama.cpp: the converter falls back to F16 for Q8_0;
-# llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256).
-_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_0: T.F16, T.Q8_0: T.F16, T.BF16: T.F16}
+# llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256, Q8_0 for Q6_K ones).
+_FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_0: T.F16, T.Q8_0: T.F16, T.BF16: T.F16}
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama-quantize's rule for the layers whose ffn_down and attn_v get more bits in its _M mixes: the first
+    and last eighth of the layers, and every third layer between (llama.cpp `use_more_bits`)."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def _mix_type(tensor_type: str, name: str, num_layers: int, wanted: GGMLQuantizationType) -> GGMLQuantizationType:
+    """The type `tensor_type` asks for tensor `name`: "q4_k_m" as llama-quantize's Q4_K_M mix (Q6_K for
+    output.weight and, in the layers of `use_more_bits`, for ffn_down* (routed and shared experts) and attn_v;
+    Q4_K elsewhere); every other tensor_type is one type for every matrix."""
+    if tensor_type != "q4_k_m":
+        return wanted
+    if name == "output.weight":
+        return T.Q6_K
+    parts = name.split(".")
+    if parts[0] == "blk" and (parts[2].startswith("ffn_down") or parts[2] == "attn_v"):
+        return T.Q6_K if use_more_bits(int(parts[1]), num_layers) else T.Q4_K
+    return wanted
 
 
 def gguf_architecture(config: ModelConfig) -> str:
@@ -371,10 +393,12 @@ def save_gguf(model: HybridLM, path: str | os.PathLike, tensor_type: str = "f32"
     Args:
       model: the model (float or with `QuantizedWeights` experts, which are dequantized first).
       path: output file.
-      tensor_type: "f32", "f16", "bf16", "q8_0" or "q4_k": the type of every matrix; norms, 1-D tensors,
-        ssm_a, ssm_dt, ssm_conv1d, the router and the shared-expert gate are always F32 (converter rules).
-        Rows whose length does not fit the type's block fall back (Q4_K -> Q5_0 -> F16, Q8_0 -> F16).
-        "q4_k" writes Q4_K for every quantizable matrix (no Q6_K mix as in llama-quantize's Q4_K_M).
+      tensor_type: "f32", "f16", "bf16", "q8_0", "q4_k" or "q6_k": the type of every matrix; "q4_k_m": Q4_K
+        with Q6_K for output.weight and for ffn_down* / attn_v in the layers of `use_more_bits`, as
+        llama-quantize's Q4_K_M mix (without its importance-matrix or iterative scale searches). Norms, 1-D
+        tensors, ssm_a, ssm_dt, ssm_conv1d, the router and the shared-expert gate are always F32 (converter
+        rules). Rows whose length does not fit the type's block fall back (Q4_K -> Q5_0 -> F16, Q6_K -> Q8_0 ->
+        F16).
       tokenizer: also write the Qwen3.5 tokenizer (`tokenizer.ggml.*`), when the model's vocabulary has its
         size (248 320); smaller test vocabularies get none.
       arch: GGUF architecture; None: `gguf_architecture(config)`.
@@ -409,7 +433,7 @@ def save_gguf(model: HybridLM, path: str | os.PathLike, tensor_type: str = "f32"
         values = [_as_numpy(params[p].get_value()) for p in src.params]
         for name, array in zip(src.tensors, src.save(*values)):
             array = np.ascontiguousarray(array, np.float32)
-            qtype = _tensor_type(name, array, wanted, src.f32)
+            qtype = _tensor_type(name, array, _mix_type(tensor_type, name, config.num_layers, wanted), src.f32)
             if qtype == T.F32:
                 writer.add_tensor(name, array)
             elif qtype == T.F16:

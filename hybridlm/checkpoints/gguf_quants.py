@@ -1,9 +1,9 @@
-"""GGUF tensor types: vectorised dequantization, a Q4_K quantizer, and raw GGUF blocks -> `QuantizedWeights`.
+"""GGUF tensor types: vectorised dequantization, Q4_K and Q6_K quantizers, and raw GGUF blocks -> `QuantizedWeights`.
 
 Dequantization goes through `gguf.quants.dequantize` (the gguf package's numpy reference) for every type it
 implements; Q8_K, which it lacks, is done here (value = d * q, d float32 per 256-block; the block's int16 bsums
 are only used by llama.cpp's dot products). Quantization for `save_gguf` uses `gguf.quants.quantize` (BF16,
-Q8_0, Q5_0, ...) plus `quantize_q4_k` below, since the gguf package cannot produce Q4_K.
+Q8_0, Q5_0, ...) plus `quantize_q4_k` and `quantize_q6_k` below, since the gguf package cannot produce K-quants.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ QK_K = 256
 # Every type `load` dequantizes (all that published Q4_K_M / Q5_K_M / Q6_K / Q8_0 / IQ4 files use).
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
                    T.Q8_K, T.IQ4_NL, T.IQ4_XS)
-# Types whose per-32 blocks map exactly onto `QuantizedWeights` (keep_quantized="experts").
-KEEPABLE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K)
+# Types whose blocks map exactly onto `QuantizedWeights` (keep_quantized="experts"), with the bits and the
+# quantization block (elements along k sharing a scale) they become.
+KEEPABLE_TYPES = (T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_0, T.Q4_1, T.Q4_K)
+KEPT_BITS = {T.Q8_0: 8, T.Q5_0: 8, T.Q6_K: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4}
+KEPT_BLOCK = {T.Q8_0: 32, T.Q5_0: 32, T.Q6_K: 16, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32}
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -57,6 +60,8 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """float32 numpy array -> raw GGUF bytes (uint8 `[..., rows, bytes_per_row]`); ne0 must fit the block."""
     if qtype == T.Q4_K:
         return quantize_q4_k(data)
+    if qtype == T.Q6_K:
+        return quantize_q6_k(data)
     return quants.quantize(np.asarray(data, np.float32), qtype)
 
 
@@ -92,19 +97,68 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 144)
 
 
+def quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    """Q6_K quantization (256-value super-blocks of 16 sub-blocks of 16; value = d*sc_j*q, q in [-32, 31]).
+
+    A simple vectorised version of ggml's `quantize_row_q6_K_ref` without its iterative scale search: each
+    sub-block's scale maps its value of largest magnitude to -32, the int8 sub-scales are quantized against the
+    super-block's float16 d (the largest scale maps to -128), then codes are rounded against the quantized scales.
+    Layout (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), scales int8[16], d float16.
+    """
+    data = np.asarray(data, np.float32)
+    if data.shape[-1] % QK_K:
+        raise ValueError(f"Q6_K needs the last dim to be a multiple of {QK_K}, got shape {data.shape}")
+    x = data.reshape(-1, 16, 16)                                       # [n, sub-block, 16]
+    peak = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]   # signed, [n, 16]
+    scale = peak / -32.0
+    top = np.take_along_axis(scale, np.abs(scale).argmax(axis=-1)[:, None], axis=-1)       # [n, 1]
+    d = (top / -128.0).astype(np.float16)                             # [n, 1]
+    df = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df != 0, np.round(scale / df), 0).clip(-128, 127).astype(np.int8)   # [n, 16]
+        step = (df * sc)[..., None]
+        q = np.where(step != 0, np.round(x / step), 0).clip(-32, 31)
+    q = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)               # [n, half, quarter, 32]
+    ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                         (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1)          # [n, 2, 64]
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 210)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # raw GGUF expert blocks -> QuantizedWeights
 # ----------------------------------------------------------------------------------------------------------
 def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
     """raw uint8 [experts, out, blocks * type_size] -> (codes [experts, out, k] uint8/int8,
-    scales [experts, out, k/32], offsets [experts, out, k/32] or None), exactly (value = scale*q + offset)."""
+    scales [experts, out, k / KEPT_BLOCK[qtype]], offsets like scales or None), exactly (value = scale*q + offset,
+    each product and sum rounded as `gguf.quants.dequantize` rounds it)."""
     e, rows, _ = raw.shape
     _, type_size = GGML_QUANT_SIZES[qtype]
     b = raw.reshape(e, rows, -1, type_size)
+    nb = b.shape[2]
     f16 = lambda x: np.ascontiguousarray(x).view(np.float16)[..., 0]   # [..., 2] bytes -> [...]
     if qtype == T.Q8_0:
         codes = b[..., 2:].view(np.int8).reshape(e, rows, -1)
         return codes, f16(b[..., :2]), None
+    if qtype == T.Q5_0:                                                     # d, qh (32 high bits), qs[16]; d*(q-16)
+        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)                # [e, rows, nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [e, rows, nb, 32]
+        qs = b[..., 6:]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                 # elements 0..15, 16..31
+        codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).reshape(e, rows, -1)
+        return codes, f16(b[..., :2]), None
+    if qtype == T.Q6_K:                                                     # ql[128], qh[64], sc int8[16], d
+        ql = b[..., :128].reshape(e, rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        ql = (ql & 0x0F).reshape(e, rows, nb, 2, 4, 32)                     # quarters: low 0-31, 32-63, high ...
+        qh = b[..., 128:192].reshape(e, rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (ql | ((qh & 0x03) << 4)).astype(np.int16) - 32
+        codes = q.astype(np.int8).reshape(e, rows, -1)
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)               # [e, rows, nb, 16]
+        d = f16(b[..., 208:210]).astype(np.float32)[..., None]
+        # d*sc is exact in float32 (11-bit mantissa times an 8-bit integer); q * (d*sc) as gguf computes it.
+        return codes, (d * sc).reshape(e, rows, -1), None
     if qtype in (T.Q4_0, T.Q4_1):
         head = 2 if qtype == T.Q4_0 else 4
         qs = b[..., head:]                                                  # [e, rows, nb, 16]
@@ -115,7 +169,6 @@ def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
     if qtype == T.Q4_K:
         d = f16(b[..., :2]).astype(np.float32)[..., None]                  # [e, rows, nb, 1]
         dmin = f16(b[..., 2:4]).astype(np.float32)[..., None]
-        nb = b.shape[2]
         sc, m = quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
         sc = sc.reshape(e, rows, nb, 8).astype(np.float32)
         m = m.reshape(e, rows, nb, 8).astype(np.float32)
@@ -130,33 +183,48 @@ def can_keep(qtype: GGMLQuantizationType, k: int) -> bool:
     """Whether an expert tensor of this type with input dim k becomes a `QuantizedWeights` exactly."""
     if qtype not in KEEPABLE_TYPES:
         return False
-    return k % 32 == 0 if qtype == T.Q8_0 else k % 64 == 0   # 4-bit split-half packing needs two whole halves
+    return k % (KEPT_BLOCK[qtype] * (2 if KEPT_BITS[qtype] == 4 else 1)) == 0   # 4-bit: two whole halves
 
 
 def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) -> QuantizedWeights:
     """GGUF expert tensors (raw uint8 [experts, out, bytes], numpy order) -> one k-major `QuantizedWeights`
     [experts, k, sum(out)] (the tensors concatenated along the output dim, e.g. gate then up).
 
-    Q8_0 -> bits=8 with its float16 scales (exact, 1.0625 bytes/param); Q4_0 / Q4_1 -> bits=4 with float16
-    scale and offset (exact, 0.625 bytes/param); Q4_K -> bits=4 with float32 d*sc and -dmin*m per 32-block
-    (exact, 0.75 bytes/param; float16 would round d*sc). All tensors must be 8-bit, or all 4-bit.
+    All exact (`dequantize` equals `gguf.quants.dequantize` bit for bit):
+    - Q8_0 -> bits=8 with its float16 scales per 32 (1.0625 bytes/param);
+    - Q5_0 -> bits=8, codes q - 16 in [-16, 15], float16 scales per 32 (1.0625 bytes/param, file 0.6875);
+    - Q6_K -> bits=8, codes in [-32, 31], float32 d*sc per 16 (1.25 bytes/param, file 0.8203; float16 would
+      round d*sc). llama.cpp's Q4_K_M and Q5_K_M files store some layers' ffn_down experts as Q6_K;
+    - Q4_0 / Q4_1 -> bits=4 with float16 scale and offset per 32 (0.625 bytes/param);
+    - Q4_K -> bits=4 with float32 d*sc and -dmin*m per 32 (0.75 bytes/param).
+    Tensors of one call must all become 8-bit or all 4-bit; with different blocks (Q6_K beside Q8_0), the scales
+    are repeated to the smallest block (still exact).
+
+    Raises:
+      ValueError: a type not in KEEPABLE_TYPES, or 8-bit and 4-bit tensors together.
     """
+    for _, qtype in raws:
+        if qtype not in KEEPABLE_TYPES:
+            raise ValueError(f"{qtype.name} cannot be kept quantized; keepable: {[t.name for t in KEEPABLE_TYPES]}")
     parts = [_block_codes(np.asarray(raw, np.uint8), qtype) for raw, qtype in raws]
-    bits = {8 if qtype == T.Q8_0 else 4 for _, qtype in raws}
+    bits = {KEPT_BITS[qtype] for _, qtype in raws}
     if len(bits) != 1:
-        raise ValueError("cannot concatenate 8-bit and 4-bit expert tensors")
+        raise ValueError("cannot concatenate 8-bit and 4-bit expert tensors: "
+                         + ", ".join(qtype.name for _, qtype in raws))
     bits = bits.pop()
+    block = min(KEPT_BLOCK[qtype] for _, qtype in raws)
     scale_dtype = np.result_type(*[p[1].dtype for p in parts])
-    t = lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))          # [e, out, k] -> [e, k, out]
+    t = lambda x, qtype: np.ascontiguousarray(np.swapaxes(
+        np.repeat(x, KEPT_BLOCK[qtype] // block, axis=-1), 1, 2)).astype(scale_dtype)  # [e, out, kb] -> [e, kb, out]
     codes = np.concatenate([p[0] for p in parts], axis=1)              # [e, n, k]: k_major, as GGUF stores them
-    scales = np.concatenate([t(p[1]).astype(scale_dtype) for p in parts], axis=2)
+    scales = np.concatenate([t(p[1], qtype) for p, (_, qtype) in zip(parts, raws)], axis=2)
     offsets = None
     if bits == 4:
-        offsets = np.concatenate([t(p[2]).astype(scale_dtype) for p in parts], axis=2)
+        offsets = np.concatenate([t(p[2], qtype) for p, (_, qtype) in zip(parts, raws)], axis=2)
         half = codes.shape[2] // 2
         codes = codes[:, :, :half] | (codes[:, :, half:] << 4)        # split-half packing along k
     qw = QuantizedWeights(values=jnp.asarray(codes), scales=jnp.asarray(scales),
-                          offsets=None if offsets is None else jnp.asarray(offsets), bits=bits, block_size=32,
+                          offsets=None if offsets is None else jnp.asarray(offsets), bits=bits, block_size=block,
                           k_major=True)
     qw.check()
     return qw

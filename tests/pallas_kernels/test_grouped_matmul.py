@@ -15,7 +15,7 @@ import pytest
 import support
 
 from pallas_kernels.grouped_matmul import api, gmm, gmm_swiglu, pallas_triton, reference, workloads
-from pallas_kernels.quantized import QuantizedWeights
+from pallas_kernels.quantized import QuantizedWeights, quantize_int8
 
 # (atol, rtol) against the float64 oracle, by lhs dtype. bf16: inputs are rounded to bf16 before the
 # oracle runs, so only the bf16 output rounding (2**-8 relative) and f32 accumulation remain.
@@ -182,6 +182,21 @@ def test_quantized_matches_dequantize_then_matmul(bits, implementation):
         out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation=implementation)
         expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
         assert_close(out, expected, jnp.bfloat16, f"bits={bits} swiglu={swiglu}")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_int8_with_16_element_blocks_and_float32_scales(implementation):
+    """GGUF Q6_K experts kept quantized (`gguf_quants.to_quantized_weights`): int8 codes in [-32, 31], one float32
+    scale per 16 elements along k."""
+    w = workloads.WORKLOADS["tiny_partial"]
+    for swiglu in (False, True):
+        lhs, dense, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, swiglu=swiglu, seed=12)
+        q = quantize_int8(dense.astype(jnp.float32), block_size=16, scale_dtype=jnp.float32)
+        q = dataclasses.replace(q, values=jnp.clip(q.values, -32, 31))     # Q6_K's code range
+        assert q.block_size == 16 and q.scales.dtype == jnp.float32
+        out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation=implementation)
+        expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
+        assert_close(out, expected, jnp.bfloat16, f"swiglu={swiglu}")
 
 
 # The MoE dispatch's gather fused into the kernel: row i of the product reads lhs[lhs_index[i]] (lhs has other

@@ -23,7 +23,9 @@ def make(weights: str, dtype, *, k: int = K, seed: int = 0):
     """(tokens [2, k], rhs [GROUPS, k, 2N] (a gate_up), its float64 values, row groups [8], token of each row)."""
     rng = np.random.default_rng(seed)
     w = jnp.asarray(rng.standard_normal((GROUPS, k, 2 * N), np.float32) / np.sqrt(k))
-    rhs = {"float": lambda: w.astype(dtype), "int8": lambda: quantize_int8(w), "int4": lambda: quantize_int4(w)}[weights]()
+    rhs = {"float": lambda: w.astype(dtype), "int8": lambda: quantize_int8(w), "int4": lambda: quantize_int4(w),
+           # GGUF Q6_K kept quantized: a float32 scale per 16 elements
+           "int8_b16": lambda: quantize_int8(w, block_size=16, scale_dtype=jnp.float32)}[weights]()
     dense = as_float(rhs) if weights == "float" else np.asarray(rhs.dequantize(jnp.float32))
     tokens = jnp.asarray(rng.standard_normal((2, k), np.float32), dtype)
     groups = np.array([3, 0, 5, 3, -1, 2, GROUPS, 1], np.int32)   # a repeat, and two rows of no group
@@ -31,8 +33,9 @@ def make(weights: str, dtype, *, k: int = K, seed: int = 0):
     return tokens, rhs, dense, groups, index
 
 
-CASES = [("float", jnp.float32), ("float", jnp.bfloat16), ("int8", jnp.bfloat16), ("int4", jnp.bfloat16)]
-IDS = ["f32", "bf16", "int8", "int4"]
+CASES = [("float", jnp.float32), ("float", jnp.bfloat16), ("int8", jnp.bfloat16), ("int4", jnp.bfloat16),
+         ("int8_b16", jnp.bfloat16)]
+IDS = ["f32", "bf16", "int8", "int4", "int8_b16"]
 
 
 def kernel_names(fn, *args, **kwargs) -> set[str]:
