@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--expert-budget", metavar="BYTES", default=None,
                        help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
                             "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)")
+        s.add_argument("--requantize-mixed", action="store_true",
+                       help="with --expert-budget and a --model whose layers store experts in different formats "
+                            "(a Q4_K_M GGUF's Q6_K downs): requantize them into the smallest one (not exact for "
+                            "those tensors) instead of refusing the file")
         s.add_argument("--cache-policy", choices=("lru", "slru", "lfu", "static", "stream"), default="slru",
                        help="expert cache eviction policy (with --expert-budget)")
         s.add_argument("--prefetch", choices=("auto", "router", "layer", "none"), default="auto",
@@ -114,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             from hybridlm.offload.scheduler import HOST_PARTS
             model, host_experts = load_offloaded(args.model, dtype=None if args.dtype is None else dtype,
                                                  expert_format=args.expert_format,
-                                                 parts=HOST_PARTS if host_parts is None else host_parts)
+                                                 parts=HOST_PARTS if host_parts is None else host_parts,
+                                                 requantize_mixed=args.requantize_mixed)
             source = args.model
         elif args.model:
             model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype,

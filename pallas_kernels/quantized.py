@@ -1,10 +1,11 @@
-"""Block-quantized expert weights for the grouped matmul (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K compatible).
+"""Block-quantized expert weights for the grouped matmul (GGUF Q8_0 / Q5_0 / Q6_K / Q4_0 / Q4_1 / Q4_K compatible).
 
 A `QuantizedWeights` stands in for a float rhs `[groups, k, n]` (k = the input dim, n = the output dim).
 Quantization blocks are `block_size` (32) consecutive elements along k, as in GGUF, which also quantizes
 along the input dim. Per block and output column there is one scale (and, for 4 bits, one offset):
 
-- bits=8: `values` int8 `[groups, k, n]`; value = scale * q. This is GGUF Q8_0 exactly.
+- bits=8: `values` int8 `[groups, k, n]`; value = scale * q. This is GGUF Q8_0 exactly; Q5_0 (codes q - 16)
+  and Q6_K (block_size 16, float32 scales d * sc) too.
 - bits=4: `values` uint8 `[groups, k // 2, n]`, two 4-bit codes per byte in the "split-half" layout along k:
   the low nibble of byte row r holds k-row r, the high nibble holds k-row r + k/2. A kernel then multiplies
   `lhs[:, :k/2]` by the low nibbles and `lhs[:, k/2:]` by the high nibbles with no interleaving shuffle,
@@ -32,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["QuantizedWeights", "quantize_int4", "quantize_int8"]
+__all__ = ["QuantizedWeights", "quantize_int4", "quantize_int8", "quantize_like"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +203,28 @@ def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k
     packed = q[:, : k // 2] | (q[:, k // 2:] << 4)                   # [g, k/2, n]
     return QuantizedWeights(values=packed, scales=scale, offsets=offset, bits=4,
                             block_size=block_size).with_k_major(k_major)
+
+
+def quantize_like(w, template):
+    """`w` ([groups, k, n] float array or `QuantizedWeights`) in the storage format of `template`.
+
+    A `QuantizedWeights` template: the same bits, block_size, scale dtype and k_major, from `w`'s float values
+    (`quantize_int8` / `quantize_int4`; `w` itself when it already has that format). An array template: `w`'s
+    float values in its dtype. The template's group and shape are not used (a [1, ...] slot serves).
+
+    Not exact unless `w` already has the format: e.g. Q6_K weights requantized to 4 bits get 4-bit rounding.
+    """
+    if isinstance(w, QuantizedWeights):
+        if isinstance(template, QuantizedWeights) and _format(w) == _format(template):
+            return w
+        w = w.dequantize(jnp.float32)
+    if not isinstance(template, QuantizedWeights):
+        return jnp.asarray(w).astype(template.dtype)
+    quantize = quantize_int8 if template.bits == 8 else quantize_int4
+    return quantize(jnp.asarray(w, jnp.float32), block_size=template.block_size,
+                    scale_dtype=jnp.dtype(template.scales.dtype), k_major=template.k_major)
+
+
+def _format(q: QuantizedWeights) -> tuple:
+    return (q.bits, q.block_size, q.k_major, jnp.dtype(q.scales.dtype),
+            None if q.offsets is None else jnp.dtype(q.offsets.dtype))

@@ -7,12 +7,12 @@ import os
 import jax
 
 from hybridlm.model import EXPERT_PARAMS, HybridLM
-from hybridlm.offload.scheduler import HOST_PARTS, HostExperts
+from hybridlm.offload.scheduler import HOST_PARTS, HostExperts, host_experts_of_layers
 
 
 def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "experts",
                    expert_format: str | None = None, dtype=None, parts: int = HOST_PARTS,
-                   progress: bool = True) -> tuple[HybridLM, HostExperts]:
+                   requantize_mixed: bool = False, progress: bool = True) -> tuple[HybridLM, HostExperts]:
     """Loads a model with its routed experts packed into pinned host memory as they are read, one layer at a time.
 
     The device holds the trunk (embeddings, mixers, routers, shared experts, head) and, while a layer is packed,
@@ -23,14 +23,19 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
 
     Args:
       path: a .gguf file or an HF checkpoint directory (config.json + *.safetensors).
-      keep_quantized: GGUF: "experts" (default) keeps Q8_0 / Q4_0 / Q4_1 / Q4_K experts quantized in host memory
-        (`QuantizedWeights`, dequantized inside the kernels); None stores them dequantized, in `dtype`. Ignored
-        for HF directories.
+      keep_quantized: GGUF: "experts" (default) keeps Q8_0 / Q5_0 / Q6_K / Q4_0 / Q4_1 / Q4_K experts quantized
+        in host memory (`QuantizedWeights`, dequantized inside the kernels); None stores them dequantized, in
+        `dtype`. Ignored for HF directories.
       expert_format: HF directories: None keeps the experts in `dtype`; "int8" / "int4" quantizes each layer's
         experts as it loads (`hybridlm.model.quantize_experts`), e.g. a bf16 checkpoint's 67 GB of Qwen3.6
         experts to ~20 GB of 4-bit ones. GGUF files: must be None (their own quantization is kept).
       dtype: parameter dtype, as `hybridlm.load`.
       parts: pinned host buffers a layer (`OffloadedRunner`'s `host_parts`).
+      requantize_mixed: when layers store their experts in different formats (llama-quantize's Q4_K_M keeps the
+        ffn_down experts of about half the layers as Q6_K, so those layers are 8-bit where the others are
+        4-bit), requantize the other layers' experts into the format of fewest bytes an expert
+        (`host_experts_of_layers`): not exact for the requantized tensors (Q6_K's downs get 4-bit rounding).
+        False (default): such a file is refused, naming the layers and formats.
       progress: show a progress bar over tensors.
 
     Returns:
@@ -40,9 +45,8 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
       FileNotFoundError: no file or directory at `path`.
       ValueError: neither a directory nor a GGUF file, or expert_format given for a GGUF file or unknown (the
         errors of `hybridlm.load`, which reads the checkpoint); a model without MoE; layers whose experts are
-        stored in different formats (e.g. a Q4_K_M file with Q6_K down projections in some layers: the host
-        layout needs one byte size per expert; load with keep_quantized=None); the loaders' errors
-        (`GGUFError`, `CheckpointError`).
+        stored in different formats without requantize_mixed (the host buffers and the device pool hold one
+        format); the loaders' errors (`GGUFError`, `CheckpointError`).
     """
     from hybridlm.loading import load
 
@@ -62,26 +66,4 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
                  expert_format=expert_format, progress=progress, expert_sink=sink)
     if model.config.moe is None:
         raise ValueError(f"{path} holds a dense model ({model.config.name}): there are no experts to offload")
-    return model, host_experts_of_layers(packed, model.config.num_layers)
-
-
-def host_experts_of_layers(packed: dict[int, tuple], num_layers: int) -> HostExperts:
-    """`HostExperts` from {layer: (ExpertLayout, pinned buffers)} for layers 0..num_layers-1.
-
-    Raises:
-      ValueError: a layer missing, or layers packed with different layouts (the message names the first two)."""
-    missing = [i for i in range(num_layers) if i not in packed]
-    if missing:
-        raise ValueError(f"no experts were loaded for layers {missing[:8]}")
-    first = packed[0][0]
-    for i in range(num_layers):
-        if packed[i][0] != first:
-            raise ValueError(f"the experts of layer 0 and layer {i} are stored differently ({_describe(first)} "
-                             f"against {_describe(packed[i][0])}); one host layout needs one format for every "
-                             "layer's experts (load with keep_quantized=None to dequantize them all)")
-    return HostExperts(first, [packed[i][1] for i in range(num_layers)])
-
-
-def _describe(layout) -> str:
-    return (f"{layout.nbytes} bytes an expert in leaves "
-            + ", ".join(f"{d.name}{list(shape)}" for shape, d in zip(layout.shapes, layout.dtypes)))
+    return model, host_experts_of_layers(packed, model.config.num_layers, requantize=requantize_mixed)

@@ -74,6 +74,7 @@ from hybridlm.offload.expert_cache import (
     static_pinned_keys,
 )
 from hybridlm.state import LayerState
+from pallas_kernels.quantized import QuantizedWeights, quantize_like
 
 Prefetch = Literal["auto", "router", "layer", "none"]
 
@@ -211,13 +212,13 @@ class HostExperts:
 
     @classmethod
     def from_model(cls, model: HybridLM, host_sharding=None, parts: int = HOST_PARTS) -> HostExperts:
-        """Copies the experts of `model` (its values are left in place) to pinned host memory."""
-        layout, layers = None, []
-        for layer in model.layers:
-            layout, buffers = cls.pack_layer(layer.ffn.experts_gate_up.get_value(),
-                                             layer.ffn.experts_down.get_value(), host_sharding, parts)
-            layers.append(buffers)
-        return cls(layout, layers)
+        """Copies the experts of `model` (its values are left in place) to pinned host memory.
+
+        Raises:
+          ValueError: layers whose experts are stored in different formats (`host_experts_of_layers`)."""
+        packed = {i: cls.pack_layer(layer.ffn.experts_gate_up.get_value(), layer.ffn.experts_down.get_value(),
+                                    host_sharding, parts) for i, layer in enumerate(model.layers)}
+        return host_experts_of_layers(packed, len(model.layers))
 
     def to_device(self, layer: int, experts=None, sharding=None) -> list[tuple[jax.Array, list[int]]]:
         """Issues the host -> device copies of some experts of `layer` (asynchronous; nothing waits).
@@ -372,6 +373,66 @@ def _staged_experts(layout: ExpertLayout, graph, params, staged, h, u, weights, 
 # one conditional copy in the program, unrolled, so the program grows with it. Larger batches take the layer-by-layer
 # step.
 PAGED_MAX_COPIES = 64
+
+
+def host_experts_of_layers(packed: dict[int, tuple], num_layers: int, requantize: bool = False) -> HostExperts:
+    """`HostExperts` from {layer: (ExpertLayout, pinned buffers)} for layers 0..num_layers-1.
+
+    Args:
+      packed: each layer's layout and pinned host buffers (`HostExperts.pack_layer`).
+      num_layers: the model's layers.
+      requantize: layers packed in different layouts are brought to the layout of fewest bytes an expert: each
+        other layer's buffers are copied to the device, each of its expert parameters not already in that
+        format is requantized into it (`pallas_kernels.quantized.quantize_like`), and the layer is packed
+        again (its old buffers are dropped).
+
+    Raises:
+      ValueError: a layer missing, or layers packed with different layouts and requantize False (the message
+        names the layers of each layout)."""
+    missing = [i for i in range(num_layers) if i not in packed]
+    if missing:
+        raise ValueError(f"no experts were loaded for layers {missing[:8]}")
+    by_layout: dict[ExpertLayout, list[int]] = {}
+    for i in range(num_layers):
+        by_layout.setdefault(packed[i][0], []).append(i)
+    target = min(by_layout, key=lambda layout: layout.nbytes)
+    if len(by_layout) > 1 and not requantize:
+        kinds = "; ".join(f"layers {_span(layers)}: {_describe(layout)}" for layout, layers in by_layout.items())
+        raise ValueError(f"the layers store their experts in {len(by_layout)} formats ({kinds}); the host buffers "
+                         "and the device pool hold one. hybridlm.offload.load_offloaded(..., requantize_mixed=True) "
+                         f"(CLI: --requantize-mixed) requantizes the others into the smallest "
+                         f"({format_bytes(target.nbytes)} an expert; not exact for them); keep_quantized=None "
+                         "stores every expert dequantized")
+    layers = {i: packed[i][1] for i in range(num_layers)}
+    if len(by_layout) > 1:
+        template = target.zeros(1, device_sharding())          # [1, ...] slots of the target format
+        for layout, numbers in by_layout.items():
+            if layout == target:
+                continue
+            for i in numbers:
+                weights = HostExperts(layout, [layers[i]]).unpack_layer(0)
+                weights = [quantize_like(w, t) for w, t in zip(weights, template)]
+                got, layers[i] = HostExperts.pack_layer(*weights, parts=len(layers[i]))
+                if got != target:
+                    raise ValueError(f"layer {i}'s experts requantized to {_describe(got)}, not the target "
+                                     f"{_describe(target)}")
+                jax.block_until_ready(layers[i])
+    return HostExperts(target, [layers[i] for i in range(num_layers)])
+
+
+def _span(layers: list[int]) -> str:
+    return "[" + ", ".join(map(str, layers[:12])) + (f", ... ({len(layers)} layers)]" if len(layers) > 12 else "]")
+
+
+def _describe(layout: ExpertLayout) -> str:
+    """e.g. "gate_up 4-bit (float32 scales per 32), down 8-bit (float32 scales per 16), 2.75 MiB an expert"
+    (unquantized parameters by dtype and shape without the expert axis)."""
+    leaves = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+    params = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+    names = [n.removeprefix("experts_") for n in EXPERT_PARAMS]
+    kinds = [f"{q.bits}-bit ({q.scales.dtype.name} scales per {q.block_size})" if isinstance(q, QuantizedWeights)
+             else f"{q.dtype.name}{list(q.shape)}" for q in params]
+    return ", ".join(f"{n} {k}" for n, k in zip(names, kinds)) + f", {format_bytes(layout.nbytes)} an expert"
 
 
 # Where a device-paged decode step finds a layer's experts (`_decode_paged`), known on the host when the step's pool

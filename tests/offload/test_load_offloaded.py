@@ -10,9 +10,18 @@ from support import FIXTURES
 
 import hybridlm
 from hybridlm import cli
+from hybridlm.checkpoints.gguf import use_more_bits
+from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 from hybridlm.offload import ExpertLayout, HostExperts, OffloadedRunner, load_offloaded
 from hybridlm.offload.load import host_experts_of_layers
-from pallas_kernels.quantized import QuantizedWeights
+from pallas_kernels.quantized import QuantizedWeights, quantize_like
+
+# Rows of 256, so that save_gguf's "q4_k_m" writes Q4_K experts and Q6_K downs in layers 2 and 3 (use_more_bits).
+K256 = ModelConfig(
+    name="k256", vocab_size=384, hidden_dim=256, num_layers=4, max_position_embeddings=1024,
+    attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=64, mrope_sections=(3, 3, 2)),
+    gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64),
+    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256))
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +71,49 @@ def test_load_offloaded_errors(tmp_path, host_experts):
     other = ExpertLayout.of(np.zeros((16, 2, 2), np.float32), np.zeros((16, 2, 2), np.float32))
     with pytest.raises(ValueError, match="no experts were loaded for layers \\[1\\]"):
         host_experts_of_layers({0: (layout, parts)}, 2)
-    with pytest.raises(ValueError, match="the experts of layer 0 and layer 1 are stored differently"):
+    with pytest.raises(ValueError, match=r"2 formats \(layers \[0\]: gate_up .*; "
+                                         r"layers \[1\]: gate_up float32\[2, 2\], down float32\[2, 2\], 32 B an expert"):
         host_experts_of_layers({0: (layout, parts), 1: (other, parts)}, 2)
     assert isinstance(host_experts_of_layers({0: (layout, parts), 1: (layout, parts)}, 2), HostExperts)
+
+
+def test_mixed_formats_refused_or_requantized_into_the_smallest(tmp_path, capsys):
+    """A Q4_K_M-like file (Q6_K downs in layers 2 and 3, kept as 8-bit): refused by default, naming the layers and
+    formats; with requantize_mixed those downs become 4-bit like the other layers', and the offloaded logits equal
+    the model loaded whole with the same downs requantized."""
+    path = tmp_path / "k256-q4_k_m.gguf"
+    hybridlm.save_gguf(hybridlm.init_random(K256, seed=3), path, "q4_k_m")
+    assert [use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
+    with pytest.raises(ValueError, match=r"2 formats \(layers \[0, 1\]: gate_up 4-bit \(float32 scales per 32\), "
+                                         r"down 4-bit .*; layers \[2, 3\]: .*down 8-bit \(float32 scales per 16\).*"
+                                         r"requantize_mixed=True"):
+        load_offloaded(path, dtype=jnp.float32, progress=False)
+    model, host = load_offloaded(path, dtype=jnp.float32, progress=False, requantize_mixed=True)
+    whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    template = whole.layers[0].ffn.experts_down.get_value()
+    assert (template.bits, whole.layers[3].ffn.experts_down.get_value().bits) == (4, 8)
+    with pytest.raises(ValueError, match=r"2 formats .*load_offloaded\(..., requantize_mixed=True\)"):
+        OffloadedRunner(whole, expert_budget="1MiB")              # the model loaded whole, in its two formats
+    for i in (2, 3):
+        ffn = whole.layers[i].ffn
+        ffn.experts_down.set_value(quantize_like(ffn.experts_down.get_value(), template))
+    ffn = whole.layers[3].ffn
+    assert host.layout == ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
+    for got, w in zip(jax.tree_util.tree_leaves(host.unpack_layer(3)),
+                      jax.tree_util.tree_leaves((ffn.experts_gate_up.get_value(), ffn.experts_down.get_value()))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    runner = OffloadedRunner(model, expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru",
+                             host_experts=host)
+    args = ["prefill", "--model", str(path), "--prompt", "x", "--no-profile", "--expert-budget", "1MiB"]
+    assert cli.main(args) == 2
+    assert "--requantize-mixed" in capsys.readouterr().err
+    assert cli.main(args + ["--requantize-mixed"]) == 0            # "x" is one token id below the 384 of K256
+    assert "tokens/s" in capsys.readouterr().out
+    ids = np.arange(1, 30) % K256.vocab_size
+    got = hybridlm.prefill(runner, ids, chunk_size=8).logits
+    want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=8).logits
+    assert_finite(got)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 def test_gguf_refuses_expert_format(q8_gguf):
