@@ -45,10 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--expert-budget", metavar="BYTES", default=None,
                        help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
                             "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)")
-        s.add_argument("--requantize-mixed", action="store_true",
-                       help="with --expert-budget and a --model whose layers store experts in different formats "
-                            "(a Q4_K_M GGUF's Q6_K downs): requantize them into the smallest one (not exact for "
-                            "those tensors) instead of refusing the file")
+        s.add_argument("--mixed-formats", choices=("widen", "smallest", "refuse"), default="widen",
+                       help="with --expert-budget, for a model whose layers store experts in different formats "
+                            "(a Q4_K_M GGUF's Q6_K downs): widen into one format that holds each exactly (more "
+                            "bytes), requantize into the smallest (not exact), or refuse")
         s.add_argument("--cache-policy", choices=("lru", "slru", "lfu", "static", "stream"), default="slru",
                        help="expert cache eviction policy (with --expert-budget)")
         s.add_argument("--prefetch", choices=("auto", "router", "layer", "none"), default="auto",
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             model, host_experts = load_offloaded(args.model, dtype=None if args.dtype is None else dtype,
                                                  expert_format=args.expert_format,
                                                  parts=HOST_PARTS if host_parts is None else host_parts,
-                                                 requantize_mixed=args.requantize_mixed)
+                                                 mixed_formats=args.mixed_formats)
             source = args.model
         elif args.model:
             model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype,
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runner = OffloadedRunner(model, expert_budget=args.expert_budget, cache_policy=args.cache_policy,
                                      prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)),
-                                     host_experts=host_experts, host_parts=None if host_experts else host_parts)
+                                     host_experts=host_experts, host_parts=None if host_experts else host_parts,
+                                     mixed_formats=args.mixed_formats)
         except ValueError as e:
             return _fail(str(e))
     else:
@@ -219,7 +220,8 @@ def _print_offload(o: dict) -> None:
     from hybridlm.offload.expert_cache import format_bytes
     print(f"expert offload budget {format_bytes(pool['budget_bytes'])}, {pool['slots']} slots of "
           f"{pool['expert_bytes']} B (+{pool['staging_slots']} staging), policy {pool['policy']}, "
-          f"prefetch {pool['prefetch']}, {pool['host_parts']} host buffer(s) a layer")
+          f"prefetch {pool['prefetch']}, {pool['host_parts']} host buffer(s) a layer; experts stored as "
+          f"{pool['expert_format']}")
     for kind in ("prefill", "decode"):
         s = o[kind]
         if not s["chunks"]:

@@ -4,8 +4,9 @@ A `QuantizedWeights` stands in for a float rhs `[groups, k, n]` (k = the input d
 Quantization blocks are `block_size` (32) consecutive elements along k, as in GGUF, which also quantizes
 along the input dim. Per block and output column there is one scale (and, for 4 bits, one offset):
 
-- bits=8: `values` int8 `[groups, k, n]`; value = scale * q. This is GGUF Q8_0 exactly; Q5_0 (codes q - 16)
-  and Q6_K (block_size 16, float32 scales d * sc) too.
+- bits=8: `values` int8 `[groups, k, n]`; value = scale * q (+ offset, where `offsets` is given). This is GGUF
+  Q8_0 exactly; Q5_0 (codes q - 16) and Q6_K (block_size 16, float32 scales d * sc) too, and with offsets Q5_1
+  (codes in [0, 31], offset m) and Q5_K (scale d * sc, offset -dmin * m, float32).
 - bits=4: `values` uint8 `[groups, k // 2, n]`, two 4-bit codes per byte in the "split-half" layout along k:
   the low nibble of byte row r holds k-row r, the high nibble holds k-row r + k/2. A kernel then multiplies
   `lhs[:, :k/2]` by the low nibbles and `lhs[:, k/2:]` by the high nibbles with no interleaving shuffle,
@@ -33,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["QuantizedWeights", "quantize_int4", "quantize_int8", "quantize_like"]
+__all__ = ["QuantizedWeights", "common_format", "quantize_int4", "quantize_int8", "quantize_like", "reencode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,7 @@ class QuantizedWeights:
         (low nibble = k-row r, high nibble = k-row r + k/2), codes in [0, 15]; the last two dims swapped
         when `k_major`.
       scales: `[groups, k // block_size, n]`, float16/bfloat16/float32.
-      offsets: None for bits=8; `[groups, k // block_size, n]` like `scales` for bits=4.
+      offsets: `[groups, k // block_size, n]` like `scales`: required for bits=4, optional for bits=8.
       bits: 8 or 4 (static pytree metadata).
       block_size: elements per quantization block along k (static; 32 in GGUF).
       k_major: `values` stored `[groups, n, rows]` instead of `[groups, rows, n]` (static; see the module
@@ -116,12 +117,10 @@ class QuantizedWeights:
         want = (groups, k // bs, n)
         if tuple(self.scales.shape) != want:
             raise ValueError(f"scales.shape={tuple(self.scales.shape)}, expected {want}")
-        if self.bits == 4:
-            if self.offsets is None or tuple(self.offsets.shape) != want:
-                raise ValueError(f"bits=4 needs offsets of shape {want}, got "
-                                 f"{None if self.offsets is None else tuple(self.offsets.shape)}")
-        elif self.offsets is not None:
-            raise ValueError("bits=8 (Q8_0) takes no offsets")
+        if self.bits == 4 and self.offsets is None:
+            raise ValueError(f"bits=4 needs offsets of shape {want}, got None")
+        if self.offsets is not None and tuple(self.offsets.shape) != want:
+            raise ValueError(f"offsets.shape={tuple(self.offsets.shape)}, expected {want}")
 
     def codes(self) -> jax.Array:
         """Unpacked integer codes `[groups, k, n]` int32 (int8 range, or [0, 15] for bits=4)."""
@@ -151,25 +150,35 @@ def _blocks(w: jax.Array, block_size: int) -> jax.Array:
     return w.astype(jnp.float32).reshape(groups, k // block_size, block_size, n)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype", "k_major"))
-def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True
-                  ) -> QuantizedWeights:
-    """Symmetric 8-bit quantization along k (GGUF Q8_0: scale = max|w| / 127 per block).
+@functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype", "k_major", "offsets"))
+def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True,
+                  offsets: bool = False) -> QuantizedWeights:
+    """8-bit quantization along k: symmetric (GGUF Q8_0: scale = max|w| / 127 per block), or with `offsets`
+    asymmetric (scale = (max - min) / 255, offset = min + 128 scale, codes in [-128, 127]).
 
     Args:
       w: float `[groups, k, n]`, k a multiple of `block_size`.
       block_size: elements per block along k.
-      scale_dtype: dtype of the stored scales (GGUF stores float16).
+      scale_dtype: dtype of the stored scales (and offsets; GGUF stores float16).
       k_major: store `values` `[groups, n, k]` (the kernel's fast layout) rather than `[groups, k, n]`.
+      offsets: the asymmetric form (the layout GGUF Q5_1 / Q5_K experts are kept in).
 
     Returns:
       QuantizedWeights with bits=8.
     """
     wb = _blocks(w, block_size)                                       # [g, k/bs, bs, n]
-    scale = (jnp.max(jnp.abs(wb), axis=2) / 127.0).astype(scale_dtype)  # [g, k/bs, n]
-    s = scale.astype(jnp.float32)[:, :, None, :]
-    q = jnp.clip(jnp.round(wb / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8)
-    return QuantizedWeights(values=q.reshape(w.shape), scales=scale, offsets=None, bits=8,
+    if offsets:
+        lo, hi = jnp.min(wb, axis=2), jnp.max(wb, axis=2)
+        scale = ((hi - lo) / 255.0).astype(scale_dtype)
+        offset = (lo + 128.0 * scale.astype(jnp.float32)).astype(scale_dtype)
+        s, o = scale.astype(jnp.float32)[:, :, None, :], offset.astype(jnp.float32)[:, :, None, :]
+        q = jnp.clip(jnp.round((wb - o) / jnp.where(s == 0, 1.0, s)), -128, 127).astype(jnp.int8)
+    else:
+        scale = (jnp.max(jnp.abs(wb), axis=2) / 127.0).astype(scale_dtype)  # [g, k/bs, n]
+        offset = None
+        s = scale.astype(jnp.float32)[:, :, None, :]
+        q = jnp.clip(jnp.round(wb / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8)
+    return QuantizedWeights(values=q.reshape(w.shape), scales=scale, offsets=offset, bits=8,
                             block_size=block_size).with_k_major(k_major)
 
 
@@ -220,11 +229,90 @@ def quantize_like(w, template):
         w = w.dequantize(jnp.float32)
     if not isinstance(template, QuantizedWeights):
         return jnp.asarray(w).astype(template.dtype)
-    quantize = quantize_int8 if template.bits == 8 else quantize_int4
-    return quantize(jnp.asarray(w, jnp.float32), block_size=template.block_size,
-                    scale_dtype=jnp.dtype(template.scales.dtype), k_major=template.k_major)
+    kw = {"block_size": template.block_size, "scale_dtype": jnp.dtype(template.scales.dtype),
+          "k_major": template.k_major}
+    if template.bits == 8:
+        return quantize_int8(jnp.asarray(w, jnp.float32), offsets=template.offsets is not None, **kw)
+    return quantize_int4(jnp.asarray(w, jnp.float32), **kw)
 
 
 def _format(q: QuantizedWeights) -> tuple:
     return (q.bits, q.block_size, q.k_major, jnp.dtype(q.scales.dtype),
             None if q.offsets is None else jnp.dtype(q.offsets.dtype))
+
+
+def common_format(formats):
+    """The narrowest storage format that holds each of `formats` exactly (`reencode`), as a template: a
+    `QuantizedWeights` whose leaves are `jax.ShapeDtypeStruct`s, or a `jax.ShapeDtypeStruct` for float weights.
+
+    Args:
+      formats: `QuantizedWeights` and/or float arrays (or their ShapeDtypeStruct stand-ins), all of one
+        `[groups, k, n]` shape.
+
+    Raises:
+      ValueError: formats of different shapes, or blocks with no common refinement.
+
+    Quantized ones only: 8 bits if any is 8-bit (4-bit codes fit int8), the smallest block, the widest scale
+    dtype (float16 with bfloat16 gives float32), offsets if any has them or any is 4-bit; k-major if any is. With
+    any float format: the widest float dtype (quantized weights are then dequantized into it, which rounds them
+    to it as a dense load does).
+    """
+    formats = list(formats)
+    shapes = {tuple(f.shape) for f in formats}
+    if len(shapes) != 1:
+        raise ValueError(f"weights of different shapes {sorted(shapes)} have no common format")
+    floats = [f for f in formats if not isinstance(f, QuantizedWeights)]
+    groups, k, n = formats[0].shape
+    if floats:
+        return jax.ShapeDtypeStruct((groups, k, n), jnp.result_type(*[f.dtype for f in floats]))
+    bits = 8 if any(f.bits == 8 for f in formats) else 4
+    block = min(f.block_size for f in formats)
+    if any(f.block_size % block for f in formats):
+        raise ValueError(f"quantization blocks {sorted({f.block_size for f in formats})} have no common refinement")
+    dtype = jnp.result_type(*[f.scales.dtype for f in formats],
+                            *[f.offsets.dtype for f in formats if f.offsets is not None])
+    offsets = bits == 4 or any(f.offsets is not None or f.bits == 4 for f in formats)
+    k_major = any(f.k_major for f in formats)
+    rows = k // 2 if bits == 4 else k
+    values = jax.ShapeDtypeStruct((groups, n, rows) if k_major else (groups, rows, n), jnp.int8 if bits == 8
+                                  else jnp.uint8)
+    blocks = jax.ShapeDtypeStruct((groups, k // block, n), dtype)
+    return QuantizedWeights(values=values, scales=blocks, offsets=blocks if offsets else None, bits=bits,
+                            block_size=block, k_major=k_major)
+
+
+def reencode(w, template):
+    """`w` (`QuantizedWeights` or float array) stored in the format of `template` (e.g. from `common_format`)
+    with the same values: codes widened (4-bit to int8), scales and offsets repeated to a smaller block and cast
+    to a wider dtype, zero offsets where `w` has none. Dequantizing gives `w`'s float32 weights bit for bit. A
+    float template: `w` dequantized into its dtype (a rounding where that dtype is narrower than float32).
+
+    Raises:
+      ValueError: a format that cannot hold `w` exactly (fewer bits, a block that does not divide `w`'s, a
+        narrower scale dtype, no offsets where `w` has them, or quantized from float weights).
+    """
+    if not isinstance(template, QuantizedWeights):
+        w = w.dequantize(jnp.float32) if isinstance(w, QuantizedWeights) else jnp.asarray(w)
+        return w.astype(template.dtype)
+    if not isinstance(w, QuantizedWeights):
+        raise ValueError("float weights cannot be re-encoded as quantized ones exactly (quantize_like rounds them)")  # noqa: TRY004
+    dtype = jnp.dtype(template.scales.dtype)
+    problems = [why for bad, why in (
+        (w.bits > template.bits, f"{w.bits}-bit codes in a {template.bits}-bit format"),
+        (w.block_size % template.block_size, f"blocks of {w.block_size} in blocks of {template.block_size}"),
+        (jnp.result_type(w.scales.dtype, dtype) != dtype, f"{w.scales.dtype} scales as {dtype}"),
+        (w.offsets is not None and template.offsets is None, "offsets in a format without them")) if bad]
+    if problems:
+        raise ValueError(f"cannot re-encode exactly: {'; '.join(problems)}")
+    repeat = w.block_size // template.block_size
+    widen = lambda a: jnp.repeat(a, repeat, axis=1).astype(dtype)     # [g, k / b, n] -> [g, k / b', n]
+    scales = widen(w.scales)
+    offsets = None
+    if template.offsets is not None:
+        offsets = widen(w.offsets) if w.offsets is not None else jnp.zeros_like(scales)
+    values = w.values if w.bits == template.bits else w.codes().astype(jnp.int8)    # [g, k, n] (4 -> 8 bits)
+    out = QuantizedWeights(values=values, scales=scales, offsets=offsets, bits=template.bits,
+                           block_size=template.block_size,
+                           k_major=w.k_major if w.bits == template.bits else False).with_k_major(template.k_major)
+    out.check()
+    return out

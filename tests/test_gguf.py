@@ -193,7 +193,8 @@ def test_quantized_weights_from_raw_blocks_are_exact(qtype):
 
 
 def test_quantized_weights_concatenate_blocks_of_two_sizes():
-    """A gate in Q6_K beside an up in Q8_0: one 8-bit tensor with Q8_0's scales repeated per 16 elements."""
+    """A gate in Q6_K beside an up in Q8_0: one 8-bit tensor with Q8_0's scales repeated per 16 elements; 8-bit
+    beside 4-bit refused; a type with no exact layout refused."""
     rng = np.random.default_rng(4)
     gate, up = (_random_raw(t, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1) for t in (T.Q6_K, T.Q8_0))
     up = np.concatenate([up] + [_random_raw(T.Q8_0, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1)
@@ -204,8 +205,14 @@ def test_quantized_weights_concatenate_blocks_of_two_sizes():
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
     with pytest.raises(ValueError, match="8-bit and 4-bit.*Q6_K, Q4_K"):
         gguf_quants.to_quantized_weights([(gate, T.Q6_K), (_random_raw(T.Q4_K, 6, 1, rng).reshape(2, 3, -1), T.Q4_K)])
-    with pytest.raises(ValueError, match="Q5_K cannot be kept"):
-        gguf_quants.to_quantized_weights([(_random_raw(T.Q5_K, 6, 1, rng).reshape(2, 3, -1), T.Q5_K)])
+    with pytest.raises(ValueError, match="IQ4_XS cannot be kept"):
+        gguf_quants.to_quantized_weights([(_random_raw(T.IQ4_XS, 6, 1, rng).reshape(2, 3, -1), T.IQ4_XS)])
+    # a Q5_K gate (offsets) beside a Q6_K up (none): the up's offsets are zeros, still exact
+    gate5 = _random_raw(T.Q5_K, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1)
+    qw = gguf_quants.to_quantized_weights([(gate5, T.Q5_K), (gate, T.Q6_K)])
+    assert (qw.bits, qw.block_size) == (8, 16) and qw.offsets is not None
+    want = np.concatenate([gguf.quants.dequantize(gate5, T.Q5_K), gguf.quants.dequantize(gate, T.Q6_K)], axis=1)
+    np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
 
 
 def test_q6_k_quantizer_round_trips():

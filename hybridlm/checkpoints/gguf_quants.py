@@ -23,9 +23,9 @@ SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                    T.Q8_K, T.IQ4_NL, T.IQ4_XS)
 # Types whose blocks map exactly onto `QuantizedWeights` (keep_quantized="experts"), with the bits and the
 # quantization block (elements along k sharing a scale) they become.
-KEEPABLE_TYPES = (T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_0, T.Q4_1, T.Q4_K)
-KEPT_BITS = {T.Q8_0: 8, T.Q5_0: 8, T.Q6_K: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4}
-KEPT_BLOCK = {T.Q8_0: 32, T.Q5_0: 32, T.Q6_K: 16, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32}
+KEEPABLE_TYPES = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q4_K)
+KEPT_BITS = {T.Q8_0: 8, T.Q5_0: 8, T.Q5_1: 8, T.Q5_K: 8, T.Q6_K: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4}
+KEPT_BLOCK = {T.Q8_0: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q5_K: 32, T.Q6_K: 16, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32}
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -142,13 +142,27 @@ def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
     if qtype == T.Q8_0:
         codes = b[..., 2:].view(np.int8).reshape(e, rows, -1)
         return codes, f16(b[..., :2]), None
-    if qtype == T.Q5_0:                                                     # d, qh (32 high bits), qs[16]; d*(q-16)
-        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)                # [e, rows, nb, 1]
+    if qtype in (T.Q5_0, T.Q5_1):              # d, (Q5_1: m,) qh (32 high bits), qs[16]; d*(q-16) or d*q + m
+        head = 2 if qtype == T.Q5_0 else 4
+        qh = np.ascontiguousarray(b[..., head:head + 4]).view(np.uint32)     # [e, rows, nb, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [e, rows, nb, 32]
-        qs = b[..., 6:]
-        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                 # elements 0..15, 16..31
-        codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).reshape(e, rows, -1)
-        return codes, f16(b[..., :2]), None
+        qs = b[..., head + 4:]
+        q = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)).astype(np.int16)   # [0, 31]
+        if qtype == T.Q5_0:
+            return (q - 16).astype(np.int8).reshape(e, rows, -1), f16(b[..., :2]), None
+        return q.astype(np.int8).reshape(e, rows, -1), f16(b[..., :2]), f16(b[..., 2:4])
+    if qtype == T.Q5_K:                                  # d, dmin, scales[12], qh[32], qs[128]; d*sc*q - dmin*m
+        d = f16(b[..., :2]).astype(np.float32)[..., None]                  # [e, rows, nb, 1]
+        dmin = f16(b[..., 2:4]).astype(np.float32)[..., None]
+        sc, m = quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+        sc = sc.reshape(e, rows, nb, 8).astype(np.float32)
+        m = m.reshape(e, rows, nb, 8).astype(np.float32)
+        ql = b[..., 48:].reshape(e, rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        ql = (ql & 0x0F).reshape(e, rows, nb, 8, 32)                        # sub-block 2i low, 2i+1 high
+        qh = b[..., 16:48].reshape(e, rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+        codes = (ql | ((qh & 0x01) << 4)).astype(np.int8).reshape(e, rows, -1)   # [0, 31]
+        # as Q4_K: d*sc and dmin*m exact in float32; d*sc*q - dmin*m == q*scale + offset with offset = -dmin*m
+        return codes, (d * sc).reshape(e, rows, -1), (-(dmin * m)).reshape(e, rows, -1)
     if qtype == T.Q6_K:                                                     # ql[128], qh[64], sc int8[16], d
         ql = b[..., :128].reshape(e, rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
         ql = (ql & 0x0F).reshape(e, rows, nb, 2, 4, 32)                     # quarters: low 0-31, 32-63, high ...
@@ -195,10 +209,14 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
     - Q5_0 -> bits=8, codes q - 16 in [-16, 15], float16 scales per 32 (1.0625 bytes/param, file 0.6875);
     - Q6_K -> bits=8, codes in [-32, 31], float32 d*sc per 16 (1.25 bytes/param, file 0.8203; float16 would
       round d*sc). llama.cpp's Q4_K_M and Q5_K_M files store some layers' ffn_down experts as Q6_K;
+    - Q5_1 -> bits=8 with offsets, codes in [0, 31], float16 d and m per 32 (1.125 bytes/param, file 0.75);
+    - Q5_K -> bits=8 with offsets, codes in [0, 31], float32 d*sc and -dmin*m per 32 (1.25 bytes/param, file
+      0.6875);
     - Q4_0 / Q4_1 -> bits=4 with float16 scale and offset per 32 (0.625 bytes/param);
     - Q4_K -> bits=4 with float32 d*sc and -dmin*m per 32 (0.75 bytes/param).
     Tensors of one call must all become 8-bit or all 4-bit; with different blocks (Q6_K beside Q8_0), the scales
-    are repeated to the smallest block (still exact).
+    are repeated to the smallest block, and an 8-bit tensor without offsets beside one with them gets zero
+    offsets (still exact).
 
     Raises:
       ValueError: a type not in KEEPABLE_TYPES, or 8-bit and 4-bit tensors together.
@@ -214,13 +232,16 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
     bits = bits.pop()
     block = min(KEPT_BLOCK[qtype] for _, qtype in raws)
     scale_dtype = np.result_type(*[p[1].dtype for p in parts])
+    if any(p[2] is not None for p in parts):     # an 8-bit tensor with offsets beside one without: zero offsets
+        parts = [p if p[2] is not None else (p[0], p[1], np.zeros_like(p[1])) for p in parts]
     t = lambda x, qtype: np.ascontiguousarray(np.swapaxes(
         np.repeat(x, KEPT_BLOCK[qtype] // block, axis=-1), 1, 2)).astype(scale_dtype)  # [e, out, kb] -> [e, kb, out]
     codes = np.concatenate([p[0] for p in parts], axis=1)              # [e, n, k]: k_major, as GGUF stores them
     scales = np.concatenate([t(p[1], qtype) for p, (_, qtype) in zip(parts, raws)], axis=2)
     offsets = None
-    if bits == 4:
+    if parts[0][2] is not None:
         offsets = np.concatenate([t(p[2], qtype) for p, (_, qtype) in zip(parts, raws)], axis=2)
+    if bits == 4:
         half = codes.shape[2] // 2
         codes = codes[:, :, :half] | (codes[:, :, half:] << 4)        # split-half packing along k
     qw = QuantizedWeights(values=jnp.asarray(codes), scales=jnp.asarray(scales),

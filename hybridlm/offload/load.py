@@ -7,12 +7,12 @@ import os
 import jax
 
 from hybridlm.model import EXPERT_PARAMS, HybridLM
-from hybridlm.offload.scheduler import HOST_PARTS, HostExperts, host_experts_of_layers
+from hybridlm.offload.scheduler import HOST_PARTS, MIXED_FORMATS, HostExperts, host_experts_of_layers
 
 
 def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "experts",
                    expert_format: str | None = None, dtype=None, parts: int = HOST_PARTS,
-                   requantize_mixed: bool = False, progress: bool = True) -> tuple[HybridLM, HostExperts]:
+                   mixed_formats: str = "widen", progress: bool = True) -> tuple[HybridLM, HostExperts]:
     """Loads a model with its routed experts packed into pinned host memory as they are read, one layer at a time.
 
     The device holds the trunk (embeddings, mixers, routers, shared experts, head) and, while a layer is packed,
@@ -31,11 +31,12 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
         experts to ~20 GB of 4-bit ones. GGUF files: must be None (their own quantization is kept).
       dtype: parameter dtype, as `hybridlm.load`.
       parts: pinned host buffers a layer (`OffloadedRunner`'s `host_parts`).
-      requantize_mixed: when layers store their experts in different formats (llama-quantize's Q4_K_M keeps the
-        ffn_down experts of about half the layers as Q6_K, so those layers are 8-bit where the others are
-        4-bit), requantize the other layers' experts into the format of fewest bytes an expert
-        (`host_experts_of_layers`): not exact for the requantized tensors (Q6_K's downs get 4-bit rounding).
-        False (default): such a file is refused, naming the layers and formats.
+      mixed_formats: where layers store their experts in different formats (llama-quantize's Q4_K_M keeps the
+        ffn_down experts of half the layers as Q6_K, so those are 8-bit where the others are 4-bit), how they are
+        brought to the one format of the host buffers and the device pool (`host_experts_of_layers`): "widen"
+        (default; exact: one format that holds every layer's, for Q4_K_M downs as int8 with a float32 scale and
+        offset per 16, 33% more bytes an expert), "smallest" (requantized into the format of fewest bytes: not
+        exact, the Q6_K downs get 4-bit rounding) or "refuse" (a ValueError naming the layers and formats).
       progress: show a progress bar over tensors.
 
     Returns:
@@ -45,11 +46,13 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
       FileNotFoundError: no file or directory at `path`.
       ValueError: neither a directory nor a GGUF file, or expert_format given for a GGUF file or unknown (the
         errors of `hybridlm.load`, which reads the checkpoint); a model without MoE; layers whose experts are
-        stored in different formats without requantize_mixed (the host buffers and the device pool hold one
-        format); the loaders' errors (`GGUFError`, `CheckpointError`).
+        stored in different formats with mixed_formats="refuse", or an unknown mixed_formats; the loaders' errors
+        (`GGUFError`, `CheckpointError`).
     """
     from hybridlm.loading import load
 
+    if mixed_formats not in MIXED_FORMATS:      # before the file is read
+        raise ValueError(f"unknown mixed_formats={mixed_formats!r}; choose from {MIXED_FORMATS}")
     path = os.fspath(path)
     pending: dict[int, dict] = {}
     packed: dict[int, tuple] = {}
@@ -66,4 +69,4 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
                  expert_format=expert_format, progress=progress, expert_sink=sink)
     if model.config.moe is None:
         raise ValueError(f"{path} holds a dense model ({model.config.name}): there are no experts to offload")
-    return model, host_experts_of_layers(packed, model.config.num_layers, requantize=requantize_mixed)
+    return model, host_experts_of_layers(packed, model.config.num_layers, mixed_formats)

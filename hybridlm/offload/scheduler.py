@@ -74,7 +74,7 @@ from hybridlm.offload.expert_cache import (
     static_pinned_keys,
 )
 from hybridlm.state import LayerState
-from pallas_kernels.quantized import QuantizedWeights, quantize_like
+from pallas_kernels.quantized import QuantizedWeights, common_format, quantize_like, reencode
 
 Prefetch = Literal["auto", "router", "layer", "none"]
 
@@ -211,14 +211,16 @@ class HostExperts:
         return layout, list(jax.device_put(pieces, host_sharding or pinned_host_sharding()))
 
     @classmethod
-    def from_model(cls, model: HybridLM, host_sharding=None, parts: int = HOST_PARTS) -> HostExperts:
-        """Copies the experts of `model` (its values are left in place) to pinned host memory.
+    def from_model(cls, model: HybridLM, host_sharding=None, parts: int = HOST_PARTS,
+                   mixed: str = "widen") -> HostExperts:
+        """Copies the experts of `model` (its values are left in place) to pinned host memory; layers whose experts
+        are stored in different formats are brought to one as `mixed` says (`host_experts_of_layers`).
 
         Raises:
-          ValueError: layers whose experts are stored in different formats (`host_experts_of_layers`)."""
+          ValueError: as `host_experts_of_layers`."""
         packed = {i: cls.pack_layer(layer.ffn.experts_gate_up.get_value(), layer.ffn.experts_down.get_value(),
                                     host_sharding, parts) for i, layer in enumerate(model.layers)}
-        return host_experts_of_layers(packed, len(model.layers))
+        return host_experts_of_layers(packed, len(model.layers), mixed)
 
     def to_device(self, layer: int, experts=None, sharding=None) -> list[tuple[jax.Array, list[int]]]:
         """Issues the host -> device copies of some experts of `layer` (asynchronous; nothing waits).
@@ -375,49 +377,74 @@ def _staged_experts(layout: ExpertLayout, graph, params, staged, h, u, weights, 
 PAGED_MAX_COPIES = 64
 
 
-def host_experts_of_layers(packed: dict[int, tuple], num_layers: int, requantize: bool = False) -> HostExperts:
+MIXED_FORMATS = ("widen", "smallest", "refuse")
+
+
+def host_experts_of_layers(packed: dict[int, tuple], num_layers: int, mixed: str = "widen") -> HostExperts:
     """`HostExperts` from {layer: (ExpertLayout, pinned buffers)} for layers 0..num_layers-1.
 
-    Args:
-      packed: each layer's layout and pinned host buffers (`HostExperts.pack_layer`).
-      num_layers: the model's layers.
-      requantize: layers packed in different layouts are brought to the layout of fewest bytes an expert: each
-        other layer's buffers are copied to the device, each of its expert parameters not already in that
-        format is requantized into it (`pallas_kernels.quantized.quantize_like`), and the layer is packed
-        again (its old buffers are dropped).
+    The host buffers and the device pool hold one format for every layer's experts. Where layers were packed in
+    different ones (llama-quantize's Q4_K_M keeps half the layers' ffn_down experts as Q6_K: 8-bit with a float32
+    scale per 16, where the other layers' are 4-bit), `mixed` says what happens:
+    - "widen" (default): each expert parameter goes to the narrowest format that holds every layer's exactly
+      (`pallas_kernels.quantized.common_format` / `reencode`: for Q4_K_M, downs as int8 with float32 scale and
+      offset per 16): the same weights bit for bit, more bytes an expert;
+    - "smallest": into the layout of fewest bytes an expert (`quantize_like`; for Q4_K_M the Q6_K downs to 4
+      bits): fewer bytes, not exact for the requantized tensors;
+    - "refuse": a ValueError naming the layers and formats.
+    A layer to convert is copied to the device, converted, packed again (`HostExperts.pack_layer`) and its old
+    buffers are dropped.
 
     Raises:
-      ValueError: a layer missing, or layers packed with different layouts and requantize False (the message
-        names the layers of each layout)."""
+      ValueError: a layer missing; an unknown `mixed`; layers packed in different layouts with mixed="refuse"
+        (the message names the layers of each layout)."""
+    if mixed not in MIXED_FORMATS:
+        raise ValueError(f"unknown mixed={mixed!r}; choose from {MIXED_FORMATS}")
     missing = [i for i in range(num_layers) if i not in packed]
     if missing:
         raise ValueError(f"no experts were loaded for layers {missing[:8]}")
-    by_layout: dict[ExpertLayout, list[int]] = {}
-    for i in range(num_layers):
-        by_layout.setdefault(packed[i][0], []).append(i)
-    target = min(by_layout, key=lambda layout: layout.nbytes)
-    if len(by_layout) > 1 and not requantize:
-        kinds = "; ".join(f"layers {_span(layers)}: {_describe(layout)}" for layout, layers in by_layout.items())
-        raise ValueError(f"the layers store their experts in {len(by_layout)} formats ({kinds}); the host buffers "
-                         "and the device pool hold one. hybridlm.offload.load_offloaded(..., requantize_mixed=True) "
-                         f"(CLI: --requantize-mixed) requantizes the others into the smallest "
-                         f"({format_bytes(target.nbytes)} an expert; not exact for them); keep_quantized=None "
-                         "stores every expert dequantized")
+    target = one_layout([packed[i][0] for i in range(num_layers)], mixed)
+    templates, convert = _params(target), quantize_like if mixed == "smallest" else reencode
     layers = {i: packed[i][1] for i in range(num_layers)}
-    if len(by_layout) > 1:
-        template = target.zeros(1, device_sharding())          # [1, ...] slots of the target format
-        for layout, numbers in by_layout.items():
-            if layout == target:
-                continue
-            for i in numbers:
-                weights = HostExperts(layout, [layers[i]]).unpack_layer(0)
-                weights = [quantize_like(w, t) for w, t in zip(weights, template)]
-                got, layers[i] = HostExperts.pack_layer(*weights, parts=len(layers[i]))
-                if got != target:
-                    raise ValueError(f"layer {i}'s experts requantized to {_describe(got)}, not the target "
-                                     f"{_describe(target)}")
-                jax.block_until_ready(layers[i])
+    for i in range(num_layers):
+        layout = packed[i][0]
+        if layout == target:
+            continue
+        weights = HostExperts(layout, [layers[i]]).unpack_layer(0)
+        weights = [convert(w, t) for w, t in zip(weights, templates)]
+        got, layers[i] = HostExperts.pack_layer(*weights, parts=len(layers[i]))
+        jax.block_until_ready(layers[i])
+        if got != target:
+            raise ValueError(f"layer {i}'s experts converted to {_describe(got)}, not {_describe(target)}")
     return HostExperts(target, [layers[i] for i in range(num_layers)])
+
+
+def one_layout(layer_layouts, mixed: str = "widen") -> ExpertLayout:
+    """The one layout `host_experts_of_layers` stores experts in, given each layer's own (`layer_layouts`, in layer
+    order; see there for `mixed`).
+
+    Raises:
+      ValueError: several layouts with mixed="refuse" (naming the layers of each)."""
+    by_layout: dict[ExpertLayout, list[int]] = {}
+    for i, layout in enumerate(layer_layouts):
+        by_layout.setdefault(layout, []).append(i)
+    layouts = list(by_layout)
+    if len(layouts) == 1:
+        return layouts[0]
+    if mixed == "refuse":
+        kinds = "; ".join(f"layers {_span(layers)}: {_describe(layout)}" for layout, layers in by_layout.items())
+        raise ValueError(f"the layers store their experts in {len(layouts)} formats ({kinds}); the host buffers and "
+                         "the device pool hold one. mixed='widen' (the default) stores them all in one format that "
+                         "holds each exactly; mixed='smallest' requantizes them into the smallest (not exact)")
+    if mixed == "smallest":
+        return min(layouts, key=lambda layout: layout.nbytes)
+    return ExpertLayout.of(*[common_format(p) for p in zip(*map(_params, layouts))])
+
+
+def _params(layout: ExpertLayout) -> list:
+    """The (gate_up, down) of `layout`, leaves as ShapeDtypeStructs with one expert axis of 1."""
+    leaves = [jax.ShapeDtypeStruct((1,) + shape, dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+    return list(jax.tree_util.tree_unflatten(layout.treedef, leaves))
 
 
 def _span(layers: list[int]) -> str:
@@ -427,11 +454,10 @@ def _span(layers: list[int]) -> str:
 def _describe(layout: ExpertLayout) -> str:
     """e.g. "gate_up 4-bit (float32 scales per 32), down 8-bit (float32 scales per 16), 2.75 MiB an expert"
     (unquantized parameters by dtype and shape without the expert axis)."""
-    leaves = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
-    params = jax.tree_util.tree_unflatten(layout.treedef, leaves)
     names = [n.removeprefix("experts_") for n in EXPERT_PARAMS]
-    kinds = [f"{q.bits}-bit ({q.scales.dtype.name} scales per {q.block_size})" if isinstance(q, QuantizedWeights)
-             else f"{q.dtype.name}{list(q.shape)}" for q in params]
+    kinds = [f"{q.bits}-bit ({q.scales.dtype.name} scales{' and offsets' if q.bits == 8 and q.offsets is not None else ''}"
+             f" per {q.block_size})" if isinstance(q, QuantizedWeights) else f"{q.dtype.name}{list(q.shape[1:])}"
+             for q in _params(layout)]
     return ", ".join(f"{n} {k}" for n, k in zip(names, kinds)) + f", {format_bytes(layout.nbytes)} an expert"
 
 
@@ -565,6 +591,9 @@ class OffloadedRunner(LayerwiseRunner):
         lets device-paged decode copy each expert with no control flow. Measured on an H100 (JAX 0.11.2,
         Qwen3.6-35B-A3B shape, 4-bit, 12 GiB, static, 2026-11-27): one part decodes at 88.4 tokens/s against
         60.6-64.4 and prefills a 32 768-token prompt at 47 143 tokens/s against 51 918-51 932 (docs/offload.md).
+      mixed_formats: where the model's layers store their experts in different formats (a Q4_K_M GGUF's Q6_K
+        downs), how the host copy brings them to one: "widen" (exact, more bytes), "smallest" (requantized, not
+        exact) or "refuse" (`host_experts_of_layers`).
       decode_paging: how `decode_step` (and so `generate`) pages experts. "device" (default): the whole step is
         one program that picks each routed expert on the device, from the pool or held layers as the last
         prefill left them, the pool set at the first step to whole layers chosen by the policy and the budget
@@ -576,14 +605,16 @@ class OffloadedRunner(LayerwiseRunner):
     Raises:
       ValueError: unknown policy, prefetch mode or decode paging; budget above the device memory; budget below
         the experts one layer needs for one token (or for `chunk_size`); a model without MoE; host_parts < 1, or
-        given with `host_experts` of another part count.
+        given with `host_experts` of another part count; unknown mixed_formats, or layers in different formats
+        with "refuse".
     """
 
     def __init__(self, model: HybridLM, *, expert_budget: int | str, cache_policy: str = "slru",
                  prefetch: Prefetch = "auto", prefetch_depth: int = 2, whole_layer: bool | None = None,
                  host_experts: HostExperts | None = None, chunk_size: int | None = None, batch: int = 1,
                  device_memory_bytes: int | None = None, in_program_copies: bool = True,
-                 decode_paging: Literal["device", "host"] = "device", host_parts: int | None = None):
+                 decode_paging: Literal["device", "host"] = "device", host_parts: int | None = None,
+                 mixed_formats: str = "widen"):
         if model.config.moe is None:
             raise ValueError("OffloadedRunner needs a sparse-MoE model (config.moe is None)")
         if decode_paging not in ("device", "host"):
@@ -596,6 +627,8 @@ class OffloadedRunner(LayerwiseRunner):
             raise ValueError(f"prefetch_depth={prefetch_depth} must be >= 1")
         if host_parts is not None and host_parts < 1:
             raise ValueError(f"host_parts={host_parts} must be >= 1")
+        if mixed_formats not in MIXED_FORMATS:
+            raise ValueError(f"unknown mixed_formats={mixed_formats!r}; choose from {MIXED_FORMATS}")
         if host_parts is not None and host_experts is not None and len(host_experts.part_rows) != host_parts:
             raise ValueError(f"host_parts={host_parts}, but host_experts hold {len(host_experts.part_rows)} "
                              "buffers a layer (HostExperts.from_model(..., parts=) sets them)")
@@ -627,14 +660,15 @@ class OffloadedRunner(LayerwiseRunner):
                 raise ValueError(f"host_experts hold {host_experts.num_layers} layers x {host_experts.num_experts} "
                                  f"experts; the model has {self.num_layers} x {self.num_experts}")
             layout = host_experts.layout
-        else:
-            ffn = model.layers[0].ffn
-            layout = ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
+        else:   # the layout HostExperts.from_model will store, before anything is copied
+            layout = one_layout([ExpertLayout.of(layer.ffn.experts_gate_up.get_value(),
+                                                 layer.ffn.experts_down.get_value()) for layer in model.layers],
+                                mixed_formats)
         self.expert_bytes = layout.nbytes
         self.total_slots = self.budget // self.expert_bytes
         self.check_chunk(batch * (chunk_size or 1))      # before copying anything to the host
         self.host = host_experts if host_experts is not None else HostExperts.from_model(
-            model, parts=HOST_PARTS if host_parts is None else host_parts)
+            model, parts=HOST_PARTS if host_parts is None else host_parts, mixed=mixed_formats)
         # Per-layer trunk params without expert weights: the runner holds no device copy of any expert.
         self.layers = [_placeholder_experts(g, p) for g, p in self.layers]
         self.cache: ExpertCache | None = None
@@ -792,7 +826,8 @@ class OffloadedRunner(LayerwiseRunner):
         """{'prefill': last prefill's statistics, 'decode': decode steps since, 'pool': pool configuration}."""
         pool = {"budget_bytes": self.budget, "expert_bytes": self.expert_bytes, "policy": self.cache_policy,
                 "prefetch": self.prefetch, "prefetch_depth": self.prefetch_depth,
-                "host_parts": len(self.host.part_rows), "slots": self.cache.num_slots if self.cache else None,
+                "host_parts": len(self.host.part_rows), "expert_format": _describe(self.host.layout),
+                "slots": self.cache.num_slots if self.cache else None,
                 "staging_slots": getattr(self, "staging_slots", None),
                 "pinned": (len(self.cache.pinned) + len(self.held_layers) * self.num_experts) if self.cache else 0}
         return {"prefill": self._prefill_stats.to_dict(per_layer), "decode": self._decode_stats_now().to_dict(per_layer),

@@ -108,10 +108,14 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
                            mask=col_in[:, None, None], other=0)          # [bn, nb, 32], k contiguous
         if bits == 8:
             scale = per_block(scale_ref, kk // quant_block, col0)
+            offset = None if offset_ref is None else jnp.broadcast_to(
+                per_block(offset_ref, kk // quant_block, col0), codes.shape)
             if asm:
-                wt = _dequantize_asm(codes, jnp.broadcast_to(scale, codes.shape), part=8, int8_fma=int8_fma, f32=True)
+                wt = _dequantize_asm(codes, jnp.broadcast_to(scale, codes.shape), offset, part=8, int8_fma=int8_fma,
+                                     f32=True)
             else:
                 wt = codes.astype(jnp.float32) * scale
+                wt = wt if offset is None else wt + offset
             return acc + x_chunk(kk) * wt
         for x_row0, part in ((kk, "lo"), (k // 2 + kk, "hi")):   # split-half nibbles
             kb = x_row0 // quant_block

@@ -73,6 +73,8 @@ def supported(lhs, rhs, *, swiglu: bool, lhs_index=None) -> str | None:
         return "float or [groups, k, n] weights (the Mosaic GPU kernel takes k-major quantized codes)"
     if rhs.block_size != QUANT_BLOCK:
         return f"quantization block {rhs.block_size} (needs {QUANT_BLOCK})"
+    if rhs.bits == 8 and rhs.offsets is not None:
+        return "8-bit codes with offsets (Q5_1 / Q5_K kept; the Mosaic GPU kernel takes 8-bit scales only)"
     if lhs.dtype != jnp.bfloat16:
         return f"lhs dtype {lhs.dtype} (needs bfloat16)"
     if lhs_index is not None:

@@ -102,8 +102,7 @@ def _dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False, f32=Fals
         lines.append(_asm_byte_to_float(i, fma8)[1])
         if fma8:   # 2**15 + 128 + code, one fma (the four products by -(2**15 + 128) are one where scales agree)
             lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fC7008000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
-            continue
-        if part == 8:   # 2**23 + 128 + code: the int8 bias times an f32 scale is not exact, so two steps
+        elif part == 8:   # 2**23 + 128 + code: the int8 bias times an f32 scale is not exact, so two steps
             lines.append(f"sub.rn.f32 f{i}, f{i}, 0f4B000080; mul.rn.f32 f{i}, f{i}, ${3 + i};")
         else:   # (the four scales are usually one register: ptxas keeps one product by -2**23)
             lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fCB000000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
@@ -330,11 +329,9 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         index_ref, *rest = rest
     if bits is None:
         (rhs_ref, out_ref), scale_ref, offset_ref = rest, None, None
-    elif bits == 8:
-        rhs_ref, scale_ref, out_ref = rest
-        offset_ref = None
-    else:
-        rhs_ref, scale_ref, offset_ref, out_ref = rest
+    else:   # offsets: always for 4 bits, where given for 8 (Q5_1 / Q5_K kept)
+        rhs_ref, scale_ref, *offset, out_ref = rest
+        offset_ref = offset[0] if offset else None
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     pid = pl.program_id(0)
     item, j = pid // n_tiles, pid % n_tiles
@@ -381,12 +378,12 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         scale = load_per_block(scale_ref, col0, kb)
         if bs.quant_mode == "scale_after_dot":
             acc = acc + dot(x, codes.astype(dot_dtype)) * scale
-            if bits == 4:
+            if offset_ref is not None:
                 acc = acc + jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * load_per_block(
                     offset_ref, col0, kb)
             return acc
         w = codes.astype(jnp.float32) * scale
-        if bits == 4:
+        if offset_ref is not None:
             w = w + load_per_block(offset_ref, col0, kb)
         return acc + dot(x, w.astype(dot_dtype))
 
@@ -402,10 +399,12 @@ def _kernel(group_ref, start_ref, end_ref, lhs_ref, *rest, m, k, n_out, groups, 
         codes = load_codes(col0, kk, bk)
         if bits == 8:
             scale = expand(scale_ref, kk // quant_block)
+            offset = None if offset_ref is None else expand(offset_ref, kk // quant_block)
             if asm:
-                w = _dequantize_asm(codes, scale, part=8, int8_fma=int8_fma)
+                w = _dequantize_asm(codes, scale, offset, part=8, int8_fma=int8_fma)
             else:
-                w = (to_float(codes, signed=True) * scale).astype(dot_dtype)
+                w = to_float(codes, signed=True) * scale
+                w = (w if offset is None else w + offset).astype(dot_dtype)
             return acc + mul(load_lhs(kk, bk), w)
         half = k // 2
         for x_row0, part in ((kk, "lo"), (half + kk, "hi")):

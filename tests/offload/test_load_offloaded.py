@@ -73,47 +73,79 @@ def test_load_offloaded_errors(tmp_path, host_experts):
         host_experts_of_layers({0: (layout, parts)}, 2)
     with pytest.raises(ValueError, match=r"2 formats \(layers \[0\]: gate_up .*; "
                                          r"layers \[1\]: gate_up float32\[2, 2\], down float32\[2, 2\], 32 B an expert"):
+        host_experts_of_layers({0: (layout, parts), 1: (other, parts)}, 2, "refuse")
+    with pytest.raises(ValueError, match="weights of different shapes"):
         host_experts_of_layers({0: (layout, parts), 1: (other, parts)}, 2)
+    with pytest.raises(ValueError, match="unknown mixed='exact'"):
+        host_experts_of_layers({0: (layout, parts), 1: (layout, parts)}, 2, "exact")
     assert isinstance(host_experts_of_layers({0: (layout, parts), 1: (layout, parts)}, 2), HostExperts)
 
 
-def test_mixed_formats_refused_or_requantized_into_the_smallest(tmp_path, capsys):
-    """A Q4_K_M-like file (Q6_K downs in layers 2 and 3, kept as 8-bit): refused by default, naming the layers and
-    formats; with requantize_mixed those downs become 4-bit like the other layers', and the offloaded logits equal
-    the model loaded whole with the same downs requantized."""
-    path = tmp_path / "k256-q4_k_m.gguf"
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory):
+    """A Q4_K_M-like file of K256: Q4_K experts, Q6_K downs in layers 2 and 3 (kept as 8-bit, 16-element blocks)."""
+    path = tmp_path_factory.mktemp("gguf") / "k256-q4_k_m.gguf"
     hybridlm.save_gguf(hybridlm.init_random(K256, seed=3), path, "q4_k_m")
     assert [use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
-    with pytest.raises(ValueError, match=r"2 formats \(layers \[0, 1\]: gate_up 4-bit \(float32 scales per 32\), "
-                                         r"down 4-bit .*; layers \[2, 3\]: .*down 8-bit \(float32 scales per 16\).*"
-                                         r"requantize_mixed=True"):
-        load_offloaded(path, dtype=jnp.float32, progress=False)
-    model, host = load_offloaded(path, dtype=jnp.float32, progress=False, requantize_mixed=True)
-    whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
-    template = whole.layers[0].ffn.experts_down.get_value()
-    assert (template.bits, whole.layers[3].ffn.experts_down.get_value().bits) == (4, 8)
-    with pytest.raises(ValueError, match=r"2 formats .*load_offloaded\(..., requantize_mixed=True\)"):
-        OffloadedRunner(whole, expert_budget="1MiB")              # the model loaded whole, in its two formats
-    for i in (2, 3):
-        ffn = whole.layers[i].ffn
-        ffn.experts_down.set_value(quantize_like(ffn.experts_down.get_value(), template))
-    ffn = whole.layers[3].ffn
-    assert host.layout == ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
-    for got, w in zip(jax.tree_util.tree_leaves(host.unpack_layer(3)),
-                      jax.tree_util.tree_leaves((ffn.experts_gate_up.get_value(), ffn.experts_down.get_value()))):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    return path
+
+
+def _offloaded_vs_whole(model, host, whole):
     runner = OffloadedRunner(model, expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru",
                              host_experts=host)
-    args = ["prefill", "--model", str(path), "--prompt", "x", "--no-profile", "--expert-budget", "1MiB"]
-    assert cli.main(args) == 2
-    assert "--requantize-mixed" in capsys.readouterr().err
-    assert cli.main(args + ["--requantize-mixed"]) == 0            # "x" is one token id below the 384 of K256
-    assert "tokens/s" in capsys.readouterr().out
     ids = np.arange(1, 30) % K256.vocab_size
     got = hybridlm.prefill(runner, ids, chunk_size=8).logits
     want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=8).logits
     assert_finite(got)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_formats_widened_exactly(q4_k_m_gguf):
+    """By default the layers' two formats are widened into one that holds both (downs: int8 with a float32 scale
+    and offset per 16): the host bytes unpack to the file's weights bit for bit, and the offloaded logits are the
+    whole model's."""
+    model, host = load_offloaded(q4_k_m_gguf, dtype=jnp.float32, progress=False)
+    whole = hybridlm.load(q4_k_m_gguf, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    assert [whole.layers[i].ffn.experts_down.get_value().bits for i in range(4)] == [4, 4, 8, 8]
+    for i in range(4):
+        ffn = whole.layers[i].ffn
+        gate_up, down = host.unpack_layer(i)
+        assert (down.bits, down.block_size, down.offsets is not None) == (8, 16, True)
+        for got, w in ((gate_up, ffn.experts_gate_up.get_value()), (down, ffn.experts_down.get_value())):
+            np.testing.assert_array_equal(np.asarray(got.dequantize(jnp.float32)), np.asarray(w.dequantize(jnp.float32)))
+    _offloaded_vs_whole(model, host, whole)
+    # the runner built from the model loaded whole widens the same way (and names the format in its stats)
+    runner = OffloadedRunner(whole, expert_budget=2 * host.num_experts * host.layout.nbytes)
+    assert runner.host.layout == host.layout and "down 8-bit (float32 scales and offsets per 16)" in runner.stats()[
+        "pool"]["expert_format"]
+
+
+def test_mixed_formats_refused_or_requantized_into_the_smallest(q4_k_m_gguf, capsys):
+    """mixed_formats="refuse" names the layers and formats; "smallest" requantizes the Q6_K downs into the others'
+    4-bit format, and the offloaded logits equal the model loaded whole with the same downs requantized."""
+    path = q4_k_m_gguf
+    with pytest.raises(ValueError, match=r"2 formats \(layers \[0, 1\]: gate_up 4-bit \(float32 scales per 32\), "
+                                         r"down 4-bit .*; layers \[2, 3\]: .*down 8-bit \(float32 scales per 16\).*"
+                                         r"mixed='smallest'"):
+        load_offloaded(path, dtype=jnp.float32, progress=False, mixed_formats="refuse")
+    with pytest.raises(ValueError, match="unknown mixed_formats='exact'"):
+        load_offloaded(path, mixed_formats="exact")
+    model, host = load_offloaded(path, dtype=jnp.float32, progress=False, mixed_formats="smallest")
+    whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    with pytest.raises(ValueError, match=r"2 formats .*mixed='widen'"):
+        OffloadedRunner(whole, expert_budget="1MiB", mixed_formats="refuse")    # the model loaded whole
+    template = whole.layers[0].ffn.experts_down.get_value()
+    for i in (2, 3):
+        ffn = whole.layers[i].ffn
+        ffn.experts_down.set_value(quantize_like(ffn.experts_down.get_value(), template))
+    ffn = whole.layers[3].ffn
+    assert host.layout == ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
+    _offloaded_vs_whole(model, host, whole)
+    args = ["prefill", "--model", str(path), "--prompt", "x", "--no-profile", "--expert-budget", "1MiB"]
+    assert cli.main(args + ["--mixed-formats", "refuse"]) == 2
+    assert "mixed='widen'" in capsys.readouterr().err
+    assert cli.main(args) == 0                               # "x" is one token id below the 384 of K256
+    assert "down 8-bit (float32 scales and offsets per 16)" in capsys.readouterr().out
 
 
 def test_gguf_refuses_expert_format(q8_gguf):

@@ -185,6 +185,21 @@ def test_quantized_matches_dequantize_then_matmul(bits, implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("block_size,scale_dtype", [(32, jnp.float16), (16, jnp.float32)], ids=["f16_32", "f32_16"])
+def test_int8_with_offsets(block_size, scale_dtype, implementation):
+    """GGUF Q5_1 / Q5_K experts kept quantized: int8 codes with a scale and an offset per block (and the exact
+    superset of 4-bit and 8-bit layers, `reencode`)."""
+    w = workloads.WORKLOADS["tiny_partial"]
+    for swiglu in (False, True):
+        lhs, dense, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, swiglu=swiglu, seed=13)
+        q = quantize_int8(dense.astype(jnp.float32), block_size=block_size, scale_dtype=scale_dtype, offsets=True)
+        assert q.offsets is not None and float(jnp.abs(q.offsets).max()) > 0
+        out = (gmm_swiglu if swiglu else gmm)(lhs, q, gs, implementation=implementation)
+        expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs, swiglu=swiglu)
+        assert_close(out, expected, jnp.bfloat16, f"swiglu={swiglu}")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_int8_with_16_element_blocks_and_float32_scales(implementation):
     """GGUF Q6_K experts kept quantized (`gguf_quants.to_quantized_weights`): int8 codes in [-32, 31], one float32
     scale per 16 elements along k."""
@@ -332,13 +347,16 @@ def test_default_tiles_fit_shared_memory():
 # conversion instruction, bit for bit, over every code (int8 from -128, which GGUF Q8_0 can hold though our
 # quantizer never writes it, to 127). Off the GPU "asm" runs the jnp arithmetic; its PTX is checked by lowering.
 # int8 with float16 scales takes the one-fma PTX (2**15 + 128 + code); with float32 scales the two-step one.
-@pytest.mark.parametrize("bits,scale_dtype", [(8, jnp.float16), (8, jnp.float32), (4, jnp.float16)],
-                         ids=["int8", "int8_f32_scales", "int4"])
+@pytest.mark.parametrize("bits,scale_dtype,offsets", [(8, jnp.float16, False), (8, jnp.float32, False),
+                                                      (8, jnp.float16, True), (4, jnp.float16, True)],
+                         ids=["int8", "int8_f32_scales", "int8_offsets", "int4"])
 @pytest.mark.parametrize("quant_mode", ["tile", "tile_swapped"])
-def test_magic_int_to_float_is_exact(bits, scale_dtype, quant_mode):
+def test_magic_int_to_float_is_exact(bits, scale_dtype, offsets, quant_mode):
     w = workloads.WORKLOADS["tiny_partial"]
     lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", seed=5)
     q = dataclasses.replace(q, scales=q.scales.astype(scale_dtype))
+    if bits == 8 and offsets:
+        q = dataclasses.replace(q, offsets=(q.scales.astype(jnp.float32) * -3.5).astype(scale_dtype))
     rng = np.random.default_rng(5)
     if bits == 8:
         codes = rng.integers(-128, 128, q.values.shape).astype(np.int8)
@@ -357,6 +375,17 @@ def test_magic_int_to_float_is_exact(bits, scale_dtype, quant_mode):
     assert np.isfinite(outs[1]).all()
     expected = numpy_gmm(as_float(lhs), np.asarray(q.dequantize(jnp.float32)), gs)
     assert_close(outs[1], expected, jnp.bfloat16, "magic")
+
+
+def test_asm_dequantization_of_int8_with_offsets_lowers_to_ptx():
+    # int8 with offsets (Q5_1 / Q5_K kept): the one-fma form (float16 scales), then the offset's add per code
+    w = workloads.WORKLOADS["tiny_partial"]
+    lhs, dense, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, seed=5)
+    q = quantize_int8(dense.astype(jnp.float32), offsets=True)
+    text = support.lowered_for_h100(pallas_triton.gmm_pallas, lhs, q, gs, interpret=False,
+                                    block_sizes=pallas_triton.BlockSizes(block_m=16, block_n=32, block_k=64,
+                                                                         int_to_float="asm"))
+    assert "0x47000000" in text and "fma.rn.f32" in text and "add.rn.f32 f3, f3, $10;" in text
 
 
 @pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])

@@ -25,7 +25,9 @@ def make(weights: str, dtype, *, k: int = K, seed: int = 0):
     w = jnp.asarray(rng.standard_normal((GROUPS, k, 2 * N), np.float32) / np.sqrt(k))
     rhs = {"float": lambda: w.astype(dtype), "int8": lambda: quantize_int8(w), "int4": lambda: quantize_int4(w),
            # GGUF Q6_K kept quantized: a float32 scale per 16 elements
-           "int8_b16": lambda: quantize_int8(w, block_size=16, scale_dtype=jnp.float32)}[weights]()
+           "int8_b16": lambda: quantize_int8(w, block_size=16, scale_dtype=jnp.float32),
+           # GGUF Q5_1 / Q5_K kept quantized: an offset per block too
+           "int8_offsets": lambda: quantize_int8(w, offsets=True)}[weights]()
     dense = as_float(rhs) if weights == "float" else np.asarray(rhs.dequantize(jnp.float32))
     tokens = jnp.asarray(rng.standard_normal((2, k), np.float32), dtype)
     groups = np.array([3, 0, 5, 3, -1, 2, GROUPS, 1], np.int32)   # a repeat, and two rows of no group
@@ -34,8 +36,8 @@ def make(weights: str, dtype, *, k: int = K, seed: int = 0):
 
 
 CASES = [("float", jnp.float32), ("float", jnp.bfloat16), ("int8", jnp.bfloat16), ("int4", jnp.bfloat16),
-         ("int8_b16", jnp.bfloat16)]
-IDS = ["f32", "bf16", "int8", "int4", "int8_b16"]
+         ("int8_b16", jnp.bfloat16), ("int8_offsets", jnp.bfloat16)]
+IDS = ["f32", "bf16", "int8", "int4", "int8_b16", "int8_offsets"]
 
 
 def kernel_names(fn, *args, **kwargs) -> set[str]:
@@ -103,11 +105,12 @@ def test_gemv_errors():
                        jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), big, jax.ShapeDtypeStruct((8,), jnp.int32))
 
 
-@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
-def test_gemv_dequantizes_by_ptx_in_float32(bits):
+@pytest.mark.parametrize("weights", ["int8", "int4", "int8_offsets"])
+def test_gemv_dequantizes_by_ptx_in_float32(weights):
     # Lowered for an H100 (not compiled here): the codes go through the tensor-core kernel's PTX with four float32
     # results (no bf16 rounding of the weights, no int-to-float instruction); int8 with its one-fma form.
-    tokens, rhs, _, groups, index = make(f"int{bits}", jnp.bfloat16)
+    bits = 4 if weights == "int4" else 8
+    tokens, rhs, _, groups, index = make(weights, jnp.bfloat16)
     text = support.lowered_for_h100(pallas_gemv.gemv_swiglu_pallas, tokens, rhs, row_groups=jnp.asarray(groups),
                                     lhs_index=jnp.asarray(index), interpret=False)
     assert "mov.b32 $0, f0; mov.b32 $1, f1; mov.b32 $2, f2; mov.b32 $3, f3;" in text

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantized import QuantizedWeights, quantize_int4, quantize_int8
+from pallas_kernels.quantized import QuantizedWeights, common_format, quantize_int4, quantize_int8, reencode
 
 
 def random_weights(shape=(3, 128, 24), seed=0):
@@ -94,3 +94,31 @@ def test_check_rejects_bad_layouts():
         QuantizedWeights(values=q.values, scales=q.scales, bits=3).check()
     with pytest.raises(ValueError, match="multiple of 2 \\* block_size=64"):
         quantize_int4(random_weights((1, 96, 8)))
+
+
+def test_common_format_and_reencode_are_exact():
+    """Q4_K-like (4-bit, float32 per 32), Q6_K-like (int8, float32 per 16) and Q8_0 (int8, float16 per 32) weights
+    in one format: int8 with float32 scales and offsets per 16, each dequantizing to its own weights bit for bit."""
+    w = random_weights((2, 64, 8))
+    formats = [quantize_int4(w, scale_dtype=jnp.float32), quantize_int8(w, block_size=16, scale_dtype=jnp.float32),
+               quantize_int8(w), quantize_int8(w, offsets=True)]
+    wide = common_format(formats)
+    assert (wide.bits, wide.block_size, wide.scales.dtype, wide.offsets is not None, wide.k_major) == (
+        8, 16, jnp.float32, True, True)
+    for q in formats:
+        r = reencode(q, wide)
+        assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), r) == jax.tree_util.tree_map(
+            lambda a: (a.shape, a.dtype), wide)
+        np.testing.assert_array_equal(np.asarray(r.dequantize(jnp.float32)), np.asarray(q.dequantize(jnp.float32)))
+    four = common_format(formats[:1] * 2)                     # one format: itself
+    assert (four.bits, four.block_size) == (4, 32) and reencode(formats[0], four).values is formats[0].values
+    floats = common_format([formats[0], jnp.zeros((2, 64, 8), jnp.bfloat16)])   # with float weights: the float dtype
+    assert floats.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(reencode(formats[0], floats)),
+                                  np.asarray(formats[0].dequantize(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="8-bit codes in a 4-bit format; blocks of 16 in blocks of 32"):
+        reencode(formats[1], four)
+    with pytest.raises(ValueError, match="float weights cannot be re-encoded"):
+        reencode(w, wide)
+    with pytest.raises(ValueError, match="different shapes"):
+        common_format([formats[0], quantize_int4(random_weights((2, 128, 8)))])
