@@ -215,12 +215,15 @@ def test_quantized_weights_concatenate_blocks_of_two_sizes():
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
 
 
-def test_q6_k_quantizer_round_trips():
+# (qtype, mean and max error bounds): Q5_K a step of ~range / 31 per 32 values, Q6_K ~max|x| / 32 per 16
+@pytest.mark.parametrize("qtype,mean,peak", [(T.Q5_K, 0.04, 0.12), (T.Q6_K, 0.02, 0.07)], ids=["Q5_K", "Q6_K"])
+def test_q5_k_and_q6_k_quantizers_round_trip(qtype, mean, peak):
     x = np.random.default_rng(2).standard_normal((4, 512)).astype(np.float32)
-    y = gguf.quants.dequantize(gguf_quants.quantize_q6_k(x), T.Q6_K)
-    err = np.abs(y - x)
-    assert err.mean() < 0.02 and err.max() < 0.07   # a step of ~max|x| / 32 per 16 values
-    assert not gguf.quants.dequantize(gguf_quants.quantize_q6_k(np.zeros((1, 256), np.float32)), T.Q6_K).any()
+    raw = gguf_quants.quantize(x, qtype)
+    assert raw.shape == (4, 2 * GGML_QUANT_SIZES[qtype][1])
+    err = np.abs(gguf.quants.dequantize(raw, qtype) - x)
+    assert err.mean() < mean and err.max() < peak
+    assert not gguf.quants.dequantize(gguf_quants.quantize(np.zeros((1, 256), np.float32), qtype), qtype).any()
 
 
 def test_q4_k_quantizer_round_trips():
@@ -238,12 +241,13 @@ def k256_model():
     return hybridlm.init_random(K256, seed=3)
 
 
-@pytest.mark.parametrize("tensor_type,bytes_per_param", [("q8_0", 34 / 32), ("q4_k", 0.75), ("q6_k", 1.25)])
+@pytest.mark.parametrize("tensor_type,bytes_per_param", [("q8_0", 34 / 32), ("q4_k", 0.75), ("q5_k", 1.25),
+                                                          ("q6_k", 1.25)])
 def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, bytes_per_param):
     path = tmp_path / f"k256-{tensor_type}.gguf"
     save_gguf(k256_model, path, tensor_type)
     header = read_header(path)
-    want_type = {"q8_0": T.Q8_0, "q4_k": T.Q4_K, "q6_k": T.Q6_K}[tensor_type]
+    want_type = {"q8_0": T.Q8_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}[tensor_type]
     assert header.tensors["blk.0.ffn_down_exps.weight"].type == want_type
     dense = load_gguf(path, dtype=jnp.float32, progress=False)
     kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts", progress=False)
@@ -269,17 +273,20 @@ def test_use_more_bits_is_llama_quantize_rule():
     assert more == [0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 35, 36, 37, 38, 39]
 
 
-def test_keep_quantized_q4_k_m_mix(k256_model, forward, tmp_path):
-    """A Q4_K_M-like file: Q4_K experts, with Q6_K ffn_down in the layers of `use_more_bits`. Every expert stays
-    quantized (the Q6_K downs as int8 with a float32 scale per 16) with the file's exact weights."""
-    path = tmp_path / "k256-q4_k_m.gguf"
-    save_gguf(k256_model, path, "q4_k_m")
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_keep_quantized_k_m_mixes(k256_model, forward, tmp_path, mix):
+    """Q4_K_M / Q5_K_M-like files: Q4_K / Q5_K experts, with Q6_K ffn_down in the layers of `use_more_bits`. Every
+    expert stays quantized (Q5_K as int8 with offsets, the Q6_K downs as int8 with a float32 scale per 16) with
+    the file's exact weights."""
+    path = tmp_path / f"k256-{mix}.gguf"
+    save_gguf(k256_model, path, mix)
     header = read_header(path)
     layers = K256.num_layers
+    base = T.Q4_K if mix == "q4_k_m" else T.Q5_K
     for i in range(layers):
-        want = T.Q6_K if use_more_bits(i, layers) else T.Q4_K
+        want = T.Q6_K if use_more_bits(i, layers) else base
         assert header.tensors[f"blk.{i}.ffn_down_exps.weight"].type == want
-        assert header.tensors[f"blk.{i}.ffn_gate_exps.weight"].type == T.Q4_K
+        assert header.tensors[f"blk.{i}.ffn_gate_exps.weight"].type == base
     assert header.tensors["output.weight"].type == T.Q6_K
     dense = load_gguf(path, dtype=jnp.float32, progress=False)
     kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts", progress=False)
@@ -287,14 +294,16 @@ def test_keep_quantized_q4_k_m_mix(k256_model, forward, tmp_path):
         for name in ("experts_gate_up", "experts_down"):
             qw = getattr(layer_kept.ffn, name).get_value()
             six = name == "experts_down" and use_more_bits(i, layers)
-            assert isinstance(qw, QuantizedWeights) and (qw.bits, qw.block_size) == ((8, 16) if six else (4, 32))
+            kept_as = (8, 16, False) if six else (4, 32, True) if base == T.Q4_K else (8, 32, True)
+            assert isinstance(qw, QuantizedWeights)
+            assert (qw.bits, qw.block_size, qw.offsets is not None) == kept_as
             np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)),
                                           np.asarray(getattr(layer_dense.ffn, name).get_value()))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, K256.vocab_size, (2, 19)), jnp.int32)
     got = np.asarray(forward(kept, ids))
     assert_finite(got, "logits")
     assert np.abs(got - np.asarray(forward(dense, ids))).max() < 1e-4
-    # against the model it was written from: Q4_K / Q6_K error, bounded like the all-Q4_K file's
+    # against the model it was written from: Q4_K (Q5_K) / Q6_K error, bounded like the all-Q4_K file's
     assert np.abs(got - np.asarray(forward(k256_model, ids))).mean() < QUANT_MEAN_ABS_ERROR["q4_k"]
 
 

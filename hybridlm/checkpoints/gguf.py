@@ -343,11 +343,13 @@ def _keep(src, header: Header, mapped) -> QuantizedWeights | None:
 # ----------------------------------------------------------------------------------------------------------
 _TENSOR_TYPES = {"f32": (T.F32, LlamaFileType.ALL_F32), "f16": (T.F16, LlamaFileType.MOSTLY_F16),
                  "bf16": (T.BF16, LlamaFileType.MOSTLY_BF16), "q8_0": (T.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-                 "q4_k": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S), "q6_k": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K),
-                 "q4_k_m": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M)}
+                 "q4_k": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S), "q5_k": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
+                 "q6_k": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K), "q4_k_m": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+                 "q5_k_m": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M)}
 # Fallbacks when ne0 does not fit the block (llama.cpp: the converter falls back to F16 for Q8_0;
-# llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256, Q8_0 for Q6_K ones).
-_FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_0: T.F16, T.Q8_0: T.F16, T.BF16: T.F16}
+# llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256, Q5_1 for Q5_K ones, Q8_0 for Q6_K ones).
+_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
+             T.BF16: T.F16}
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -357,16 +359,15 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
 
 
 def _mix_type(tensor_type: str, name: str, num_layers: int, wanted: GGMLQuantizationType) -> GGMLQuantizationType:
-    """The type `tensor_type` asks for tensor `name`: "q4_k_m" as llama-quantize's Q4_K_M mix (Q6_K for
-    output.weight and, in the layers of `use_more_bits`, for ffn_down* (routed and shared experts) and attn_v;
-    Q4_K elsewhere); every other tensor_type is one type for every matrix."""
-    if tensor_type != "q4_k_m":
+    """The type `tensor_type` asks for tensor `name`: "q4_k_m" / "q5_k_m" as llama-quantize's Q4_K_M / Q5_K_M
+    mixes (Q6_K for output.weight and, in the layers of `use_more_bits`, for ffn_down* (routed and shared
+    experts) and attn_v; Q4_K / Q5_K elsewhere); every other tensor_type is one type for every matrix."""
+    if tensor_type not in ("q4_k_m", "q5_k_m"):
         return wanted
-    if name == "output.weight":
-        return T.Q6_K
     parts = name.split(".")
-    if parts[0] == "blk" and (parts[2].startswith("ffn_down") or parts[2] == "attn_v"):
-        return T.Q6_K if use_more_bits(int(parts[1]), num_layers) else T.Q4_K
+    if name == "output.weight" or (parts[0] == "blk" and (parts[2].startswith("ffn_down") or parts[2] == "attn_v")
+                                   and use_more_bits(int(parts[1]), num_layers)):
+        return T.Q6_K
     return wanted
 
 
@@ -393,12 +394,12 @@ def save_gguf(model: HybridLM, path: str | os.PathLike, tensor_type: str = "f32"
     Args:
       model: the model (float or with `QuantizedWeights` experts, which are dequantized first).
       path: output file.
-      tensor_type: "f32", "f16", "bf16", "q8_0", "q4_k" or "q6_k": the type of every matrix; "q4_k_m": Q4_K
-        with Q6_K for output.weight and for ffn_down* / attn_v in the layers of `use_more_bits`, as
-        llama-quantize's Q4_K_M mix (without its importance-matrix or iterative scale searches). Norms, 1-D
-        tensors, ssm_a, ssm_dt, ssm_conv1d, the router and the shared-expert gate are always F32 (converter
-        rules). Rows whose length does not fit the type's block fall back (Q4_K -> Q5_0 -> F16, Q6_K -> Q8_0 ->
-        F16).
+      tensor_type: "f32", "f16", "bf16", "q8_0", "q4_k", "q5_k" or "q6_k": the type of every matrix;
+        "q4_k_m" / "q5_k_m": Q4_K / Q5_K with Q6_K for output.weight and for ffn_down* / attn_v in the layers of
+        `use_more_bits`, as llama-quantize's Q4_K_M / Q5_K_M mixes (without its importance-matrix or iterative
+        scale searches). Norms, 1-D tensors, ssm_a, ssm_dt, ssm_conv1d, the router and the shared-expert gate are
+        always F32 (converter rules). Rows whose length does not fit the type's block fall back (Q4_K -> Q5_0 ->
+        F16, Q5_K -> Q5_1 -> F16, Q6_K -> Q8_0 -> F16).
       tokenizer: also write the Qwen3.5 tokenizer (`tokenizer.ggml.*`), when the model's vocabulary has its
         size (248 320); smaller test vocabularies get none.
       arch: GGUF architecture; None: `gguf_architecture(config)`.

@@ -1,9 +1,10 @@
-"""GGUF tensor types: vectorised dequantization, Q4_K and Q6_K quantizers, and raw GGUF blocks -> `QuantizedWeights`.
+"""GGUF tensor types: vectorised dequantization, K-quant quantizers, and raw GGUF blocks -> `QuantizedWeights`.
 
 Dequantization goes through `gguf.quants.dequantize` (the gguf package's numpy reference) for every type it
 implements; Q8_K, which it lacks, is done here (value = d * q, d float32 per 256-block; the block's int16 bsums
 are only used by llama.cpp's dot products). Quantization for `save_gguf` uses `gguf.quants.quantize` (BF16,
-Q8_0, Q5_0, ...) plus `quantize_q4_k` and `quantize_q6_k` below, since the gguf package cannot produce K-quants.
+Q8_0, Q5_0, ...) plus `quantize_q4_k`, `quantize_q5_k` and `quantize_q6_k` below, since the gguf package cannot
+produce K-quants.
 """
 
 from __future__ import annotations
@@ -60,24 +61,27 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """float32 numpy array -> raw GGUF bytes (uint8 `[..., rows, bytes_per_row]`); ne0 must fit the block."""
     if qtype == T.Q4_K:
         return quantize_q4_k(data)
+    if qtype == T.Q5_K:
+        return quantize_q5_k(data)
     if qtype == T.Q6_K:
         return quantize_q6_k(data)
     return quants.quantize(np.asarray(data, np.float32), qtype)
 
 
-def quantize_q4_k(data: np.ndarray) -> np.ndarray:
-    """Q4_K quantization (256-value super-blocks of 8 sub-blocks of 32; value = d*sc_j*q - dmin*m_j).
+def _k_quant_with_mins(data: np.ndarray, qtype: GGMLQuantizationType, levels: int):
+    """The scales and codes shared by Q4_K (levels 15) and Q5_K (31): 256-value super-blocks of 8 sub-blocks of
+    32, value = d*sc_j*q - dmin*m_j. A simple vectorised version of ggml's `quantize_row_q{4,5}_K_ref` without its
+    iterative scale search: per sub-block min (clipped at 0) and range / levels, sub-scales and mins quantized to
+    6 bits against the super-block's float16 d and dmin, then codes rounded against the quantized scales.
 
-    A simple vectorised version of ggml's `quantize_row_q4_K_ref` without its iterative scale search: per
-    sub-block min (clipped at 0) and range / 15, sub-scales and mins quantized to 6 bits against the
-    super-block's float16 d and dmin, then codes rounded against the quantized scales.
+    Returns (head uint8 [n, 16]: d, dmin and the 12 packed 6-bit scales and mins; codes uint8 [n, 8, 32]).
     """
     data = np.asarray(data, np.float32)
     if data.shape[-1] % QK_K:
-        raise ValueError(f"Q4_K needs the last dim to be a multiple of {QK_K}, got shape {data.shape}")
+        raise ValueError(f"{qtype.name} needs the last dim to be a multiple of {QK_K}, got shape {data.shape}")
     x = data.reshape(-1, 8, 32)                                        # [n, sub-block, 32]
     mn = np.minimum(x.min(axis=-1), 0.0)                              # [n, 8]
-    scale = (x.max(axis=-1) - mn) / 15.0
+    scale = (x.max(axis=-1) - mn) / levels
     d = (scale.max(axis=-1) / 63.0).astype(np.float16)               # [n]
     dmin = ((-mn).max(axis=-1) / 63.0).astype(np.float16)
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
@@ -85,16 +89,36 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
         sc = np.where(df > 0, np.round(scale / df), 0).clip(0, 63).astype(np.uint8)     # [n, 8]
         m = np.where(dminf > 0, np.round(-mn / dminf), 0).clip(0, 63).astype(np.uint8)
         step = (df * sc)[..., None]
-        q = np.where(step > 0, np.round((x + (dminf * m)[..., None]) / step), 0).clip(0, 15).astype(np.uint8)
+        q = np.where(step > 0, np.round((x + (dminf * m)[..., None]) / step), 0).clip(0, levels).astype(np.uint8)
     scales = np.empty((x.shape[0], 12), np.uint8)
     scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
-    q = q.reshape(-1, 4, 2, 32)                                       # sub-blocks (2i, 2i+1) share 32 bytes
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs],
-                            axis=1)
-    return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 144)
+    head = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales], axis=1)
+    return head, q
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """codes [n, 8, 32] -> [n, 128] bytes: sub-blocks (2i, 2i+1) share 32 bytes, low and high nibble."""
+    q = (q & 0x0F).reshape(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """Q4_K quantization (256-value super-blocks of 8 sub-blocks of 32; value = d*sc_j*q - dmin*m_j, q in
+    [0, 15]; `_k_quant_with_mins`). Layout (144 bytes): d, dmin, scales[12], qs[128]."""
+    head, q = _k_quant_with_mins(data, T.Q4_K, 15)
+    blocks = np.concatenate([head, _low_nibbles(q)], axis=1)
+    return blocks.reshape(*np.shape(data)[:-1], np.shape(data)[-1] // QK_K * 144)
+
+
+def quantize_q5_k(data: np.ndarray) -> np.ndarray:
+    """Q5_K quantization (as Q4_K with q in [0, 31]; `_k_quant_with_mins`). Layout (176 bytes): d, dmin,
+    scales[12], qh[32] (bit j of byte l: the fifth bit of element l of sub-block j), qs[128] (low 4 bits)."""
+    head, q = _k_quant_with_mins(data, T.Q5_K, 31)
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)   # [n, 32]
+    blocks = np.concatenate([head, qh.astype(np.uint8), _low_nibbles(q)], axis=1)
+    return blocks.reshape(*np.shape(data)[:-1], np.shape(data)[-1] // QK_K * 176)
 
 
 def quantize_q6_k(data: np.ndarray) -> np.ndarray:

@@ -82,12 +82,23 @@ def test_load_offloaded_errors(tmp_path, host_experts):
 
 
 @pytest.fixture(scope="module")
-def q4_k_m_gguf(tmp_path_factory):
-    """A Q4_K_M-like file of K256: Q4_K experts, Q6_K downs in layers 2 and 3 (kept as 8-bit, 16-element blocks)."""
-    path = tmp_path_factory.mktemp("gguf") / "k256-q4_k_m.gguf"
-    hybridlm.save_gguf(hybridlm.init_random(K256, seed=3), path, "q4_k_m")
+def mixed_gguf(tmp_path_factory):
+    """mixed_gguf(mix): a Q4_K_M- or Q5_K_M-like file of K256: Q4_K / Q5_K experts, Q6_K downs in layers 2 and 3
+    (kept as 8-bit with 16-element blocks)."""
+    files = {}
+
+    def get(mix):
+        if mix not in files:
+            files[mix] = tmp_path_factory.mktemp("gguf") / f"k256-{mix}.gguf"
+            hybridlm.save_gguf(hybridlm.init_random(K256, seed=3), files[mix], mix)
+        return files[mix]
     assert [use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
-    return path
+    return get
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(mixed_gguf):
+    return mixed_gguf("q4_k_m")
 
 
 def _offloaded_vs_whole(model, host, whole):
@@ -100,13 +111,15 @@ def _offloaded_vs_whole(model, host, whole):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_formats_widened_exactly(q4_k_m_gguf):
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_mixed_formats_widened_exactly(mixed_gguf, mix):
     """By default the layers' two formats are widened into one that holds both (downs: int8 with a float32 scale
     and offset per 16): the host bytes unpack to the file's weights bit for bit, and the offloaded logits are the
     whole model's."""
-    model, host = load_offloaded(q4_k_m_gguf, dtype=jnp.float32, progress=False)
-    whole = hybridlm.load(q4_k_m_gguf, keep_quantized="experts", dtype=jnp.float32, progress=False)
-    assert [whole.layers[i].ffn.experts_down.get_value().bits for i in range(4)] == [4, 4, 8, 8]
+    path = mixed_gguf(mix)
+    model, host = load_offloaded(path, dtype=jnp.float32, progress=False)
+    whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    assert [whole.layers[i].ffn.experts_down.get_value().block_size for i in range(4)] == [32, 32, 16, 16]
     for i in range(4):
         ffn = whole.layers[i].ffn
         gate_up, down = host.unpack_layer(i)
@@ -116,8 +129,9 @@ def test_mixed_formats_widened_exactly(q4_k_m_gguf):
     _offloaded_vs_whole(model, host, whole)
     # the runner built from the model loaded whole widens the same way (and names the format in its stats)
     runner = OffloadedRunner(whole, expert_budget=2 * host.num_experts * host.layout.nbytes)
-    assert runner.host.layout == host.layout and "down 8-bit (float32 scales and offsets per 16)" in runner.stats()[
-        "pool"]["expert_format"]
+    gate_up = "4-bit (float32 scales per 32)" if mix == "q4_k_m" else "8-bit (float32 scales and offsets per 32)"
+    assert runner.host.layout == host.layout and runner.stats()["pool"]["expert_format"].startswith(
+        f"gate_up {gate_up}, down 8-bit (float32 scales and offsets per 16)")
 
 
 def test_mixed_formats_refused_or_requantized_into_the_smallest(q4_k_m_gguf, capsys):
