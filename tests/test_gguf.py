@@ -205,8 +205,8 @@ def test_quantized_weights_concatenate_blocks_of_two_sizes():
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
     with pytest.raises(ValueError, match="8-bit and 4-bit.*Q6_K, Q4_K"):
         gguf_quants.to_quantized_weights([(gate, T.Q6_K), (_random_raw(T.Q4_K, 6, 1, rng).reshape(2, 3, -1), T.Q4_K)])
-    with pytest.raises(ValueError, match="IQ4_XS cannot be kept"):
-        gguf_quants.to_quantized_weights([(_random_raw(T.IQ4_XS, 6, 1, rng).reshape(2, 3, -1), T.IQ4_XS)])
+    with pytest.raises(ValueError, match="Q8_K cannot be kept"):
+        gguf_quants.to_quantized_weights([(_random_raw(T.Q8_K, 6, 1, rng).reshape(2, 3, -1), T.Q8_K)])
     # a Q5_K gate (offsets) beside a Q6_K up (none): the up's offsets are zeros, still exact
     gate5 = _random_raw(T.Q5_K, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1)
     qw = gguf_quants.to_quantized_weights([(gate5, T.Q5_K), (gate, T.Q6_K)])

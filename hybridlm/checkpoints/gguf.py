@@ -221,9 +221,9 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
       path: the .gguf file (one file; split `-00001-of-0000N` files are not supported).
       dtype: parameter dtype; None: float32 if the embedding is F32, else bfloat16.
       keep_quantized: None dequantizes everything; "experts" keeps routed-expert tensors stored as Q8_0,
-        Q5_0, Q5_1, Q5_K or Q6_K (as 8-bit) or as Q4_0, Q4_1 or Q4_K (as 4-bit) `QuantizedWeights`, exactly
-        (`gguf_quants.to_quantized_weights`); other types (IQ4_*, ...), or input dims that do not split into
-        whole 4-bit halves, are dequantized.
+        Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL or IQ4_XS (as 8-bit) or as Q4_0, Q4_1 or Q4_K (as 4-bit)
+        `QuantizedWeights`, exactly (`gguf_quants.to_quantized_weights`); other types (F16, BF16, Q8_K), or
+        input dims that do not split into whole 4-bit halves, are dequantized.
       progress: show a progress bar over tensors.
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
         ("experts_gate_up" / "experts_down", a `QuantizedWeights` or a device array [experts, ...]) as soon as it

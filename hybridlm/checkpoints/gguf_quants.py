@@ -24,9 +24,12 @@ SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                    T.Q8_K, T.IQ4_NL, T.IQ4_XS)
 # Types whose blocks map exactly onto `QuantizedWeights` (keep_quantized="experts"), with the bits and the
 # quantization block (elements along k sharing a scale) they become.
-KEEPABLE_TYPES = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q4_K)
-KEPT_BITS = {T.Q8_0: 8, T.Q5_0: 8, T.Q5_1: 8, T.Q5_K: 8, T.Q6_K: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4}
-KEPT_BLOCK = {T.Q8_0: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q5_K: 32, T.Q6_K: 16, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32}
+KEEPABLE_TYPES = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.Q4_0, T.Q4_1, T.Q4_K)
+KEPT_BITS = {T.Q8_0: 8, T.Q5_0: 8, T.Q5_1: 8, T.Q5_K: 8, T.Q6_K: 8, T.IQ4_NL: 8, T.IQ4_XS: 8, T.Q4_0: 4, T.Q4_1: 4,
+             T.Q4_K: 4}
+KEPT_BLOCK = {T.Q8_0: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q5_K: 32, T.Q6_K: 16, T.IQ4_NL: 32, T.IQ4_XS: 32, T.Q4_0: 32,
+              T.Q4_1: 32, T.Q4_K: 32}
+IQ4_VALUES = np.array(quants.IQ4_NL.kvalues, np.int8)   # the non-linear 4-bit grid of IQ4_NL / IQ4_XS
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -197,6 +200,19 @@ def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
         d = f16(b[..., 208:210]).astype(np.float32)[..., None]
         # d*sc is exact in float32 (11-bit mantissa times an 8-bit integer); q * (d*sc) as gguf computes it.
         return codes, (d * sc).reshape(e, rows, -1), None
+    if qtype == T.IQ4_NL:                        # d, qs[16]: d * grid[q] (the grid value is the int8 code)
+        qs = b[..., 2:]
+        codes = IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].reshape(e, rows, -1)
+        return codes, f16(b[..., :2]), None
+    if qtype == T.IQ4_XS:                        # d, scales_h (u16), scales_l[4], qs[128]: d*(ls-32) * grid[q]
+        d = f16(b[..., :2]).astype(np.float32)[..., None]                  # [e, rows, nb, 1]
+        high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))   # [.., 8]
+        low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(e, rows, nb, 8) & 0x0F
+        ls = (low | ((high & 0x03).astype(np.uint8) << 4)).astype(np.float32) - 32     # [e, rows, nb, 8]
+        qs = b[..., 8:].reshape(e, rows, nb, 8, 16)
+        codes = IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].reshape(e, rows, -1)
+        # d * (ls - 32) is exact in float32 (11-bit mantissa times a 6-bit integer)
+        return codes, (d * ls).reshape(e, rows, -1), None
     if qtype in (T.Q4_0, T.Q4_1):
         head = 2 if qtype == T.Q4_0 else 4
         qs = b[..., head:]                                                  # [e, rows, nb, 16]
@@ -236,6 +252,8 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
     - Q5_1 -> bits=8 with offsets, codes in [0, 31], float16 d and m per 32 (1.125 bytes/param, file 0.75);
     - Q5_K -> bits=8 with offsets, codes in [0, 31], float32 d*sc and -dmin*m per 32 (1.25 bytes/param, file
       0.6875);
+    - IQ4_NL / IQ4_XS -> bits=8, the codes being the non-linear grid's int8 values (`IQ4_VALUES`), float16 d /
+      float32 d*(ls-32) per 32 (1.0625 / 1.125 bytes/param, file 0.5625 / 0.5313);
     - Q4_0 / Q4_1 -> bits=4 with float16 scale and offset per 32 (0.625 bytes/param);
     - Q4_K -> bits=4 with float32 d*sc and -dmin*m per 32 (0.75 bytes/param).
     Tensors of one call must all become 8-bit or all 4-bit; with different blocks (Q6_K beside Q8_0), the scales

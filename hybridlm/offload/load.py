@@ -23,8 +23,8 @@ def load_offloaded(path: str | os.PathLike, *, keep_quantized: str | None = "exp
 
     Args:
       path: a .gguf file or an HF checkpoint directory (config.json + *.safetensors).
-      keep_quantized: GGUF: "experts" (default) keeps Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K / Q4_0 / Q4_1 / Q4_K experts
-        quantized in host memory (`QuantizedWeights`, dequantized inside the kernels); None stores them dequantized, in
+      keep_quantized: GGUF: "experts" (default) keeps experts of every quantized type but Q8_K quantized in host
+        memory (`hybridlm.checkpoints.gguf_quants.KEEPABLE_TYPES`) (`QuantizedWeights`, dequantized inside the kernels); None stores them dequantized, in
         `dtype`. Ignored for HF directories.
       expert_format: HF directories: None keeps the experts in `dtype`; "int8" / "int4" quantizes each layer's
         experts as it loads (`hybridlm.model.quantize_experts`), e.g. a bf16 checkpoint's 67 GB of Qwen3.6
