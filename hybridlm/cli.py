@@ -121,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  parts=HOST_PARTS if host_parts is None else host_parts,
                                                  mixed_formats=args.mixed_formats)
             source = args.model
-        elif args.model:
+        elif args.model:   # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
             model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype,
-                                  expert_format=args.expert_format)
+                                  expert_format=args.expert_format,
+                                  keep_quantized=None if os.path.isdir(args.model) else "experts")
             source = args.model
         else:
             config = hybridlm.get_config(args.preset or "tiny")
