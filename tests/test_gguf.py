@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
-from support import FIXTURES, assert_finite
+from support import FIXTURES, K256, assert_finite
 
 import hybridlm
 from hybridlm.checkpoints import gguf_quants
 from hybridlm.checkpoints.gguf import GGUFError, load_gguf, save_gguf, use_more_bits
 from hybridlm.checkpoints.gguf_header import read_header
-from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 from pallas_kernels.quantized import QuantizedWeights
 
 GGUF_FIXTURES = ("qwen35moe_text", "qwen3next")
@@ -31,12 +30,6 @@ F32_MAX_ABS_ERROR = 1e-5       # the issue's bound for an F32 round trip (measur
 QUANT_MAX_ABS_ERROR = {"f16": 1.0, "bf16": 2.0, "q8_0": 3.0, "q4_k": 6.0}
 QUANT_MEAN_ABS_ERROR = {"f16": 0.03, "bf16": 0.12, "q8_0": 0.25, "q4_k": 0.8}
 
-# A model whose every matrix row is a multiple of 256, so Q4_K applies to all of them (also the experts).
-K256 = ModelConfig(
-    name="k256", vocab_size=384, hidden_dim=256, num_layers=4, max_position_embeddings=1024,
-    attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=64, mrope_sections=(3, 3, 2)),
-    gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64),
-    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256))
 
 
 @pytest.fixture(scope="session")

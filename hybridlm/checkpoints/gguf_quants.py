@@ -179,17 +179,11 @@ def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
             return (q - 16).astype(np.int8).reshape(e, rows, -1), f16(b[..., :2]), None
         return q.astype(np.int8).reshape(e, rows, -1), f16(b[..., :2]), f16(b[..., 2:4])
     if qtype == T.Q5_K:                                  # d, dmin, scales[12], qh[32], qs[128]; d*sc*q - dmin*m
-        d = f16(b[..., :2]).astype(np.float32)[..., None]                  # [e, rows, nb, 1]
-        dmin = f16(b[..., 2:4]).astype(np.float32)[..., None]
-        sc, m = quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
-        sc = sc.reshape(e, rows, nb, 8).astype(np.float32)
-        m = m.reshape(e, rows, nb, 8).astype(np.float32)
         ql = b[..., 48:].reshape(e, rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
         ql = (ql & 0x0F).reshape(e, rows, nb, 8, 32)                        # sub-block 2i low, 2i+1 high
         qh = b[..., 16:48].reshape(e, rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         codes = (ql | ((qh & 0x01) << 4)).astype(np.int8).reshape(e, rows, -1)   # [0, 31]
-        # as Q4_K: d*sc and dmin*m exact in float32; d*sc*q - dmin*m == q*scale + offset with offset = -dmin*m
-        return codes, (d * sc).reshape(e, rows, -1), (-(dmin * m)).reshape(e, rows, -1)
+        return (codes, *_k_scales_and_offsets(b))
     if qtype == T.Q6_K:                                                     # ql[128], qh[64], sc int8[16], d
         ql = b[..., :128].reshape(e, rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
         ql = (ql & 0x0F).reshape(e, rows, nb, 2, 4, 32)                     # quarters: low 0-31, 32-63, high ...
@@ -221,16 +215,21 @@ def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
         offset = (d * np.float16(-8)) if qtype == T.Q4_0 else f16(b[..., 2:4])      # exact in float16
         return codes, d, offset
     if qtype == T.Q4_K:
-        d = f16(b[..., :2]).astype(np.float32)[..., None]                  # [e, rows, nb, 1]
-        dmin = f16(b[..., 2:4]).astype(np.float32)[..., None]
-        sc, m = quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
-        sc = sc.reshape(e, rows, nb, 8).astype(np.float32)
-        m = m.reshape(e, rows, nb, 8).astype(np.float32)
         qs = b[..., 16:].reshape(e, rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
         codes = (qs & 0x0F).reshape(e, rows, -1)                            # sub-block 2i low, 2i+1 high
-        # d*sc and dmin*m are exact in float32 (11-bit mantissa times a 6-bit integer).
-        return codes, (d * sc).reshape(e, rows, -1), (-(dmin * m)).reshape(e, rows, -1)
+        return (codes, *_k_scales_and_offsets(b))
     raise ValueError(f"{qtype.name} cannot be kept quantized; keepable: {[t.name for t in KEEPABLE_TYPES]}")
+
+
+def _k_scales_and_offsets(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K blocks [e, rows, nb, type_size] (d, dmin, 12 bytes of 6-bit scales and mins first) -> (scales
+    d*sc, offsets -dmin*m), float32 [e, rows, nb * 8]: exact (11-bit mantissas times 6-bit integers), so that
+    d*sc*q - dmin*m == q*scale + offset as gguf computes it."""
+    e, rows, nb, _ = b.shape
+    d, dmin = (np.ascontiguousarray(b[..., i:i + 2]).view(np.float16).astype(np.float32) for i in (0, 2))  # [.., 1]
+    sc, m = (x.reshape(e, rows, nb, 8).astype(np.float32)
+             for x in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12)))
+    return (d * sc).reshape(e, rows, -1), (-(dmin * m)).reshape(e, rows, -1)
 
 
 def can_keep(qtype: GGMLQuantizationType, k: int) -> bool:

@@ -6,22 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from offload_helpers import assert_finite
-from support import FIXTURES
+from support import FIXTURES, K256
 
 import hybridlm
 from hybridlm import cli
 from hybridlm.checkpoints.gguf import use_more_bits
-from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 from hybridlm.offload import ExpertLayout, HostExperts, OffloadedRunner, load_offloaded
 from hybridlm.offload.load import host_experts_of_layers
 from pallas_kernels.quantized import QuantizedWeights, quantize_like
-
-# Rows of 256, so that save_gguf's "q4_k_m" writes Q4_K experts and Q6_K downs in layers 2 and 3 (use_more_bits).
-K256 = ModelConfig(
-    name="k256", vocab_size=384, hidden_dim=256, num_layers=4, max_position_embeddings=1024,
-    attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=64, mrope_sections=(3, 3, 2)),
-    gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64),
-    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256))
 
 
 @pytest.fixture(scope="module")
