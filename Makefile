@@ -1,5 +1,6 @@
 # `make demo`: set up .venv (Python 3.12) and run the main job (prefill) on the built-in tiny model.
 # `make test`: set up .venv and run the test suite on the CPU.
+# `make lint`: ruff check and ruff format --check (the CI runs both, then the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -19,8 +20,11 @@ generate: $(VENV)/.installed
 test: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
 
+LINTED := hybridlm pallas_kernels tests benchmarks experiments scripts
+
 lint: $(VENV)/.installed
-	$(PY) -m ruff check hybridlm pallas_kernels tests benchmarks experiments
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

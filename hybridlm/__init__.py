@@ -11,7 +11,22 @@ from hybridlm.loading import load
 from hybridlm.model import HybridLM, init_random
 from hybridlm.tokenizer import Tokenizer
 
-__all__ = ["PRESETS", "AttentionConfig", "GatedDeltaNetConfig", "HybridLM", "LayerwiseRunner", "MoEConfig",
-           "ModelConfig", "PrefillResult", "Tokenizer", "decode_step", "generate", "get_config", "init_random", "load",
-           "prefill", "save_gguf"]
+__all__ = [
+    "PRESETS",
+    "AttentionConfig",
+    "GatedDeltaNetConfig",
+    "HybridLM",
+    "LayerwiseRunner",
+    "MoEConfig",
+    "ModelConfig",
+    "PrefillResult",
+    "Tokenizer",
+    "decode_step",
+    "generate",
+    "get_config",
+    "init_random",
+    "load",
+    "prefill",
+    "save_gguf",
+]
 __version__ = "0.1.0"

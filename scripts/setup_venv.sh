@@ -9,6 +9,6 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[test,plot]"
+"$VENV/bin/python" -m pip install -q -e ".[test,plot,dev]"
 "$VENV/bin/python" -m ipykernel install --user --name hybridlm >/dev/null 2>&1 || true
 touch "$VENV/.installed"

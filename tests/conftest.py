@@ -1,4 +1,4 @@
-"""Shared test setup: CPU JAX, float32 matmuls at full precision, tiny models, HF fixtures, a finiteness guard."""
+"""Shared test setup: CPU JAX, full-precision float32 matmuls, tiny models, HF fixtures, a NaN/Inf guard."""
 
 import atexit
 import os
@@ -6,9 +6,8 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# LLVM's optimisation level 0 for the CPU programs the tests compile: compiling is most of the suite's time on
-# 2 cores, the programs are small, and XLA's own HLO passes (fusion, layout, what the tests check) are the same
-# at any level (2026-11-27, 2 cores: tests/engine 68.6 -> 51.1 s; the fresh-clone suite 889 -> 858 s).
+# LLVM's optimisation level 0 for the CPU programs the tests compile: compiling is most of the suite's time,
+# the programs are small, and XLA's own HLO passes (what the tests check) are the same at any level.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true --xla_backend_optimization_level=0")
 
 # One persistent compilation cache for the session, empty at its start: a program compiled once is read back
@@ -21,7 +20,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="hybridlm-tests-jax-cache-")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the default, 1 s, skips most
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the default, 1 s, skips most
 
 import jax
 import numpy as np
@@ -29,9 +28,12 @@ import pytest
 from support import FIXTURES, HF_FIXTURES, assert_finite  # noqa: F401  (re-exported for fixtures)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])   # were jax imported
-jax.config.update("jax_persistent_cache_min_compile_time_secs",                           # before this file
-                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])  # were jax imported
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",  # before this file
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
@@ -44,21 +46,24 @@ def _drop_compiled_programs():
 
 @pytest.fixture(scope="session")
 def forward():
-    """The model's full forward, compiled: `forward(model, ids)` -> logits (an eager call of the whole model takes
-    ~2x its compilation on the CPU)."""
+    """The model's full forward, compiled: `forward(model, ids)` -> logits (an eager call of the whole model
+    takes ~2x its compilation on the CPU)."""
     from flax import nnx
+
     return nnx.jit(lambda model, ids: model(ids))
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
     import hybridlm
+
     return hybridlm.init_random(hybridlm.get_config("tiny"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_runner(tiny_model):
     import hybridlm
+
     return hybridlm.LayerwiseRunner(tiny_model)
 
 
@@ -68,6 +73,7 @@ def hf_models():
     import jax.numpy as jnp
 
     import hybridlm
+
     out = {}
     for name in HF_FIXTURES:
         d = FIXTURES / "hf" / name

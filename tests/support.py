@@ -12,13 +12,19 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 HF_FIXTURES = ("qwen35moe_text", "qwen35moe_full", "qwen3next")
 
-# A model whose every matrix row is a multiple of 256, so Q4_K, Q5_K and Q6_K apply to all of them (the experts
-# too): save_gguf's "q4_k_m" then writes Q6_K downs in layers 2 and 3 (`use_more_bits`) and Q4_K elsewhere.
+# A model whose every matrix row is a multiple of 256, so Q4_K, Q5_K and Q6_K apply to all of them (the
+# experts too): save_gguf's "q4_k_m" then writes Q6_K downs in layers 2 and 3 (`use_more_bits`) and Q4_K
+# elsewhere.
 K256 = ModelConfig(
-    name="k256", vocab_size=384, hidden_dim=256, num_layers=4, max_position_embeddings=1024,
+    name="k256",
+    vocab_size=384,
+    hidden_dim=256,
+    num_layers=4,
+    max_position_embeddings=1024,
     attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=64, mrope_sections=(3, 3, 2)),
     gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64),
-    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256))
+    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=256, shared_ffn_dim=256),
+)
 
 
 def assert_finite(x, name: str = "array") -> None:

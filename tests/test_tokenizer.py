@@ -11,8 +11,16 @@ def tok():
     return Tokenizer()
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "Down the Rabbit-Hole\n\n  tabs\tand spaces",
-                                  "naïve café — 日本語のテキスト 🙂", "<|im_start|>user\nhi<|im_end|>", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "Down the Rabbit-Hole\n\n  tabs\tand spaces",
+        "naïve café — 日本語のテキスト 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+        "",
+    ],
+)
 def test_round_trip(tok, text):
     assert tok.decode(tok.encode(text)) == text
 

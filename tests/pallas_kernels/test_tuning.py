@@ -19,7 +19,10 @@ def test_every_stored_table_is_well_formed():
         data = json.loads(path.read_text())
         assert isinstance(data, dict), path
         for op, classes in data.items():
-            assert isinstance(classes, dict) and all(isinstance(v, dict) for v in classes.values()), (path, op)
+            assert isinstance(classes, dict) and all(isinstance(v, dict) for v in classes.values()), (
+                path,
+                op,
+            )
 
 
 def test_shape_class_overrides_default(tmp_path, monkeypatch):
