@@ -108,7 +108,7 @@ class ModelConfig:
     gdn_implementation: str | None = None                 # "reference" | "chunked" | "pallas" (decode: "pallas",
                                                           # and None on GPU up to 8 sequences, take the fused
                                                           # Pallas step, the rest the JAX one)
-    moe_implementation: str | None = None                 # grouped matmul: "reference" | "pallas"
+    moe_implementation: str | None = None                 # grouped matmul: "reference" | "triton" | "gemv"
     attention_implementation: str | None = None           # None (cuDNN on GPU for bf16/fp16 chunks, XLA for decode's
                                                           # one query and on CPU) | "xla" | "cudnn"
 
