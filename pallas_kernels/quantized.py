@@ -21,8 +21,7 @@ With `k_major=True` (what `quantize_int8`, `quantize_int4` and the GGUF loader p
 transposed, `[groups, n, k]` (bits=8) or `[groups, n, k // 2]` (bits=4, the same split-half bytes): each
 output column's codes are contiguous along k, as in GGUF's own rows. The grouped-matmul kernel then reads
 four consecutive k-codes per 32-bit shared-memory load in the tensor-core operand layout (rather than one
-byte per load) and dequantizes them by one PTX block (H100, 2026-11-25, docs/benchmarks_gmm.md: weight-read
-bound 1.1-1.2x faster, prefill sizes 0.98-1.2x).
+byte per load) and dequantizes them by one PTX block.
 """
 
 from __future__ import annotations
@@ -89,7 +88,8 @@ class QuantizedWeights:
     @property
     def half_precision_scales(self) -> bool:
         """Whether the scales are float16 / bfloat16 (at most 11 significant bits): then (2**15 + 128) * scale is
-        exact in float32, which the kernels' one-fma int8 dequantization needs (`pallas_triton._dequantize_asm`)."""
+        exact in float32, which the kernels' one-fma int8 dequantization needs
+        (`grouped_matmul.common.dequantize_asm`)."""
         return jnp.dtype(self.scales.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
     @property

@@ -30,8 +30,7 @@ def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
     """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32).
 
     implementation None: cuDNN on a GPU for bf16 / fp16 inputs, else XLA. (JAX's own None picks XLA when the
-    logsumexp is asked for: measured on an H100, Qwen3.6 shapes, 32 768 tokens in chunks of 8192, the 10
-    attention layers took 1.00 s with XLA and 0.24 s with cuDNN.)
+    logsumexp is asked for, several times slower than cuDNN for long prefill chunks.)
     """
     implementation = _resolve(implementation, q.dtype)
     out, lse = jax.nn.dot_product_attention(
@@ -59,10 +58,9 @@ def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, 
     return acc, new_lse
 
 
-# Decode (one query per sequence) attends through this implementation when none is named. cuDNN's flash attention
-# with one query and key lengths is not repeatable bit for bit on an H100 (JAX 0.11.2, 2026-11-27: two greedy
-# decodes of the same tokens from the same state diverged after ~20 steps in an attention layer; with "xla", 48
-# steps were identical, docs/benchmarks.md "Decode"). The XLA form is a few small fusions for one query.
+# Decode (one query per sequence) attends through this implementation when none is named: cuDNN's flash
+# attention with one query and key lengths is not repeatable bit for bit (two greedy decodes of the same tokens
+# can diverge), and the XLA form is only a few small fusions for one query.
 DECODE_IMPLEMENTATION = "xla"
 
 # With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs (whose
@@ -83,10 +81,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
     With cuDNN the block loop has a static trip count (capacity / block, up to MAX_UNROLLED_BLOCKS, unrolled);
     a block at or past `start` has zero valid keys, which cuDNN skips, and is merged with weight 0. A loop over
     the ceil(start / block) blocks with a traced trip count would make XLA's GPU runtime read the loop
-    predicate back to the host, so dispatching the program would wait for the device (measured on an H100, Qwen3.6
-    shapes, chunk 8192, capacity 32 768: the host blocked 1.8-7.3 ms per call; unrolled, dispatch takes
-    0.7-1.0 ms and the device time per call drops from 1.79 / 3.68 / 5.50 / 7.31 ms to 1.26 / 2.75 / 4.40 /
-    6.19 ms at start 0 / 8192 / 16 384 / 24 576: `benchmarks/cached_attention_loop.py`). Beyond
+    predicate back to the host, so dispatching the program would wait for the device (unrolled, the host does
+    not block and the device time per call is lower too). Beyond
     MAX_UNROLLED_BLOCKS blocks, and with the XLA implementation (CPU; not bfloat16 on GPU), where an empty
     block would cost a full block, that loop is used.
 
