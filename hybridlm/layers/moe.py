@@ -23,13 +23,13 @@ from pallas_kernels import tuning
 from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
 from pallas_kernels.quantized import QuantizedWeights
 
-# The thresholds below are fallbacks: a device's tuning table (`pallas_kernels.tuning`, op "moe") overrides them
-# by their lower-case names.
+# The thresholds below are fallbacks: a device's tuning table (`pallas_kernels.tuning`, op "moe") overrides
+# them by their lower-case names.
 TUNING_OP = "moe"
 
 # From this many tokens on, route_top_k selects its k experts by k rounds of argmax instead of jax.lax.top_k,
-# which XLA runs as a sort of every row on the GPU (slower than the argmax rounds for long chunks only). Same ids
-# and weights, ties included.
+# which XLA runs as a sort of every row on the GPU (slower than the argmax rounds for long chunks only). Same
+# ids and weights, ties included.
 ARGMAX_TOP_K_MIN_TOKENS = 32768
 
 # Up to this many token copies (tokens x top_k) `routed_experts` runs the grouped matmuls on the copies in
@@ -184,7 +184,10 @@ class SparseMoE(nnx.Module):
         h = config.hidden_dim
         self.config = config
         normal = nnx.initializers.normal(stddev=0.02)
-        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
+
+        def p(shape):
+            return nnx.Param(normal(rngs.params(), shape, dtype))
+
         self.router = p((h, m.num_experts))  # [hidden, experts]
         self.experts_gate_up = p((m.num_experts, h, 2 * m.expert_ffn_dim))  # [experts, hidden, 2*ffn]
         self.experts_down = p((m.num_experts, m.expert_ffn_dim, h))  # [experts, ffn, hidden]

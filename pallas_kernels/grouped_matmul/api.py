@@ -26,8 +26,9 @@ _GMM_SWIGLU: dict[str, Callable[..., jax.Array]] = {
 
 
 def default_implementation(lhs, rhs, *, row_groups=None, lhs_index=None) -> Implementation:
-    """The best implementation for this call on the running backend: on a GPU the matrix-vector kernel for a few
-    rows with their groups named (decode; `pallas_gemv.takes`), else the tensor-core kernel; "reference" off GPU."""
+    """The best implementation for this call on the running backend: on a GPU the matrix-vector kernel for a
+    few rows with their groups named (decode; `pallas_gemv.takes`), else the tensor-core kernel; "reference"
+    off GPU."""
     if jax.default_backend() != "gpu":
         return "reference"
     m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
@@ -37,7 +38,7 @@ def default_implementation(lhs, rhs, *, row_groups=None, lhs_index=None) -> Impl
 def _run(
     table: dict[str, Callable[..., jax.Array]], implementation, lhs, rhs, group_sizes, **kwargs
 ) -> jax.Array:
-    """Runs the named implementation, or the first of a sequence that does not refuse (NotImplementedError)."""
+    """Runs the named implementation, or the first of a sequence that does not raise NotImplementedError."""
     if implementation is None:
         implementation = default_implementation(
             lhs, rhs, row_groups=kwargs["row_groups"], lhs_index=kwargs["lhs_index"]
@@ -91,8 +92,8 @@ def gmm(
     sum(group_sizes) belong to no group and come out zero (the MoE drops padding tokens this way).
     Or, with `row_groups` instead of group_sizes, out[i] = lhs[i] @ rhs[row_groups[i]], rows in any order:
     what a decode step's few (token, expert) pairs need, with no sort (llama.cpp's `mul_mat_id`); each row is
-    then its own work item, so a group's weights are read once per row (use it for a few rows only); the default
-    runs a few such rows as matrix-vector products ("gemv").
+    then its own work item, so a group's weights are read once per row (use it for a few rows only); the
+    default runs a few such rows as matrix-vector products ("gemv").
     Accumulation is float32.
 
     Args:
@@ -109,9 +110,9 @@ def gmm(
       preferred_element_type: output dtype; None = lhs.dtype.
       implementation: "reference" (pure JAX, float32, Precision.HIGHEST; the oracle), "triton" (the Pallas
         Triton tensor-core kernel, `pallas_triton`) or "gemv" (Pallas Triton matrix-vector products for rows
-        with `row_groups`, `pallas_gemv`; refuses group_sizes and codes not stored k-major); the kernels run in
-        the interpreter when no GPU is present. A sequence: the first that does not refuse. None: the best for
-        the call on this backend (`default_implementation`).
+        with `row_groups`, `pallas_gemv`; refuses group_sizes and codes not stored k-major); the kernels run
+        in the interpreter when no GPU is present. A sequence: the first that does not refuse. None: the best
+        for the call on this backend (`default_implementation`).
       interpret: kernels only: run in the Pallas interpreter; None = only when no GPU is present.
 
     Returns:

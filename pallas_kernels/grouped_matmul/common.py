@@ -1,4 +1,4 @@
-"""Pieces both Triton grouped-matmul kernels use: the PTX dequantization of packed codes and the int32 guard."""
+"""What both Triton grouped-matmul kernels use: the PTX dequantization of codes and the int32 guard."""
 
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ def check_int32_offsets(*operands) -> None:
 
 
 # Four codes per PTX block: each code's byte is permuted into the low byte of 2**23 (prmt with 0x4B000000),
-# 2**23 (+ 128 for int8, whose bytes are first offset by 128 with an XOR) is subtracted, exactly, then the scale
-# is applied in f32 (int8: code * scale; 4 bits: code * scale + offset) and pairs are rounded to bf16 by one
-# cvt.rn.bf16x2. For 4 bits the subtraction and the scale are one fma, (2**23 + code) * scale - 2**23 * scale:
-# its one rounding is that of code * scale (2**23 * scale is exact).
+# 2**23 (+ 128 for int8, whose bytes are first offset by 128 with an XOR) is subtracted, exactly, then the
+# scale is applied in f32 (int8: code * scale; 4 bits: code * scale + offset) and pairs are rounded to bf16 by
+# one cvt.rn.bf16x2. For 4 bits the subtraction and the scale are one fma, (2**23 + code) * scale - 2**23 *
+# scale: its one rounding is that of code * scale (2**23 * scale is exact).
 # int8 with float16 / bfloat16 scales (`int8_fma`): the byte b = code + 128 goes into bits 8-15 of 2**15
-# (prmt with 0x47000000, selector 0x76i4), so f = 2**15 + b exactly, and one fma f * scale - (2**15 + 128) * scale
-# gives round(code * scale): (2**15 + 128) * scale has at most 9 + 11 significant bits, so it is exact in f32,
-# and the fma's exact result is code * scale. (With float32 scales it would not be exact: two steps then.)
-# Operands: $0, $1 the two bf16x2 results, $2 four codes (bytes), then four f32 scales (and four f32 offsets).
+# (prmt with 0x47000000, selector 0x76i4), so f = 2**15 + b exactly, and one fma f * scale - (2**15 + 128) *
+# scale gives round(code * scale): (2**15 + 128) * scale has at most 9 + 11 significant bits, so it is exact
+# in f32, and the fma's exact result is code * scale. (With float32 scales it would not be exact: two steps
+# then.) Operands: $0, $1 the two bf16x2 results, $2 four codes (bytes), then four f32 scales (and four f32
+# offsets).
 _ASM_CODES = {
     8: "xor.b32 t, $2, 0x80808080;",
     "lo": "and.b32 t, $2, 0x0F0F0F0F;",
@@ -46,7 +47,8 @@ _ASM_CODES = {
 
 
 def _asm_byte_to_float(i: int, fma8: bool) -> tuple[str, str]:
-    """(the power of two moved into m, the prmt putting byte i of t into f{i}): 2**15 + byte << 8 for the one-fma
+    """(the power of two moved into m, the prmt putting byte i of t into f{i}): 2**15 + byte << 8 for the
+    one-fma
     int8 form (`fma8`), else 2**23 + byte."""
     if fma8:
         return "mov.b32 m, 0x47000000;", f"prmt.b32 f{i}, t, m, {0x7604 + 16 * i:#x};"

@@ -12,14 +12,14 @@ llama.cpp's `mul_mat_vec` shape instead:
   into a float32 accumulator of the tile's shape (fma per weight) and reduces it over k once at the end;
 - the k loop unrolled in the kernel;
 - quantized weights (k-major codes, `QuantizedWeights.k_major`) are read in their stored layout, `[n, k]`
-  contiguous along k, as `[block_n, blocks, 32]` tiles, and dequantized in float32 (code * scale [+ offset]) by
-  the PTX of `common.dequantize_asm` (byte permutes into a power of two's mantissa, no int-to-float
+  contiguous along k, as `[block_n, blocks, 32]` tiles, and dequantized in float32 (code * scale [+ offset])
+  by the PTX of `common.dequantize_asm` (byte permutes into a power of two's mantissa, no int-to-float
   instruction), the float32 results kept: the reference's weights exactly.
 
 Outputs agree with `reference.gmm_reference` (float32 weights and accumulation; the order of the sum differs).
 The kernel also takes float weights `[groups, k, n]` (tiles `[block_k, block_n]`, n contiguous), but `gmm`'s
-default keeps those on the tensor-core kernel, which reads them faster (`takes`). Knobs: `Config`, over which the
-device's measured ones (`pallas_kernels.tuning`, op "grouped_matmul.gemv") apply.
+default keeps those on the tensor-core kernel, which reads them faster (`takes`). Knobs: `Config`, over which
+the device's measured ones (`pallas_kernels.tuning`, op "grouped_matmul.gemv") apply.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from pallas_kernels.triton_math import silu_approx
 # The key of this kernel's measured knobs in the tuning tables; its "default" entry may also hold "max_rows".
 TUNING_OP = "grouped_matmul.gemv"
 
-# Up to this many rows with their groups named and quantized weights (`takes`), `gmm`'s default runs this kernel
-# instead of the tensor-core one, where the device's table does not say otherwise ("max_rows"): beyond a token's
-# top-k copies the tensor-core kernel's weight reuse across rows wins.
+# Up to this many rows with their groups named and quantized weights (`takes`), `gmm`'s default runs this
+# kernel instead of the tensor-core one, where the device's table does not say otherwise ("max_rows"): beyond
+# a token's top-k copies the tensor-core kernel's weight reuse across rows wins.
 MAX_ROWS = 8
 
 # Triton's pipelining depth: the k loop is unrolled, so there is nothing to pipeline.
@@ -52,8 +52,8 @@ NUM_STAGES = 3
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """Columns per program (`block_n`), k per step (`block_k`, a multiple of the quantization block; for 4 bits
-    it counts packed rows, each step covering block_k k-rows of each half) and Triton warps."""
+    """Columns per program (`block_n`), k per step (`block_k`, a multiple of the quantization block; for 4
+    bits it counts packed rows, each step covering block_k k-rows of each half) and Triton warps."""
 
     block_n: int = 8
     block_k: int = 256
@@ -174,7 +174,7 @@ def _kernel(
     accs = tuple(jnp.zeros(shape, jnp.float32) for _ in col_bases)
 
     def step(i, accs):
-        return tuple(product(acc, i * bk, c) for acc, c in zip(accs, col_bases))
+        return tuple(product(acc, i * bk, c) for acc, c in zip(accs, col_bases, strict=True))
 
     for i in range(steps):
         accs = step(i, accs)
@@ -191,9 +191,9 @@ def _kernel(
 
 
 def takes(m: int, rhs, row_groups) -> bool:
-    """Whether `gmm`'s default runs `m` product rows on this kernel: their groups named (`row_groups`), at most
-    `max_rows()` of them, and quantized weights with k-major codes. Float weights `[groups, k, n]` stay on the
-    tensor-core kernel, which reads them faster than 8 columns (16 bytes) per k-row here."""
+    """Whether `gmm`'s default runs `m` product rows on this kernel: their groups named (`row_groups`), at
+    most `max_rows()` of them, and quantized weights with k-major codes. Float weights `[groups, k, n]` stay
+    on the tensor-core kernel, which reads them faster than 8 columns (16 bytes) per k-row here."""
     return row_groups is not None and m <= max_rows() and isinstance(rhs, QuantizedWeights) and rhs.k_major
 
 
@@ -294,7 +294,8 @@ def gemv(
     interpret=None,
     config: Config | None = None,
 ) -> jax.Array:
-    """out[i] = lhs[lhs_index[i]] @ rhs[row_groups[i]] (`gmm` with `row_groups`), one matrix-vector product per row.
+    """out[i] = lhs[lhs_index[i]] @ rhs[row_groups[i]] (`gmm` with `row_groups`), one matrix-vector product
+    per row.
 
     Args:
       lhs: `[rows, k]` float32 / bfloat16.
@@ -310,7 +311,8 @@ def gemv(
       `[m, n]`.
 
     Raises:
-      NotImplementedError: group_sizes instead of row_groups, or quantized codes not stored k-major (`refusal`).
+      NotImplementedError: group_sizes instead of row_groups, or quantized codes not stored k-major
+        (`refusal`).
       ValueError: shapes that disagree, or an operand of 2**31 elements or more (Triton's offsets are int32).
     """
     if (why := refusal(rhs, group_sizes, row_groups)) is not None:

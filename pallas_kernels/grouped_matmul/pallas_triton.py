@@ -63,18 +63,18 @@ class Config:
     Attributes:
       block_m: rows per work item (a power of two).
       block_n: output columns per program.
-      block_k: k per loop step; a multiple of the quantization block (32) for quantized weights, and for 4 bits
-        it counts packed rows (each step covers block_k rows of each k-half).
+      block_k: k per loop step; a multiple of the quantization block (32) for quantized weights, and for 4
+        bits it counts packed rows (each step covers block_k rows of each k-half).
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining depth.
       swap_operands: quantized weights only: compute out^T = W^T x^T, so that the weights dequantized in
         registers are the dot's first operand (Hopper wgmma reads that one from registers, skipping a
         shared-memory round trip) and the few rows of x its second.
-      int_to_float: quantized weights only: "convert" turns codes into float32 by the int-to-float instruction;
-        "magic" ORs the code's byte into the mantissa of 2**23 and subtracts 2**23 (+ 128 for int8, whose byte
-        is first XORed with 128), integer and float instructions only, exact; "asm" (bf16 lhs, compiled
-        kernels, k-major codes) dequantizes four codes per PTX block (`common.dequantize_asm`); the
-        interpreter and f32 lhs run "magic" instead (the same arithmetic).
+      int_to_float: quantized weights only: "convert" turns codes into float32 by the int-to-float
+        instruction; "magic" ORs the code's byte into the mantissa of 2**23 and subtracts 2**23 (+ 128 for
+        int8, whose byte is first XORed with 128), integer and float instructions only, exact; "asm" (bf16
+        lhs, compiled kernels, k-major codes) dequantizes four codes per PTX block (`common.dequantize_asm`);
+        the interpreter and f32 lhs run "magic" instead (the same arithmetic).
     """
 
     block_m: int = 128
@@ -114,8 +114,9 @@ def shape_class(
 def heuristic_config(
     rows_per_group: float, *, bits: int | None, swiglu: bool, k_major: bool, rows: bool = False
 ) -> Config:
-    """The tile shape where the device has no measured one: weight-read-bound problems (few rows per group) take
-    small chunks and n-tiles with 4 warps, compute-bound ones (many rows per group) large chunks with 8 warps.
+    """The tile shape where the device has no measured one: weight-read-bound problems (few rows per group)
+    take small chunks and n-tiles with 4 warps, compute-bound ones (many rows per group) large chunks with 8
+    warps.
 
     rows: the rows come in any order with their groups given (`row_groups`: one row per item, block_m
     `ROW_BLOCK_M`); each program reads one group's [k, block_n] weight tile for one row.
@@ -365,8 +366,8 @@ def _kernel(
         kk = i * bk
         if bits is None:
             x = load_lhs(kk, bk)
-            return tuple(acc + dot(x, load_rhs(c, kk, bk)) for acc, c in zip(accs, col_bases))
-        return tuple(quant_tile_step(kk, acc, c) for acc, c in zip(accs, col_bases))
+            return tuple(acc + dot(x, load_rhs(c, kk, bk)) for acc, c in zip(accs, col_bases, strict=True))
+        return tuple(quant_tile_step(kk, acc, c) for acc, c in zip(accs, col_bases, strict=True))
 
     k_rows = k // 2 if bits == 4 else k  # rows the loop walks (packed rows for 4 bits)
 
@@ -398,8 +399,8 @@ def _kernel(
 def shared_memory_bytes(
     bs: Config, *, swiglu: bool, lhs_bytes: int, bits: int | None, rhs_bytes: int = 2
 ) -> int:
-    """Estimated shared memory of one program in bytes: `num_stages` copies of the step's lhs tile(s) and weight
-    tile(s) (Triton's software pipeline; it matches what Triton asks for)."""
+    """Estimated shared memory of one program in bytes: `num_stages` copies of the step's lhs tile(s) and
+    weight tile(s) (Triton's software pipeline; it matches what Triton asks for)."""
     tiles = 2 if swiglu else 1
     lhs = bs.block_m * bs.block_k * lhs_bytes * (2 if bits == 4 else 1)  # 4 bits: both k-halves per step
     weights = tiles * bs.block_k * bs.block_n * (1 if bits else rhs_bytes)
