@@ -173,7 +173,7 @@ def test_route_top_k_same_either_way(monkeypatch):
     want = route_top_k(logits, 8)
     monkeypatch.setattr(moe_lib, "ARGMAX_TOP_K_MIN_TOKENS", 1)
     got = route_top_k(logits, 8)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -182,8 +182,8 @@ def test_route_top_k_same_either_way(monkeypatch):
 @pytest.mark.parametrize("start", [0, 8, 13, 24])
 def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypatch):
     # unrolled: a static block loop whose blocks past `start` are empty (the cuDNN path); else the loop with a
-    # traced trip count (the XLA path, and beyond MAX_UNROLLED_BLOCKS). seq=1 is decode: the whole cache is one
-    # block.
+    # traced trip count (the XLA path, and beyond MAX_UNROLLED_BLOCKS). seq=1 is decode: the whole cache is
+    # one block.
     if unrolled:
         monkeypatch.setattr(gated_attention, "MAX_UNROLLED_BLOCKS", 4)
     batch, heads, kv_heads, hd, capacity = 1, 4, 2, 16, 32
@@ -213,8 +213,9 @@ def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypat
     "seq,implementation,want", [(1, None, "xla"), (1, "cudnn", "cudnn"), (4, None, None)]
 )
 def test_cached_attention_decode_implementation(seq, implementation, want, monkeypatch):
-    # Decode (one query) with no implementation named attends through DECODE_IMPLEMENTATION (XLA: repeatable bit
-    # for bit on a GPU, where cuDNN's one-query kernel was not); a named one is kept, and chunks keep the default.
+    # Decode (one query) with no implementation named attends through DECODE_IMPLEMENTATION (XLA: repeatable
+    # bit for bit on a GPU, where cuDNN's one-query kernel was not); a named one is kept, and chunks keep the
+    # default.
     seen = []
     real = jax.nn.dot_product_attention
 

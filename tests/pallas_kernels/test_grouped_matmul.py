@@ -113,7 +113,7 @@ def test_schedule_covers_every_row_once():
             np.asarray, pallas_triton.make_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
         )
         owner = np.full(m, -1)
-        for g, a, b in zip(group, lo, hi):
+        for g, a, b in zip(group, lo, hi, strict=True):
             if g > len(sizes):
                 continue
             assert 0 <= a < b <= min(a + block_m, m)
@@ -242,8 +242,8 @@ def test_int8_with_offsets(block_size, scale_dtype, implementation):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_int8_with_16_element_blocks_and_float32_scales(implementation):
-    """GGUF Q6_K experts kept quantized (`gguf_quants.to_quantized_weights`): int8 codes in [-32, 31], one float32
-    scale per 16 elements along k."""
+    """GGUF Q6_K experts kept quantized (`gguf_quants.to_quantized_weights`): int8 codes in [-32, 31], one
+    float32 scale per 16 elements along k."""
     w = workloads.WORKLOADS["tiny_partial"]
     for swiglu in (False, True):
         lhs, dense, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, swiglu=swiglu, seed=12)
@@ -276,7 +276,8 @@ def test_lhs_index_gathers_rows(weights, implementation):
 
 
 def numpy_row_groups(lhs, rhs, row_groups, swiglu=False):
-    """Each row times its own group's matrix (float64), rows in any order; a group outside the range: zeros."""
+    """Each row times its own group's matrix (float64), rows in any order; a group outside the range:
+    zeros."""
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
     out = np.zeros((lhs.shape[0], n))
@@ -362,9 +363,9 @@ def test_lhs_index_must_be_integer_vector():
         gmm(lhs, rhs, gs, lhs_index=jnp.zeros((lhs.shape[0], 1), jnp.int32))
 
 
-# Long groups (prefill chunks of 32k tokens: ~1 000 rows per expert) get 256-row chunks by default for the int8
-# down product and the 4-bit gate_up in the [groups, k, n] layout, 128 (int8 down) and 64-row chunks k-major; m
-# not a multiple of any, one group ends mid-chunk.
+# Long groups (prefill chunks of 32k tokens: ~1 000 rows per expert) get 256-row chunks by default for the
+# int8 down product and the 4-bit gate_up in the [groups, k, n] layout, 128 (int8 down) and 64-row chunks
+# k-major; m not a multiple of any, one group ends mid-chunk.
 @pytest.mark.parametrize("k_major", [False, True], ids=["kn", "k_major"])
 @pytest.mark.parametrize("bits,swiglu", [(8, False), (4, True)], ids=["int8-gmm", "int4-swiglu"])
 def test_quantized_default_tiles_for_long_groups(bits, swiglu, k_major):
@@ -383,9 +384,9 @@ def test_quantized_default_tiles_for_long_groups(bits, swiglu, k_major):
 
 
 def test_default_tiles_fit_shared_memory():
-    # Triton refused bf16 gmm_swiglu 64x128x128 with 3 stages on a 227 KiB device ("requested 245760, available:
-    # 232448"): the estimate reproduces that figure, every default fits 227 KiB unchanged, and on a 99 KiB device
-    # the guard shrinks stages, then block_k, until the estimate fits.
+    # Triton refused bf16 gmm_swiglu 64x128x128 with 3 stages on a 227 KiB device ("requested 245760,
+    # available: 232448"): the estimate reproduces that figure, every default fits 227 KiB unchanged, and on a
+    # 99 KiB device the guard shrinks stages, then block_k, until the estimate fits.
     bad = pallas_triton.Config(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
     assert pallas_triton.shared_memory_bytes(bad, swiglu=True, lhs_bytes=2, bits=None) == 245760
     hopper, ada = 232448, 101376
@@ -403,8 +404,9 @@ def test_default_tiles_fit_shared_memory():
 
 # The 2**23 int-to-float conversions (in jnp, and in inline PTX on the GPU) give the same weights as the
 # conversion instruction, bit for bit, over every code (int8 from -128, which GGUF Q8_0 can hold though our
-# quantizer never writes it, to 127). Off the GPU "asm" runs the jnp arithmetic; its PTX is checked by lowering.
-# int8 with float16 scales takes the one-fma PTX (2**15 + 128 + code); with float32 scales the two-step one.
+# quantizer never writes it, to 127). Off the GPU "asm" runs the jnp arithmetic; its PTX is checked by
+# lowering. int8 with float16 scales takes the one-fma PTX (2**15 + 128 + code); with float32 scales the
+# two-step one.
 @pytest.mark.parametrize(
     "bits,scale_dtype,offsets",
     [(8, jnp.float16, False), (8, jnp.float32, False), (8, jnp.float16, True), (4, jnp.float16, True)],
@@ -458,8 +460,8 @@ def test_asm_dequantization_of_int8_with_offsets_lowers_to_ptx():
 
 @pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
 def test_asm_dequantization_lowers_to_ptx(bits):
-    # Lowered for an H100 (not compiled here): the kernel carries the PTX block, once per weight tile (int8) or
-    # per nibble half (4 bits), and the interpreter-only fallback is not taken.
+    # Lowered for an H100 (not compiled here): the kernel carries the PTX block, once per weight tile (int8)
+    # or per nibble half (4 bits), and the interpreter-only fallback is not taken.
     w = workloads.WORKLOADS["tiny_partial"]
     lhs, q, gs = workloads.make_inputs(w, dtype=jnp.bfloat16, weights=f"int{bits}", seed=5)
 
@@ -475,8 +477,8 @@ def test_asm_dequantization_lowers_to_ptx(bits):
 
     text = lowered(q)
     assert text.count("cvt.rn.bf16x2.f32 $0, f1, f0") == (1 if bits == 8 else 2)
-    # one fma per code: 4 bits (2**23 + code) and int8 with float16 scales (2**15 + 128 + code); float32 scales
-    # keep int8's subtraction and multiply
+    # one fma per code: 4 bits (2**23 + code) and int8 with float16 scales (2**15 + 128 + code); float32
+    # scales keep int8's subtraction and multiply
     assert "fma.rn.f32" in text
     assert ("0x47000000" in text) == (bits == 8) and ("0x4B000000" in text) == (bits == 4)
     if bits == 8:

@@ -1,7 +1,8 @@
-"""The matrix-vector grouped matmul (`pallas_gemv`, decode's few rows with their groups named) against float64 numpy.
+"""The matrix-vector grouped matmul (`pallas_gemv`, decode's few rows with their groups named) against float64
+numpy.
 
-The kernel runs in the Pallas interpreter on CPU; its PTX dequantization is checked by lowering for an H100 (its
-outputs were checked against the reference on the GPU by benchmarks/moe_decode.py --gemv-sweep).
+The kernel runs in the Pallas interpreter on CPU; its PTX dequantization is checked by lowering for an H100
+(its outputs were checked against the reference on the GPU by benchmarks/moe_decode.py --gemv-sweep).
 """
 
 import re
@@ -20,7 +21,8 @@ GROUPS, K, N = 6, 128, 80  # n = 80: the last 8- and 16-column tiles are partly 
 
 
 def make(weights: str, dtype, *, k: int = K, seed: int = 0):
-    """(tokens [2, k], rhs [GROUPS, k, 2N] (a gate_up), its float64 values, row groups [8], token of each row)."""
+    """(tokens [2, k], rhs [GROUPS, k, 2N] (a gate_up), its float64 values, row groups [8], token of each
+    row)."""
     rng = np.random.default_rng(seed)
     w = jnp.asarray(rng.standard_normal((GROUPS, k, 2 * N), np.float32) / np.sqrt(k))
     rhs = {
@@ -134,8 +136,9 @@ def test_gemv_errors():
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "int8_offsets"])
 def test_gemv_dequantizes_by_ptx_in_float32(weights):
-    # Lowered for an H100 (not compiled here): the codes go through the tensor-core kernel's PTX with four float32
-    # results (no bf16 rounding of the weights, no int-to-float instruction); int8 with its one-fma form.
+    # Lowered for an H100 (not compiled here): the codes go through the tensor-core kernel's PTX with four
+    # float32 results (no bf16 rounding of the weights, no int-to-float instruction); int8 with its one-fma
+    # form.
     bits = 4 if weights == "int4" else 8
     tokens, rhs, _, groups, index = make(weights, jnp.bfloat16)
     text = support.lowered_for_h100(
