@@ -420,6 +420,41 @@ def within_shared_memory(bs: Config, limit: int | None, **sizes) -> Config:
     return bs
 
 
+def _fitted_config(config, lhs, rhs, *, m, k, n_out, groups, swiglu, rows, interpret) -> Config:
+    """`config` (None: `default_config`) fitted to the problem: blocks no larger than it, block_k dividing the
+    quantized k, and (defaults only) within the device's shared memory."""
+    quantized = isinstance(rhs, QuantizedWeights)
+    bits = rhs.bits if quantized else None
+    k_major = quantized and rhs.k_major
+    bs = config or default_config(m, groups, bits=bits, swiglu=swiglu, k_major=k_major, rows=rows)
+    if rows:  # one row per item: the smallest tensor-core tile
+        bs = dataclasses.replace(bs, block_m=ROW_BLOCK_M)
+    # Triton blocks are powers of two; do not use blocks far larger than the problem.
+    bs = dataclasses.replace(
+        bs,
+        block_m=min(bs.block_m, max(16, pl.next_power_of_2(m))),
+        block_n=min(bs.block_n, max(16, pl.next_power_of_2(n_out))),
+    )
+    if not quantized:
+        bs = dataclasses.replace(bs, block_k=min(bs.block_k, max(16, pl.next_power_of_2(k))))
+    if quantized and bs.block_k % rhs.block_size:
+        raise ValueError(
+            f"block_k={bs.block_k} must be a multiple of the quantization block {rhs.block_size}"
+        )
+    if quantized and (k // 2 if bits == 4 else k) % bs.block_k:
+        bs = dataclasses.replace(bs, block_k=rhs.block_size)
+    if config is None:  # defaults only: a shape asked for explicitly is the caller's choice
+        bs = within_shared_memory(
+            bs,
+            None if interpret else gpu_limits.shared_memory_limit(),
+            swiglu=swiglu,
+            bits=bits,
+            lhs_bytes=jnp.dtype(lhs.dtype).itemsize,
+            rhs_bytes=1 if quantized else jnp.dtype(rhs.dtype).itemsize,
+        )
+    return bs
+
+
 @functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "config", "interpret"))
 def _gmm(
     lhs,
@@ -450,36 +485,20 @@ def _gmm(
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
     k_major = quantized and rhs.k_major
-    bs = config or default_config(
-        m, groups, bits=bits, swiglu=swiglu, k_major=k_major, rows=row_groups is not None
-    )
-    if row_groups is not None:  # one row per item: the smallest tensor-core tile
-        bs = dataclasses.replace(bs, block_m=ROW_BLOCK_M)
-    # Triton blocks are powers of two; do not use blocks far larger than the problem.
-    bs = dataclasses.replace(
-        bs,
-        block_m=min(bs.block_m, max(16, pl.next_power_of_2(m))),
-        block_n=min(bs.block_n, max(16, pl.next_power_of_2(n_out))),
-    )
-    if not quantized:
-        bs = dataclasses.replace(bs, block_k=min(bs.block_k, max(16, pl.next_power_of_2(k))))
-    if quantized and bs.block_k % rhs.block_size:
-        raise ValueError(
-            f"block_k={bs.block_k} must be a multiple of the quantization block {rhs.block_size}"
-        )
-    if quantized and (k // 2 if bits == 4 else k) % bs.block_k:
-        bs = dataclasses.replace(bs, block_k=rhs.block_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if config is None:  # defaults only: a shape asked for explicitly is the caller's choice
-        bs = within_shared_memory(
-            bs,
-            None if interpret else gpu_limits.shared_memory_limit(),
-            swiglu=swiglu,
-            bits=bits,
-            lhs_bytes=jnp.dtype(lhs.dtype).itemsize,
-            rhs_bytes=1 if quantized else jnp.dtype(rhs.dtype).itemsize,
-        )
+    bs = _fitted_config(
+        config,
+        lhs,
+        rhs,
+        m=m,
+        k=k,
+        n_out=n_out,
+        groups=groups,
+        swiglu=swiglu,
+        rows=row_groups is not None,
+        interpret=interpret,
+    )
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     dot_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
