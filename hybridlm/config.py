@@ -19,11 +19,11 @@ LAYER_TYPES: tuple[str, ...] = ("linear_attention", "full_attention")
 class AttentionConfig:
     """Gated full-attention layer (GQA, q/k RMSNorm, partial RoPE, sigmoid output gate; spec §5)."""
 
-    num_heads: int = 16          # query heads
-    num_kv_heads: int = 2        # key/value heads; query head h reads kv head h // (num_heads // num_kv_heads)
+    num_heads: int = 16  # query heads
+    num_kv_heads: int = 2  # key/value heads; query head h reads kv head h // (num_heads // num_kv_heads)
     head_dim: int = 256
     rope_theta: float = 1e7
-    partial_rotary_factor: float = 0.25   # RoPE on the first head_dim * factor dims of each head
+    partial_rotary_factor: float = 0.25  # RoPE on the first head_dim * factor dims of each head
     # Interleaved M-RoPE sections (Qwen3.5); for text-only input it equals 1-D RoPE. None: plain RoPE.
     mrope_sections: tuple[int, ...] | None = None
 
@@ -35,23 +35,29 @@ class AttentionConfig:
         if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
             raise ValueError(f"attention sizes must be positive: {self}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary dim head_dim*partial_rotary_factor={self.rotary_dim} must be even and in "
-                             f"(0, head_dim={self.head_dim}]")
+            raise ValueError(
+                f"rotary dim head_dim*partial_rotary_factor={self.rotary_dim} must be even and in "
+                f"(0, head_dim={self.head_dim}]"
+            )
         if self.mrope_sections is not None and sum(self.mrope_sections) != self.rotary_dim // 2:
-            raise ValueError(f"mrope_sections={self.mrope_sections} must sum to rotary_dim/2={self.rotary_dim // 2}")
+            raise ValueError(
+                f"mrope_sections={self.mrope_sections} must sum to rotary_dim/2={self.rotary_dim // 2}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GatedDeltaNetConfig:
     """Gated DeltaNet (linear-attention) layer (spec §4)."""
 
-    num_k_heads: int = 16        # q/k heads; v-head h reads k-head h // (num_v_heads // num_k_heads)
+    num_k_heads: int = 16  # q/k heads; v-head h reads k-head h // (num_v_heads // num_k_heads)
     num_v_heads: int = 32
-    key_dim: int = 128           # per head
-    value_dim: int = 128         # per head
-    conv_kernel: int = 4         # causal depthwise conv width, in tokens
+    key_dim: int = 128  # per head
+    value_dim: int = 128  # per head
+    conv_kernel: int = 4  # causal depthwise conv width, in tokens
 
     @property
     def conv_dim(self) -> int:
@@ -62,8 +68,10 @@ class GatedDeltaNetConfig:
         if min(self.num_k_heads, self.num_v_heads, self.key_dim, self.value_dim, self.conv_kernel) <= 0:
             raise ValueError(f"Gated DeltaNet sizes must be positive: {self}")
         if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"value heads num_v_heads={self.num_v_heads} is not a multiple of key heads "
-                             f"num_k_heads={self.num_k_heads}")
+            raise ValueError(
+                f"value heads num_v_heads={self.num_v_heads} is not a multiple of key heads "
+                f"num_k_heads={self.num_k_heads}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +82,7 @@ class MoEConfig:
     top_k: int = 8
     expert_ffn_dim: int = 512
     shared_ffn_dim: int = 512
-    normalize_top_k: bool = True   # renormalise the top-k probabilities to sum to 1
+    normalize_top_k: bool = True  # renormalise the top-k probabilities to sum to 1
 
     def __post_init__(self):
         if min(self.num_experts, self.top_k, self.expert_ffn_dim) <= 0 or self.shared_ffn_dim < 0:
@@ -96,33 +104,37 @@ class ModelConfig:
     hidden_dim: int
     num_layers: int
     full_attention_interval: int = 4
-    explicit_layer_types: tuple[str, ...] | None = None   # overrides the interval pattern when set
+    explicit_layer_types: tuple[str, ...] | None = None  # overrides the interval pattern when set
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 262_144
     attention: AttentionConfig = AttentionConfig()
     gdn: GatedDeltaNetConfig = GatedDeltaNetConfig()
     moe: MoEConfig | None = MoEConfig()
-    dense_ffn_dim: int | None = None                      # dense SwiGLU MLP instead of MoE (GGUF arch qwen35)
+    dense_ffn_dim: int | None = None  # dense SwiGLU MLP instead of MoE (GGUF arch qwen35)
     # Kernel choice per op: None picks the fast kernel on GPU and the pure-JAX path elsewhere.
-    gdn_implementation: str | None = None                 # "reference" | "chunked" | "pallas" (decode: "pallas",
-                                                          # and None on GPU up to 8 sequences, take the fused
-                                                          # Pallas step, the rest the JAX one)
-    moe_implementation: str | None = None                 # grouped matmul: "reference" | "pallas"
-    attention_implementation: str | None = None           # None (cuDNN on GPU for bf16/fp16 chunks, XLA for decode's
-                                                          # one query and on CPU) | "xla" | "cudnn"
+    gdn_implementation: str | None = None  # "reference" | "chunked" | "pallas" (decode: "pallas",
+    # and None on GPU up to 8 sequences, take the fused
+    # Pallas step, the rest the JAX one)
+    moe_implementation: str | None = None  # grouped matmul: "reference" | "triton" | "gemv"
+    attention_implementation: str | None = None  # None (cuDNN on GPU for bf16/fp16 chunks, XLA for decode's
+    # one query and on CPU) | "xla" | "cudnn"
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_dim", "num_layers", "full_attention_interval"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field}={getattr(self, field)} must be positive")
         if (self.moe is None) == (self.dense_ffn_dim is None):
-            raise ValueError("exactly one of moe and dense_ffn_dim must be set "
-                             f"(got moe={self.moe}, dense_ffn_dim={self.dense_ffn_dim})")
+            raise ValueError(
+                "exactly one of moe and dense_ffn_dim must be set "
+                f"(got moe={self.moe}, dense_ffn_dim={self.dense_ffn_dim})"
+            )
         if self.explicit_layer_types is not None:
             if len(self.explicit_layer_types) != self.num_layers:
-                raise ValueError(f"explicit_layer_types has {len(self.explicit_layer_types)} entries for "
-                                 f"num_layers={self.num_layers}")
+                raise ValueError(
+                    f"explicit_layer_types has {len(self.explicit_layer_types)} entries for "
+                    f"num_layers={self.num_layers}"
+                )
             unknown = set(self.explicit_layer_types) - set(LAYER_TYPES)
             if unknown:
                 raise ValueError(f"unknown layer types {sorted(unknown)}; known: {LAYER_TYPES}")
@@ -131,8 +143,10 @@ class ModelConfig:
     def layer_types(self) -> tuple[str, ...]:
         if self.explicit_layer_types is not None:
             return self.explicit_layer_types
-        return tuple("full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
-                     for i in range(self.num_layers))
+        return tuple(
+            "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+            for i in range(self.num_layers)
+        )
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -165,29 +179,53 @@ class ModelConfig:
         if experts_only:
             return ffn * self.num_layers
         ffn += (moe.num_experts * h + 3 * h * moe.shared_ffn_dim + h) if moe else 3 * h * self.dense_ffn_dim
-        gdn = (h * g.conv_dim + 2 * h * g.num_v_heads * g.value_dim + 2 * h * g.num_v_heads
-               + g.conv_kernel * g.conv_dim + 2 * g.num_v_heads + g.value_dim)
-        attn = (h * a.num_heads * a.head_dim * 2 + 2 * h * a.num_kv_heads * a.head_dim
-                + a.num_heads * a.head_dim * h + 2 * a.head_dim)
+        gdn = (
+            h * g.conv_dim
+            + 2 * h * g.num_v_heads * g.value_dim
+            + 2 * h * g.num_v_heads
+            + g.conv_kernel * g.conv_dim
+            + 2 * g.num_v_heads
+            + g.value_dim
+        )
+        attn = (
+            h * a.num_heads * a.head_dim * 2
+            + 2 * h * a.num_kv_heads * a.head_dim
+            + a.num_heads * a.head_dim * h
+            + 2 * a.head_dim
+        )
         layers = sum((gdn if t == "linear_attention" else attn) + ffn + 2 * h for t in self.layer_types)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + layers + h + head
 
 
 QWEN35_35B_A3B = ModelConfig(
-    name="qwen3.5-35b-a3b", vocab_size=248_320, hidden_dim=2048, num_layers=40,
-    attention=AttentionConfig(mrope_sections=(11, 11, 10)))
-QWEN36_35B_A3B = dataclasses.replace(QWEN35_35B_A3B, name="qwen3.6-35b-a3b")   # same architecture and shapes
+    name="qwen3.5-35b-a3b",
+    vocab_size=248_320,
+    hidden_dim=2048,
+    num_layers=40,
+    attention=AttentionConfig(mrope_sections=(11, 11, 10)),
+)
+QWEN36_35B_A3B = dataclasses.replace(QWEN35_35B_A3B, name="qwen3.6-35b-a3b")  # same architecture and shapes
 QWEN3_NEXT_80B_A3B = dataclasses.replace(
-    QWEN35_35B_A3B, name="qwen3-next-80b-a3b", vocab_size=151_936, num_layers=48,
+    QWEN35_35B_A3B,
+    name="qwen3-next-80b-a3b",
+    vocab_size=151_936,
+    num_layers=48,
     attention=AttentionConfig(mrope_sections=None),
-    moe=MoEConfig(num_experts=512, top_k=10, expert_ffn_dim=512, shared_ffn_dim=512))
-# Same architecture and the full Qwen3.5/3.6 vocabulary (so real text tokenizes into it), small everything else.
+    moe=MoEConfig(num_experts=512, top_k=10, expert_ffn_dim=512, shared_ffn_dim=512),
+)
+# Same architecture and the full Qwen3.5/3.6 vocabulary (so real text tokenizes into it), small everything
+# else.
 TINY = ModelConfig(
-    name="tiny", vocab_size=248_320, hidden_dim=64, num_layers=8, max_position_embeddings=32_768,
+    name="tiny",
+    vocab_size=248_320,
+    hidden_dim=64,
+    num_layers=8,
+    max_position_embeddings=32_768,
     attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=32, mrope_sections=(2, 1, 1)),
     gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=32, value_dim=32),
-    moe=MoEConfig(num_experts=16, top_k=4, expert_ffn_dim=64, shared_ffn_dim=64))
+    moe=MoEConfig(num_experts=16, top_k=4, expert_ffn_dim=64, shared_ffn_dim=64),
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3.5-35b-a3b": QWEN35_35B_A3B,
@@ -237,7 +275,9 @@ def config_from_hf(data: dict) -> ModelConfig:
     """
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_HF_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_HF_MODEL_TYPES)}")
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_HF_MODEL_TYPES)}"
+        )
     cfg = data.get("text_config", data) if model_type in ("qwen3_5_moe", "qwen3_5") else data
 
     def req(key):
@@ -252,14 +292,18 @@ def config_from_hf(data: dict) -> ModelConfig:
     if model_type == "qwen3_next":
         sparse_step = cfg.get("decoder_sparse_step", 1)
         if sparse_step != 1 or cfg.get("mlp_only_layers"):
-            raise ValueError("qwen3_next with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
-                             "is not supported")
+            raise ValueError(
+                "qwen3_next with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported"
+            )
     moe = None
     if is_moe:
-        moe = MoEConfig(num_experts=int(req("num_experts")), top_k=int(req("num_experts_per_tok")),
-                        expert_ffn_dim=int(req("moe_intermediate_size")),
-                        shared_ffn_dim=int(cfg.get("shared_expert_intermediate_size", 0)),
-                        normalize_top_k=bool(cfg.get("norm_topk_prob", True)))
+        moe = MoEConfig(
+            num_experts=int(req("num_experts")),
+            top_k=int(req("num_experts_per_tok")),
+            expert_ffn_dim=int(req("moe_intermediate_size")),
+            shared_ffn_dim=int(cfg.get("shared_expert_intermediate_size", 0)),
+            normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
+        )
     return ModelConfig(
         name=cfg.get("_name_or_path") or model_type,
         vocab_size=int(req("vocab_size")),
@@ -271,14 +315,20 @@ def config_from_hf(data: dict) -> ModelConfig:
         tie_word_embeddings=bool(data.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32_768)),
         attention=AttentionConfig(
-            num_heads=int(req("num_attention_heads")), num_kv_heads=int(req("num_key_value_heads")),
+            num_heads=int(req("num_attention_heads")),
+            num_kv_heads=int(req("num_key_value_heads")),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
-            rope_theta=theta, partial_rotary_factor=factor,
-            mrope_sections=sections if model_type != "qwen3_next" else None),
+            rope_theta=theta,
+            partial_rotary_factor=factor,
+            mrope_sections=sections if model_type != "qwen3_next" else None,
+        ),
         gdn=GatedDeltaNetConfig(
-            num_k_heads=int(req("linear_num_key_heads")), num_v_heads=int(req("linear_num_value_heads")),
-            key_dim=int(req("linear_key_head_dim")), value_dim=int(req("linear_value_head_dim")),
-            conv_kernel=int(req("linear_conv_kernel_dim"))),
+            num_k_heads=int(req("linear_num_key_heads")),
+            num_v_heads=int(req("linear_num_value_heads")),
+            key_dim=int(req("linear_key_head_dim")),
+            value_dim=int(req("linear_value_head_dim")),
+            conv_kernel=int(req("linear_conv_kernel_dim")),
+        ),
         moe=moe,
         dense_ffn_dim=None if is_moe else int(req("intermediate_size")),
     )

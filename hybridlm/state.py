@@ -14,8 +14,10 @@ import jax.numpy as jnp
 class GatedDeltaNetState:
     """State of one Gated DeltaNet layer for a batch of sequences."""
 
-    conv: jax.Array        # [batch, conv_kernel - 1, conv_dim]: last pre-conv [q|k|v] inputs, oldest first
-    recurrent: jax.Array   # [batch, v_heads, key_dim, value_dim] float32: the delta-rule state S (HF/FLA layout)
+    conv: jax.Array  # [batch, conv_kernel - 1, conv_dim]: last pre-conv [q|k|v] inputs, oldest first
+    recurrent: (
+        jax.Array
+    )  # [batch, v_heads, key_dim, value_dim] float32: the delta-rule state S (HF/FLA layout)
 
 
 @jax.tree_util.register_dataclass
@@ -23,8 +25,8 @@ class GatedDeltaNetState:
 class KVCache:
     """Keys (after q/k-norm and RoPE) and raw values of one attention layer, written at absolute positions."""
 
-    key: jax.Array         # [batch, capacity, kv_heads, head_dim]
-    value: jax.Array       # [batch, capacity, kv_heads, head_dim]
+    key: jax.Array  # [batch, capacity, kv_heads, head_dim]
+    value: jax.Array  # [batch, capacity, kv_heads, head_dim]
 
     @property
     def capacity(self) -> int:
@@ -51,15 +53,18 @@ def init_layer_states(config, batch: int, capacity: int, dtype=jnp.float32) -> l
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _init_layer_states(config, batch: int, capacity: int, dtype) -> list[LayerState]:
-    # One program for every layer's zeros: created eagerly one by one, the 80 arrays of a 40-layer model took
-    # ~20 ms of host dispatch at the start of each prefill (measured on an H100).
+    # One program for every layer's zeros: created eagerly one by one, a 40-layer model's 80 arrays cost a
+    # noticeable host dispatch at the start of each prefill.
     g, a = config.gdn, config.attention
     states: list[LayerState] = []
     for layer_type in config.layer_types:
         if layer_type == "linear_attention":
-            states.append(GatedDeltaNetState(
-                conv=jnp.zeros((batch, g.conv_kernel - 1, g.conv_dim), dtype),
-                recurrent=jnp.zeros((batch, g.num_v_heads, g.key_dim, g.value_dim), jnp.float32)))
+            states.append(
+                GatedDeltaNetState(
+                    conv=jnp.zeros((batch, g.conv_kernel - 1, g.conv_dim), dtype),
+                    recurrent=jnp.zeros((batch, g.num_v_heads, g.key_dim, g.value_dim), jnp.float32),
+                )
+            )
         else:
             shape = (batch, capacity, a.num_kv_heads, a.head_dim)
             states.append(KVCache(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype)))

@@ -1,4 +1,4 @@
-"""Block-quantized expert weights for the grouped matmul (GGUF Q8_0 / Q5_0 / Q6_K / Q4_0 / Q4_1 / Q4_K compatible).
+"""Block-quantized expert weights for the grouped matmul (GGUF Q8_0 / Q5_0 / Q6_K / Q4_0 / Q4_1 / Q4_K).
 
 A `QuantizedWeights` stands in for a float rhs `[groups, k, n]` (k = the input dim, n = the output dim).
 Quantization blocks are `block_size` (32) consecutive elements along k, as in GGUF, which also quantizes
@@ -21,8 +21,7 @@ With `k_major=True` (what `quantize_int8`, `quantize_int4` and the GGUF loader p
 transposed, `[groups, n, k]` (bits=8) or `[groups, n, k // 2]` (bits=4, the same split-half bytes): each
 output column's codes are contiguous along k, as in GGUF's own rows. The grouped-matmul kernel then reads
 four consecutive k-codes per 32-bit shared-memory load in the tensor-core operand layout (rather than one
-byte per load) and dequantizes them by one PTX block (H100, 2026-11-25, docs/benchmarks_gmm.md: weight-read
-bound 1.1-1.2x faster, prefill sizes 0.98-1.2x).
+byte per load) and dequantizes them by one PTX block.
 """
 
 from __future__ import annotations
@@ -88,8 +87,9 @@ class QuantizedWeights:
 
     @property
     def half_precision_scales(self) -> bool:
-        """Whether the scales are float16 / bfloat16 (at most 11 significant bits): then (2**15 + 128) * scale is
-        exact in float32, which the kernels' one-fma int8 dequantization needs (`pallas_triton._dequantize_asm`)."""
+        """Whether the scales are float16 / bfloat16 (at most 11 significant bits): then (2**15 + 128) * scale
+        is exact in float32, which the kernels' one-fma int8 dequantization needs
+        (`grouped_matmul.common.dequantize_asm`)."""
         return jnp.dtype(self.scales.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
     @property
@@ -109,11 +109,15 @@ class QuantizedWeights:
         bs = self.block_size
         want_dtype = jnp.int8 if self.bits == 8 else jnp.uint8
         if self.values.dtype != want_dtype:
-            raise ValueError(f"bits={self.bits} needs values of dtype {jnp.dtype(want_dtype).name}, "
-                             f"got {self.values.dtype}")
+            raise ValueError(
+                f"bits={self.bits} needs values of dtype {jnp.dtype(want_dtype).name}, "
+                f"got {self.values.dtype}"
+            )
         if k % (bs * (2 if self.bits == 4 else 1)):
-            raise ValueError(f"k={k} must be a multiple of {bs * (2 if self.bits == 4 else 1)} "
-                             f"(block_size={bs}, bits={self.bits})")
+            raise ValueError(
+                f"k={k} must be a multiple of {bs * (2 if self.bits == 4 else 1)} "
+                f"(block_size={bs}, bits={self.bits})"
+            )
         want = (groups, k // bs, n)
         if tuple(self.scales.shape) != want:
             raise ValueError(f"scales.shape={tuple(self.scales.shape)}, expected {want}")
@@ -151,8 +155,9 @@ def _blocks(w: jax.Array, block_size: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype", "k_major", "offsets"))
-def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True,
-                  offsets: bool = False) -> QuantizedWeights:
+def quantize_int8(
+    w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True, offsets: bool = False
+) -> QuantizedWeights:
     """8-bit quantization along k: symmetric (GGUF Q8_0: scale = max|w| / 127 per block), or with `offsets`
     asymmetric (scale = (max - min) / 255, offset = min + 128 scale, codes in [-128, 127]).
 
@@ -166,7 +171,7 @@ def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k
     Returns:
       QuantizedWeights with bits=8.
     """
-    wb = _blocks(w, block_size)                                       # [g, k/bs, bs, n]
+    wb = _blocks(w, block_size)  # [g, k/bs, bs, n]
     if offsets:
         lo, hi = jnp.min(wb, axis=2), jnp.max(wb, axis=2)
         scale = ((hi - lo) / 255.0).astype(scale_dtype)
@@ -178,20 +183,23 @@ def quantize_int8(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k
         offset = None
         s = scale.astype(jnp.float32)[:, :, None, :]
         q = jnp.clip(jnp.round(wb / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8)
-    return QuantizedWeights(values=q.reshape(w.shape), scales=scale, offsets=offset, bits=8,
-                            block_size=block_size).with_k_major(k_major)
+    return QuantizedWeights(
+        values=q.reshape(w.shape), scales=scale, offsets=offset, bits=8, block_size=block_size
+    ).with_k_major(k_major)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale_dtype", "k_major"))
-def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True
-                  ) -> QuantizedWeights:
+def quantize_int4(
+    w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k_major: bool = True
+) -> QuantizedWeights:
     """Asymmetric 4-bit quantization along k (GGUF Q4_1 style: value = scale * q + offset, q in [0, 15]).
 
     Args:
       w: float `[groups, k, n]`, k a multiple of 2 * `block_size`.
       block_size: elements per block along k.
       scale_dtype: dtype of the stored scales and offsets.
-      k_major: store `values` `[groups, n, k // 2]` (the kernel's fast layout) rather than `[groups, k // 2, n]`.
+      k_major: store `values` `[groups, n, k // 2]` (the kernel's fast layout) rather than `[groups, k // 2,
+        n]`.
 
     Returns:
       QuantizedWeights with bits=4, values packed split-half (see module docstring).
@@ -209,9 +217,10 @@ def quantize_int4(w: jax.Array, block_size: int = 32, scale_dtype=jnp.float16, k
     s = scale.astype(jnp.float32)[:, :, None, :]
     q = jnp.round((wb - offset.astype(jnp.float32)[:, :, None, :]) / jnp.where(s == 0, 1.0, s))
     q = jnp.clip(q, 0, 15).astype(jnp.uint8).reshape(groups, k, n)
-    packed = q[:, : k // 2] | (q[:, k // 2:] << 4)                   # [g, k/2, n]
-    return QuantizedWeights(values=packed, scales=scale, offsets=offset, bits=4,
-                            block_size=block_size).with_k_major(k_major)
+    packed = q[:, : k // 2] | (q[:, k // 2 :] << 4)  # [g, k/2, n]
+    return QuantizedWeights(
+        values=packed, scales=scale, offsets=offset, bits=4, block_size=block_size
+    ).with_k_major(k_major)
 
 
 def quantize_like(w, template):
@@ -229,21 +238,30 @@ def quantize_like(w, template):
         w = w.dequantize(jnp.float32)
     if not isinstance(template, QuantizedWeights):
         return jnp.asarray(w).astype(template.dtype)
-    kw = {"block_size": template.block_size, "scale_dtype": jnp.dtype(template.scales.dtype),
-          "k_major": template.k_major}
+    kw = {
+        "block_size": template.block_size,
+        "scale_dtype": jnp.dtype(template.scales.dtype),
+        "k_major": template.k_major,
+    }
     if template.bits == 8:
         return quantize_int8(jnp.asarray(w, jnp.float32), offsets=template.offsets is not None, **kw)
     return quantize_int4(jnp.asarray(w, jnp.float32), **kw)
 
 
 def _format(q: QuantizedWeights) -> tuple:
-    return (q.bits, q.block_size, q.k_major, jnp.dtype(q.scales.dtype),
-            None if q.offsets is None else jnp.dtype(q.offsets.dtype))
+    return (
+        q.bits,
+        q.block_size,
+        q.k_major,
+        jnp.dtype(q.scales.dtype),
+        None if q.offsets is None else jnp.dtype(q.offsets.dtype),
+    )
 
 
 def common_format(formats):
     """The narrowest storage format that holds each of `formats` exactly (`reencode`), as a template: a
-    `QuantizedWeights` whose leaves are `jax.ShapeDtypeStruct`s, or a `jax.ShapeDtypeStruct` for float weights.
+    `QuantizedWeights` whose leaves are `jax.ShapeDtypeStruct`s, or a `jax.ShapeDtypeStruct` for float
+    weights.
 
     Args:
       formats: `QuantizedWeights` and/or float arrays (or their ShapeDtypeStruct stand-ins), all of one
@@ -253,9 +271,10 @@ def common_format(formats):
       ValueError: formats of different shapes, or blocks with no common refinement.
 
     Quantized ones only: 8 bits if any is 8-bit (4-bit codes fit int8), the smallest block, the widest scale
-    dtype (float16 with bfloat16 gives float32), offsets if any has them or any is 4-bit; k-major if any is. With
-    any float format: the widest float dtype (quantized weights are then dequantized into it, which rounds them
-    to it as a dense load does).
+    dtype (float16 with bfloat16 gives float32), offsets if any has them or any is 4-bit; k-major if any is.
+    With
+    any float format: the widest float dtype (quantized weights are then dequantized into it, which rounds
+    them to it as a dense load does).
     """
     formats = list(formats)
     shapes = {tuple(f.shape) for f in formats}
@@ -268,23 +287,34 @@ def common_format(formats):
     bits = 8 if any(f.bits == 8 for f in formats) else 4
     block = min(f.block_size for f in formats)
     if any(f.block_size % block for f in formats):
-        raise ValueError(f"quantization blocks {sorted({f.block_size for f in formats})} have no common refinement")
-    dtype = jnp.result_type(*[f.scales.dtype for f in formats],
-                            *[f.offsets.dtype for f in formats if f.offsets is not None])
+        raise ValueError(
+            f"quantization blocks {sorted({f.block_size for f in formats})} have no common refinement"
+        )
+    dtype = jnp.result_type(
+        *[f.scales.dtype for f in formats], *[f.offsets.dtype for f in formats if f.offsets is not None]
+    )
     offsets = bits == 4 or any(f.offsets is not None or f.bits == 4 for f in formats)
     k_major = any(f.k_major for f in formats)
     rows = k // 2 if bits == 4 else k
-    values = jax.ShapeDtypeStruct((groups, n, rows) if k_major else (groups, rows, n), jnp.int8 if bits == 8
-                                  else jnp.uint8)
+    values = jax.ShapeDtypeStruct(
+        (groups, n, rows) if k_major else (groups, rows, n), jnp.int8 if bits == 8 else jnp.uint8
+    )
     blocks = jax.ShapeDtypeStruct((groups, k // block, n), dtype)
-    return QuantizedWeights(values=values, scales=blocks, offsets=blocks if offsets else None, bits=bits,
-                            block_size=block, k_major=k_major)
+    return QuantizedWeights(
+        values=values,
+        scales=blocks,
+        offsets=blocks if offsets else None,
+        bits=bits,
+        block_size=block,
+        k_major=k_major,
+    )
 
 
 def reencode(w, template):
     """`w` (`QuantizedWeights` or float array) stored in the format of `template` (e.g. from `common_format`)
-    with the same values: codes widened (4-bit to int8), scales and offsets repeated to a smaller block and cast
-    to a wider dtype, zero offsets where `w` has none. Dequantizing gives `w`'s float32 weights bit for bit. A
+    with the same values: codes widened (4-bit to int8), scales and offsets repeated to a smaller block and
+    cast to a wider dtype, zero offsets where `w` has none. Dequantizing gives `w`'s float32 weights bit for
+    bit. A
     float template: `w` dequantized into its dtype (a rounding where that dtype is narrower than float32).
 
     Raises:
@@ -295,24 +325,42 @@ def reencode(w, template):
         w = w.dequantize(jnp.float32) if isinstance(w, QuantizedWeights) else jnp.asarray(w)
         return w.astype(template.dtype)
     if not isinstance(w, QuantizedWeights):
-        raise ValueError("float weights cannot be re-encoded as quantized ones exactly (quantize_like rounds them)")  # noqa: TRY004
+        raise ValueError(
+            "float weights cannot be re-encoded as quantized ones exactly (quantize_like rounds them)"
+        )  # noqa: TRY004
     dtype = jnp.dtype(template.scales.dtype)
-    problems = [why for bad, why in (
-        (w.bits > template.bits, f"{w.bits}-bit codes in a {template.bits}-bit format"),
-        (w.block_size % template.block_size, f"blocks of {w.block_size} in blocks of {template.block_size}"),
-        (jnp.result_type(w.scales.dtype, dtype) != dtype, f"{w.scales.dtype} scales as {dtype}"),
-        (w.offsets is not None and template.offsets is None, "offsets in a format without them")) if bad]
+    problems = [
+        why
+        for bad, why in (
+            (w.bits > template.bits, f"{w.bits}-bit codes in a {template.bits}-bit format"),
+            (
+                w.block_size % template.block_size,
+                f"blocks of {w.block_size} in blocks of {template.block_size}",
+            ),
+            (jnp.result_type(w.scales.dtype, dtype) != dtype, f"{w.scales.dtype} scales as {dtype}"),
+            (w.offsets is not None and template.offsets is None, "offsets in a format without them"),
+        )
+        if bad
+    ]
     if problems:
         raise ValueError(f"cannot re-encode exactly: {'; '.join(problems)}")
     repeat = w.block_size // template.block_size
-    widen = lambda a: jnp.repeat(a, repeat, axis=1).astype(dtype)     # [g, k / b, n] -> [g, k / b', n]
+
+    def widen(a):  # [g, k / b, n] -> [g, k / b', n]
+        return jnp.repeat(a, repeat, axis=1).astype(dtype)
+
     scales = widen(w.scales)
     offsets = None
     if template.offsets is not None:
         offsets = widen(w.offsets) if w.offsets is not None else jnp.zeros_like(scales)
-    values = w.values if w.bits == template.bits else w.codes().astype(jnp.int8)    # [g, k, n] (4 -> 8 bits)
-    out = QuantizedWeights(values=values, scales=scales, offsets=offsets, bits=template.bits,
-                           block_size=template.block_size,
-                           k_major=w.k_major if w.bits == template.bits else False).with_k_major(template.k_major)
+    values = w.values if w.bits == template.bits else w.codes().astype(jnp.int8)  # [g, k, n] (4 -> 8 bits)
+    out = QuantizedWeights(
+        values=values,
+        scales=scales,
+        offsets=offsets,
+        bits=template.bits,
+        block_size=template.block_size,
+        k_major=w.k_major if w.bits == template.bits else False,
+    ).with_k_major(template.k_major)
     out.check()
     return out

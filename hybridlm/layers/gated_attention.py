@@ -30,21 +30,26 @@ def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
     """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32).
 
     implementation None: cuDNN on a GPU for bf16 / fp16 inputs, else XLA. (JAX's own None picks XLA when the
-    logsumexp is asked for: measured on an H100, Qwen3.6 shapes, 32 768 tokens in chunks of 8192, the 10
-    attention layers took 1.00 s with XLA and 0.24 s with cuDNN.)
+    logsumexp is asked for, several times slower than cuDNN for long prefill chunks.)
     """
     implementation = _resolve(implementation, q.dtype)
     out, lse = jax.nn.dot_product_attention(
-        q, k, v, is_causal=is_causal, key_value_seq_lengths=kv_lengths, implementation=implementation,
-        return_residual=True)
-    lse = lse if lse.shape == q.shape[:3] else jnp.swapaxes(lse, 1, 2)   # BTN or BNT depending on backend
+        q,
+        k,
+        v,
+        is_causal=is_causal,
+        key_value_seq_lengths=kv_lengths,
+        implementation=implementation,
+        return_residual=True,
+    )
+    lse = lse if lse.shape == q.shape[:3] else jnp.swapaxes(lse, 1, 2)  # BTN or BNT depending on backend
     return out, lse.astype(jnp.float32)
 
 
 def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, carry):
-    """Online-softmax merge of q's attention to cached block j (keys [j * block, (j + 1) * block), those before
-    `start` valid) into carry = (acc [b, t, heads, hd] float32, normalised output so far; lse [b, t, heads]).
-    A block with no valid key weighs 0."""
+    """Online-softmax merge of q's attention to cached block j (keys [j * block, (j + 1) * block), those
+    before `start` valid) into carry = (acc [b, t, heads, hd] float32, normalised output so far; lse [b, t,
+    heads]). A block with no valid key weighs 0."""
     acc, run_lse = carry
     batch = q.shape[0]
     keys = jax.lax.dynamic_slice_in_dim(cache.key, j * block, block, axis=1)
@@ -59,19 +64,27 @@ def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, 
     return acc, new_lse
 
 
-# Decode (one query per sequence) attends through this implementation when none is named. cuDNN's flash attention
-# with one query and key lengths is not repeatable bit for bit on an H100 (JAX 0.11.2, 2026-11-27: two greedy
-# decodes of the same tokens from the same state diverged after ~20 steps in an attention layer; with "xla", 48
-# steps were identical, docs/benchmarks.md "Decode"). The XLA form is a few small fusions for one query.
+# Decode (one query per sequence) attends through this implementation when none is named: cuDNN's flash
+# attention with one query and key lengths is not repeatable bit for bit (two greedy decodes of the same
+# tokens can diverge), and the XLA form is only a few small fusions for one query.
 DECODE_IMPLEMENTATION = "xla"
 
-# With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs (whose
-# predicate XLA's GPU runtime reads back to the host on every iteration: dispatch then waits for the device).
+# With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs
+# (whose predicate XLA's GPU runtime reads back to the host on every iteration: dispatch then waits for the
+# device).
 MAX_UNROLLED_BLOCKS = 16
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, start: jax.Array, *,
-                     implementation: str | None = None, static_blocks: bool | None = None) -> jax.Array:
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: KVCache,
+    start: jax.Array,
+    *,
+    implementation: str | None = None,
+    static_blocks: bool | None = None,
+) -> jax.Array:
     """Causal attention of a chunk over the cached prefix [0, start) and itself.
 
     The chunk attends to itself with an aligned causal mask, and to the prefix block by block; the partial
@@ -81,12 +94,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
     mask is built.
 
     With cuDNN the block loop has a static trip count (capacity / block, up to MAX_UNROLLED_BLOCKS, unrolled);
-    a block at or past `start` has zero valid keys, which cuDNN skips, and is merged with weight 0. A loop over
-    the ceil(start / block) blocks with a traced trip count would make XLA's GPU runtime read the loop
-    predicate back to the host, so dispatching the program would wait for the device (measured on an H100, Qwen3.6
-    shapes, chunk 8192, capacity 32 768: the host blocked 1.8-7.3 ms per call; unrolled, dispatch takes
-    0.7-1.0 ms and the device time per call drops from 1.79 / 3.68 / 5.50 / 7.31 ms to 1.26 / 2.75 / 4.40 /
-    6.19 ms at start 0 / 8192 / 16 384 / 24 576: `benchmarks/cached_attention_loop.py`). Beyond
+    a block at or past `start` has zero valid keys, which cuDNN skips, and is merged with weight 0. A loop
+    over the ceil(start / block) blocks with a traced trip count would make XLA's GPU runtime read the loop
+    predicate back to the host, so dispatching the program would wait for the device (unrolled, the host does
+    not block and the device time per call is lower too). Beyond
     MAX_UNROLLED_BLOCKS blocks, and with the XLA implementation (CPU; not bfloat16 on GPU), where an empty
     block would cost a full block, that loop is used.
 
@@ -94,10 +105,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] of this chunk (post-RoPE).
       cache: the KV cache *before* this chunk was written (positions >= start are ignored).
       start: absolute position of the chunk's first token (int32 scalar, may be traced).
-      implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn"); None with one query per
-        sequence (decode): `DECODE_IMPLEMENTATION`.
-      static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN, and for one
-        query per sequence (its one block, whichever the implementation).
+      implementation: passed to `jax.nn.dot_product_attention` (None, "xla" or "cudnn"); None with one query
+        per sequence (decode): `DECODE_IMPLEMENTATION`.
+      static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN, and
+        for one query per sequence (its one block, whichever the implementation).
 
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
@@ -105,7 +116,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, s
     seq = q.shape[1]
     if seq == 1 and implementation is None:
         implementation = DECODE_IMPLEMENTATION
-    if static_blocks is None:   # decode reads the cache as one block: no loop either way
+    if static_blocks is None:  # decode reads the cache as one block: no loop either way
         static_blocks = seq == 1 or _resolve(implementation, q.dtype) == "cudnn"
     out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
     blocks = cache.capacity // seq if seq > 1 and cache.capacity % seq == 0 else 1
@@ -128,16 +139,22 @@ class GatedAttention(nnx.Module):
         a, h = config.attention, config.hidden_dim
         self.config = config
         normal = nnx.initializers.normal(stddev=0.02)
-        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
-        self.q_proj = p((h, a.num_heads * 2 * a.head_dim))     # [hidden, heads * (q | gate)], per-head interleave
-        self.k_proj = p((h, a.num_kv_heads * a.head_dim))      # [hidden, kv_heads*head_dim]
+
+        def p(shape):
+            return nnx.Param(normal(rngs.params(), shape, dtype))
+
+        self.q_proj = p(
+            (h, a.num_heads * 2 * a.head_dim)
+        )  # [hidden, heads * (q | gate)], per-head interleave
+        self.k_proj = p((h, a.num_kv_heads * a.head_dim))  # [hidden, kv_heads*head_dim]
         self.v_proj = p((h, a.num_kv_heads * a.head_dim))
-        self.o_proj = p((a.num_heads * a.head_dim, h))         # [heads*head_dim, hidden]
-        self.q_norm = nnx.Param(jnp.zeros((a.head_dim,), dtype))   # zero-centred (1 + w)
+        self.o_proj = p((a.num_heads * a.head_dim, h))  # [heads*head_dim, hidden]
+        self.q_norm = nnx.Param(jnp.zeros((a.head_dim,), dtype))  # zero-centred (1 + w)
         self.k_norm = nnx.Param(jnp.zeros((a.head_dim,), dtype))
 
-    def __call__(self, x: jax.Array, cache: KVCache | None = None,
-                 start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+    def __call__(
+        self, x: jax.Array, cache: KVCache | None = None, start: jax.Array | int = 0
+    ) -> tuple[jax.Array, KVCache | None]:
         """Attention over a chunk.
 
         Args:
@@ -153,7 +170,7 @@ class GatedAttention(nnx.Module):
         a, eps = self.config.attention, self.config.rms_norm_eps
         batch, seq, _ = x.shape
         qg = linear(x, self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
-        q, gate = qg[..., :a.head_dim], qg[..., a.head_dim:]
+        q, gate = qg[..., : a.head_dim], qg[..., a.head_dim :]
         k = linear(x, self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
         v = linear(x, self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
         q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
@@ -169,7 +186,11 @@ class GatedAttention(nnx.Module):
             out = cached_attention(q, k, v, cache, jnp.asarray(start, jnp.int32), implementation=impl)
             new_cache = KVCache(
                 key=jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), start, axis=1),
-                value=jax.lax.dynamic_update_slice_in_dim(cache.value, v.astype(cache.value.dtype), start, axis=1))
+                value=jax.lax.dynamic_update_slice_in_dim(
+                    cache.value, v.astype(cache.value.dtype), start, axis=1
+                ),
+            )
         out = out.reshape(batch, seq, a.num_heads * a.head_dim) * jax.nn.sigmoid(
-            gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)).astype(x.dtype)
+            gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)
+        ).astype(x.dtype)
         return linear(out, self.o_proj[...]), new_cache

@@ -14,12 +14,11 @@ SINGLE_ROW_PAD = 8
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w: [..., k] x [k, n] -> [..., n] in the dtype of the product (as `x @ w`).
 
-    When x holds a single row (a one-token decode step) and w more than one column, the row is padded with zero
-    rows to `SINGLE_ROW_PAD` and the product's first row taken. XLA's GPU compiler rewrites a vector-matrix product
-    as a broadcast multiply and a reduction and often writes the whole [k, n] product to memory before reducing it;
-    as a matrix product it runs 1.3-2.7x faster (H100, JAX 0.11.2, 2026-11-26: [1, 4096] @ [4096, 2048] bf16 43-47 us
-    against 16-18 us; docs/benchmarks.md, "Decode"). The padding rows are zero and rows of a matrix product do not
-    mix, so the result is the product's (up to the summation order the compiler picks).
+    When x holds a single row (a one-token decode step) and w more than one column, the row is padded with
+    zero rows to `SINGLE_ROW_PAD` and the product's first row taken. XLA's GPU compiler rewrites a
+    vector-matrix product as a broadcast multiply and a reduction and often writes the whole [k, n] product to
+    memory before reducing it; as a matrix product it runs faster. The padding rows are zero and rows of a
+    matrix product do not mix, so the result is the product's (up to the summation order the compiler picks).
     """
     rows = math.prod(x.shape[:-1])
     if rows != 1 or w.shape[-1] == 1:

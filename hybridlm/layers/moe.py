@@ -19,22 +19,30 @@ from flax import nnx
 
 from hybridlm.config import ModelConfig, MoEConfig
 from hybridlm.layers.linear import linear
+from pallas_kernels import tuning
 from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
 from pallas_kernels.quantized import QuantizedWeights
 
+# The thresholds below are fallbacks: a device's tuning table (`pallas_kernels.tuning`, op "moe") overrides
+# them by their lower-case names.
+TUNING_OP = "moe"
+
 # From this many tokens on, route_top_k selects its k experts by k rounds of argmax instead of jax.lax.top_k,
-# which XLA runs as a sort of every row on the GPU. H100, 256 experts, top-8 (2026-11-25): 32 768 tokens 0.300 ->
-# 0.102 ms per layer; 8 192 tokens 0.079 -> 0.095 (so not there). Same ids and weights, ties included.
+# which XLA runs as a sort of every row on the GPU (slower than the argmax rounds for long chunks only). Same
+# ids and weights, ties included.
 ARGMAX_TOP_K_MIN_TOKENS = 32768
 
 # Up to this many token copies (tokens x top_k) `routed_experts` runs the grouped matmuls on the copies in
 # (token, slot) order with each row's expert given (`row_groups`): no sort, no inverse permutation, and the
-# combine a plain weighted sum. Each copy then reads its expert's weights alone, so larger batches sort. H100,
-# 2026-11-26 (benchmarks/moe_decode.py, two runs, docs/benchmarks_gmm.md): unsorted faster up to 8 tokens for
-# every format; at 16 tokens faster for int8 (167 against 181-182 us per layer) and 4-bit (147-153 against
-# 175-177), level for bf16 (276 against 264-268); at 32 tokens the sort wins for all.
+# combine a plain weighted sum. Each copy then reads its expert's weights alone, so larger batches sort
+# (quantized experts cost fewer bytes a read, so they stay unsorted longer).
 UNSORTED_MAX_ROWS = 64
 UNSORTED_MAX_ROWS_QUANTIZED = 128
+
+
+def _threshold(name: str) -> int:
+    """The device's measured value of the module constant `name`, else the constant."""
+    return tuning.lookup(TUNING_OP).get(name.lower(), globals()[name])
 
 
 def top_k_by_argmax(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -53,7 +61,9 @@ def top_k_by_argmax(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, -1), jnp.stack(indices, -1)
 
 
-def route_top_k(router_logits: jax.Array, top_k: int, *, normalize: bool = True) -> tuple[jax.Array, jax.Array]:
+def route_top_k(
+    router_logits: jax.Array, top_k: int, *, normalize: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """Softmax over all experts in float32, then top-k, optionally renormalised.
 
     Args:
@@ -64,8 +74,8 @@ def route_top_k(router_logits: jax.Array, top_k: int, *, normalize: bool = True)
     Returns:
       weights [tokens, top_k] in router_logits.dtype, expert ids [tokens, top_k] int32 (by decreasing weight).
     """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)        # in [0, 1]: no -inf
-    if router_logits.shape[0] >= ARGMAX_TOP_K_MIN_TOKENS:
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # in [0, 1]: no -inf
+    if router_logits.shape[0] >= _threshold("ARGMAX_TOP_K_MIN_TOKENS"):
         weights, ids = top_k_by_argmax(probs, top_k)
     else:
         weights, ids = jax.lax.top_k(probs, top_k)
@@ -79,8 +89,8 @@ def route_top_k(router_logits: jax.Array, top_k: int, *, normalize: bool = True)
 class Dispatch:
     """Token copies sorted by expert; padding copies go past the last group and are dropped by the GMM."""
 
-    order: jax.Array         # [tokens*top_k] int32: flat copy index (token*top_k + j) at each sorted row
-    group_sizes: jax.Array   # [experts] int32: rows per expert (padding excluded)
+    order: jax.Array  # [tokens*top_k] int32: flat copy index (token*top_k + j) at each sorted row
+    group_sizes: jax.Array  # [experts] int32: rows per expert (padding excluded)
 
 
 def dispatch(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> Dispatch:
@@ -94,15 +104,23 @@ def dispatch(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = 
     ids = expert_ids
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, num_experts)
-    flat = ids.reshape(-1)                                          # [tokens*top_k]
+    flat = ids.reshape(-1)  # [tokens*top_k]
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
     return Dispatch(order=order, group_sizes=group_sizes)
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate_up, down, *,
-                   valid: jax.Array | None = None, implementation: str | None = None,
-                   sort: bool | None = None) -> jax.Array:
+def routed_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    gate_up,
+    down,
+    *,
+    valid: jax.Array | None = None,
+    implementation: str | None = None,
+    sort: bool | None = None,
+) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU expert(x), through sort-by-expert + GMM.
 
     Args:
@@ -114,7 +132,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
       implementation: grouped-matmul implementation (see `pallas_kernels.grouped_matmul.gmm`).
       sort: sort the token copies by expert (True) or run them in (token, slot) order with each row's expert
         named (False; decode); None: sort above `UNSORTED_MAX_ROWS` copies (`UNSORTED_MAX_ROWS_QUANTIZED` with
-        quantized experts).
+        quantized experts; the device's tuning table may set either).
 
     Returns:
       [tokens, hidden] in x.dtype.
@@ -123,23 +141,31 @@ def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, gate
     num_experts = gate_up.shape[0]
     if sort is None:
         quantized = isinstance(gate_up, QuantizedWeights)
-        sort = tokens * top_k > (UNSORTED_MAX_ROWS_QUANTIZED if quantized else UNSORTED_MAX_ROWS)
-    if sort:   # copies sorted by expert; the GMM gathers their token rows of x itself
+        sort = tokens * top_k > _threshold(
+            "UNSORTED_MAX_ROWS_QUANTIZED" if quantized else "UNSORTED_MAX_ROWS"
+        )
+    if sort:  # copies sorted by expert; the GMM gathers their token rows of x itself
         d = dispatch(expert_ids, num_experts, valid)
         groups = {"group_sizes": d.group_sizes}
         token_of_row = d.order // top_k
-    else:      # copies in (token, slot) order, each row's expert named (out of range: a zero row)
+    else:  # copies in (token, slot) order, each row's expert named (out of range: a zero row)
         ids = expert_ids if valid is None else jnp.where(valid[:, None], expert_ids, num_experts)
         groups = {"row_groups": ids.reshape(-1)}
         token_of_row = jnp.arange(tokens * top_k, dtype=jnp.int32) // top_k
     # [tokens*top_k, ffn], then [tokens*top_k, hidden]
     h = gmm_swiglu(x, gate_up, **groups, lhs_index=token_of_row, implementation=implementation)
     y = gmm(h.astype(x.dtype), down, **groups, implementation=implementation)
-    if sort:   # un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows)
+    if (
+        sort
+    ):  # un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows)
         inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
         y = y[inverse]
-    out = jnp.einsum("tk,tkh->th", weights.astype(y.dtype), y.reshape(tokens, top_k, -1),
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "tk,tkh->th",
+        weights.astype(y.dtype),
+        y.reshape(tokens, top_k, -1),
+        preferred_element_type=jnp.float32,
+    )
     return out.astype(x.dtype)
 
 
@@ -158,24 +184,35 @@ class SparseMoE(nnx.Module):
         h = config.hidden_dim
         self.config = config
         normal = nnx.initializers.normal(stddev=0.02)
-        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
-        self.router = p((h, m.num_experts))                                # [hidden, experts]
+
+        def p(shape):
+            return nnx.Param(normal(rngs.params(), shape, dtype))
+
+        self.router = p((h, m.num_experts))  # [hidden, experts]
         self.experts_gate_up = p((m.num_experts, h, 2 * m.expert_ffn_dim))  # [experts, hidden, 2*ffn]
-        self.experts_down = p((m.num_experts, m.expert_ffn_dim, h))        # [experts, ffn, hidden]
-        self.shared_gate_up = p((h, 2 * m.shared_ffn_dim))                 # [hidden, 2*shared_ffn]
-        self.shared_down = p((m.shared_ffn_dim, h))                        # [shared_ffn, hidden]
-        self.shared_token_gate = p((h,))                                   # [hidden]
+        self.experts_down = p((m.num_experts, m.expert_ffn_dim, h))  # [experts, ffn, hidden]
+        self.shared_gate_up = p((h, 2 * m.shared_ffn_dim))  # [hidden, 2*shared_ffn]
+        self.shared_down = p((m.shared_ffn_dim, h))  # [shared_ffn, hidden]
+        self.shared_token_gate = p((h,))  # [hidden]
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [tokens, hidden] -> (weights [tokens, top_k], expert ids [tokens, top_k] int32)."""
         m = self.config.moe
         return route_top_k(linear(x, self.router[...]), m.top_k, normalize=m.normalize_top_k)
 
-    def experts(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
-                valid: jax.Array | None = None) -> jax.Array:
+    def experts(
+        self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, valid: jax.Array | None = None
+    ) -> jax.Array:
         """Routed + shared experts for routed tokens: [tokens, hidden] -> [tokens, hidden]."""
-        routed = routed_experts(x, weights, expert_ids, self.experts_gate_up.get_value(), self.experts_down.get_value(),
-                                valid=valid, implementation=self.config.moe_implementation)
+        routed = routed_experts(
+            x,
+            weights,
+            expert_ids,
+            self.experts_gate_up.get_value(),
+            self.experts_down.get_value(),
+            valid=valid,
+            implementation=self.config.moe_implementation,
+        )
         shared = swiglu(x, self.shared_gate_up[...], self.shared_down[...])
         shared_gate = jax.nn.sigmoid((x @ self.shared_token_gate[...]).astype(jnp.float32)).astype(x.dtype)
         return routed + shared_gate[:, None] * shared
@@ -195,8 +232,8 @@ class DenseMLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         h, f = config.hidden_dim, config.dense_ffn_dim
         normal = nnx.initializers.normal(stddev=0.02)
-        self.gate_up = nnx.Param(normal(rngs.params(), (h, 2 * f), dtype))   # [hidden, 2*ffn]
-        self.down = nnx.Param(normal(rngs.params(), (f, h), dtype))          # [ffn, hidden]
+        self.gate_up = nnx.Param(normal(rngs.params(), (h, 2 * f), dtype))  # [hidden, 2*ffn]
+        self.down = nnx.Param(normal(rngs.params(), (f, h), dtype))  # [ffn, hidden]
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         return swiglu(x, self.gate_up[...], self.down[...])

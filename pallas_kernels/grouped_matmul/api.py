@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -11,36 +11,51 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_matmul import pallas_gemv, pallas_triton, reference
 from pallas_kernels.quantized import QuantizedWeights
 
-Implementation = Literal["auto", "reference", "pallas"]
-
-
-def _pallas(gemv: Callable[..., jax.Array], tiled: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """The Pallas kernel for a call: the matrix-vector kernel for a few rows with their groups named (decode;
-    `pallas_gemv.takes`), else the tensor-core kernel."""
-    def fn(lhs, rhs, group_sizes=None, *, row_groups=None, lhs_index=None, **kwargs):
-        m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
-        if pallas_gemv.takes(m, rhs, row_groups):
-            return gemv(lhs, rhs, row_groups=row_groups, lhs_index=lhs_index, **kwargs)
-        return tiled(lhs, rhs, group_sizes, row_groups=row_groups, lhs_index=lhs_index, **kwargs)
-    return fn
-
+Implementation = Literal["reference", "triton", "gemv"]
 
 _GMM: dict[str, Callable[..., jax.Array]] = {
     "reference": reference.gmm_reference,
-    "pallas": _pallas(pallas_gemv.gemv_pallas, pallas_triton.gmm_pallas),
+    "triton": pallas_triton.gmm_triton,
+    "gemv": pallas_gemv.gemv,
 }
 _GMM_SWIGLU: dict[str, Callable[..., jax.Array]] = {
     "reference": reference.gmm_swiglu_reference,
-    "pallas": _pallas(pallas_gemv.gemv_swiglu_pallas, pallas_triton.gmm_swiglu_pallas),
+    "triton": pallas_triton.gmm_swiglu_triton,
+    "gemv": pallas_gemv.gemv_swiglu,
 }
 
 
-def _pick(table: dict[str, Callable[..., jax.Array]], implementation: str | None) -> Callable[..., jax.Array]:
-    if implementation in (None, "auto"):
-        implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if implementation not in table:
-        raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(table)}")
-    return table[implementation]
+def default_implementation(lhs, rhs, *, row_groups=None, lhs_index=None) -> Implementation:
+    """The best implementation for this call on the running backend: on a GPU the matrix-vector kernel for a
+    few rows with their groups named (decode; `pallas_gemv.takes`), else the tensor-core kernel; "reference"
+    off GPU."""
+    if jax.default_backend() != "gpu":
+        return "reference"
+    m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
+    return "gemv" if pallas_gemv.takes(m, rhs, row_groups) else "triton"
+
+
+def _run(
+    table: dict[str, Callable[..., jax.Array]], implementation, lhs, rhs, group_sizes, **kwargs
+) -> jax.Array:
+    """Runs the named implementation, or the first of a sequence that does not raise NotImplementedError."""
+    if implementation is None:
+        implementation = default_implementation(
+            lhs, rhs, row_groups=kwargs["row_groups"], lhs_index=kwargs["lhs_index"]
+        )
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    for name in names:
+        if name not in table:
+            raise ValueError(f"unknown implementation {name!r}; choose from {sorted(table)}")
+    if len(names) == 1:  # a single choice never falls back
+        return table[names[0]](lhs, rhs, group_sizes, **kwargs)
+    refusals = []
+    for name in names:
+        try:
+            return table[name](lhs, rhs, group_sizes, **kwargs)
+        except NotImplementedError as e:
+            refusals.append(f"{name}: {e}")
+    raise NotImplementedError("every implementation refused: " + "; ".join(refusals))
 
 
 def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
@@ -55,21 +70,30 @@ def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
     groups, k, _ = rhs.shape
     if k != lhs.shape[1]:
         raise ValueError(f"lhs.shape={lhs.shape} and {name}.shape={tuple(rhs.shape)} disagree on k")
-    reference.check_groups(group_sizes, row_groups, lhs.shape[0] if lhs_index is None else lhs_index.shape[0],
-                           groups)
+    reference.check_groups(
+        group_sizes, row_groups, lhs.shape[0] if lhs_index is None else lhs_index.shape[0], groups
+    )
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
-        row_groups: jax.Array | None = None, lhs_index: jax.Array | None = None, preferred_element_type=None,
-        implementation: Implementation | None = "auto", interpret: bool | None = None) -> jax.Array:
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array | QuantizedWeights,
+    group_sizes: jax.Array | None = None,
+    *,
+    row_groups: jax.Array | None = None,
+    lhs_index: jax.Array | None = None,
+    preferred_element_type=None,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """Grouped matmul: each row of lhs times the matrix of its group.
 
     out[i] = lhs[i] @ rhs[g] for starts[g] <= i < ends[g] (ends = cumsum(group_sizes)); rows at or past
     sum(group_sizes) belong to no group and come out zero (the MoE drops padding tokens this way).
     Or, with `row_groups` instead of group_sizes, out[i] = lhs[i] @ rhs[row_groups[i]], rows in any order:
     what a decode step's few (token, expert) pairs need, with no sort (llama.cpp's `mul_mat_id`); each row is
-    then its own work item, so a group's weights are read once per row (use it for a few rows only); up to
-    `pallas_gemv.MAX_ROWS` rows the Pallas implementation runs them as matrix-vector products (`pallas_gemv`).
+    then its own work item, so a group's weights are read once per row (use it for a few rows only); the
+    default runs a few such rows as matrix-vector products ("gemv").
     Accumulation is float32.
 
     Args:
@@ -84,29 +108,48 @@ def gmm(lhs: jax.Array, rhs: jax.Array | QuantizedWeights, group_sizes: jax.Arra
         sorted-copy -> token, so the kernel gathers token rows itself and the [m, k] sorted copy of the
         activations never reaches memory.
       preferred_element_type: output dtype; None = lhs.dtype.
-      implementation: "reference" (pure JAX, float32, Precision.HIGHEST; the oracle) or "pallas"
-        (Pallas Triton kernel; interpreter when no GPU). "auto" (or None) = "pallas" on GPU, "reference"
-        elsewhere.
-      interpret: Pallas only: run the kernel in the interpreter; None = only when no GPU is present.
+      implementation: "reference" (pure JAX, float32, Precision.HIGHEST; the oracle), "triton" (the Pallas
+        Triton tensor-core kernel, `pallas_triton`) or "gemv" (Pallas Triton matrix-vector products for rows
+        with `row_groups`, `pallas_gemv`; refuses group_sizes and codes not stored k-major); the kernels run
+        in the interpreter when no GPU is present. A sequence: the first that does not refuse. None: the best
+        for the call on this backend (`default_implementation`).
+      interpret: kernels only: run in the Pallas interpreter; None = only when no GPU is present.
 
     Returns:
       `[m, n]` in preferred_element_type (or lhs.dtype); m = len(lhs_index) when given.
 
     Raises:
       ValueError: unknown implementation, shapes that disagree, both or neither of group_sizes and
-        row_groups, or (Pallas) an operand of 2**31 elements or more (the Triton kernel's offsets are int32).
+        row_groups, or (kernels) an operand of 2**31 elements or more (the Triton kernels' offsets are int32).
+      NotImplementedError: the implementation (or every one of a sequence) refuses the call.
 
-    Source: megablox `gmm` / tokamax `ragged_dot` semantics; docs/benchmarks_gmm.md for speed.
+    Source: megablox `gmm` / tokamax `ragged_dot` semantics.
     """
-    fn = _pick(_GMM, implementation)
     _check(lhs, rhs, group_sizes, "rhs", lhs_index, row_groups)
-    return fn(lhs, rhs, group_sizes, row_groups=row_groups, lhs_index=lhs_index,
-              preferred_element_type=preferred_element_type, interpret=interpret)
+    return _run(
+        _GMM,
+        implementation,
+        lhs,
+        rhs,
+        group_sizes,
+        row_groups=row_groups,
+        lhs_index=lhs_index,
+        preferred_element_type=preferred_element_type,
+        interpret=interpret,
+    )
 
 
-def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_sizes: jax.Array | None = None, *,
-               row_groups: jax.Array | None = None, lhs_index: jax.Array | None = None, preferred_element_type=None,
-               implementation: Implementation | None = "auto", interpret: bool | None = None) -> jax.Array:
+def gmm_swiglu(
+    lhs: jax.Array,
+    w_gate_up: jax.Array | QuantizedWeights,
+    group_sizes: jax.Array | None = None,
+    *,
+    row_groups: jax.Array | None = None,
+    lhs_index: jax.Array | None = None,
+    preferred_element_type=None,
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """Fused expert up-projection: silu(x @ W_gate) * (x @ W_up) per row's group.
 
     The Pallas kernel keeps both projections in registers and never writes the [m, 2 * ffn] intermediate.
@@ -128,12 +171,21 @@ def gmm_swiglu(lhs: jax.Array, w_gate_up: jax.Array | QuantizedWeights, group_si
     Raises:
       ValueError: unknown implementation, shapes that disagree, both or neither of group_sizes and
         row_groups, or an odd number of columns.
+      NotImplementedError: as in `gmm`.
 
     Source: SwiGLU, Shazeer 2020 (arXiv:2002.05202); Qwen3-MoE expert MLP.
     """
-    fn = _pick(_GMM_SWIGLU, implementation)
     _check(lhs, w_gate_up, group_sizes, "w_gate_up", lhs_index, row_groups)
     if w_gate_up.shape[2] % 2:
         raise ValueError(f"w_gate_up has {w_gate_up.shape[2]} columns; expected 2 * ffn")
-    return fn(lhs, w_gate_up, group_sizes, row_groups=row_groups, lhs_index=lhs_index,
-              preferred_element_type=preferred_element_type, interpret=interpret)
+    return _run(
+        _GMM_SWIGLU,
+        implementation,
+        lhs,
+        w_gate_up,
+        group_sizes,
+        row_groups=row_groups,
+        lhs_index=lhs_index,
+        preferred_element_type=preferred_element_type,
+        interpret=interpret,
+    )

@@ -3,25 +3,23 @@
 At decode each of a few tokens sends one row to each of its top-k experts (`row_groups`: each row names its
 group), so the grouped matmul is a set of matrix-vector products bound by reading the experts' weights. The
 tensor-core kernel (`pallas_triton`, row mode) pads each row to a 16-row tile and walks k in a loop per
-(row, 64-128-column tile): at one token 64-128 programs, each a chain of dependent k steps (~15 and ~7 us for
-the two products of a layer on an H100, 1.2 TB/s). This kernel is llama.cpp's `mul_mat_vec` shape instead:
+(row, column tile), so one token gives few programs, each a chain of dependent k steps. This kernel is
+llama.cpp's `mul_mat_vec` shape instead:
 
 - one program per (output row, `block_n` columns), with few columns per program, so that one token already
   gives hundreds of programs;
 - no tensor cores: each program multiplies its `[block_n, block_k]` weight tile by the row chunk element-wise
   into a float32 accumulator of the tile's shape (fma per weight) and reduces it over k once at the end;
-- the k loop unrolled in the kernel by default (`GemvBlocks.unroll`; Triton's software-pipelined loop was slower
-  in the sweep);
+- the k loop unrolled in the kernel;
 - quantized weights (k-major codes, `QuantizedWeights.k_major`) are read in their stored layout, `[n, k]`
-  contiguous along k, as `[block_n, blocks, 32]` tiles, and dequantized in float32 (code * scale [+ offset]) by
-  the tensor-core kernel's PTX (`pallas_triton._dequantize_asm`, byte permutes into a power of two's mantissa:
-  no int-to-float instruction, an eighth of the fma rate on Hopper), the float32 results kept: weights more
-  precise than the tensor-core kernels' (rounded to bf16), the reference's values exactly.
+  contiguous along k, as `[block_n, blocks, 32]` tiles, and dequantized in float32 (code * scale [+ offset])
+  by the PTX of `common.dequantize_asm` (byte permutes into a power of two's mantissa, no int-to-float
+  instruction), the float32 results kept: the reference's weights exactly.
 
 Outputs agree with `reference.gmm_reference` (float32 weights and accumulation; the order of the sum differs).
-The kernel also takes float weights `[groups, k, n]` (tiles `[block_k, block_n]`, n contiguous), but `gmm` keeps
-those on the tensor-core kernel, which reads them faster (`takes`).
-Speed: docs/benchmarks_gmm.md ("2026-11-27: decode's products as matrix-vector kernels").
+The kernel also takes float weights `[groups, k, n]` (tiles `[block_k, block_n]`, n contiguous), but `gmm`'s
+default keeps those on the tensor-core kernel, which reads them faster (`takes`). Knobs: `Config`, over which
+the device's measured ones (`pallas_kernels.tuning`, op "grouped_matmul.gemv") apply.
 """
 
 from __future__ import annotations
@@ -34,35 +32,61 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import tuning
 from pallas_kernels.grouped_matmul import reference
-from pallas_kernels.grouped_matmul.pallas_triton import _dequantize_asm, check_int32_offsets
+from pallas_kernels.grouped_matmul.common import check_int32_offsets, dequantize_asm
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
-# Up to this many rows with their groups named (`row_groups`: a decode step's token copies, top-8 per token) and
-# quantized weights (`takes`), the Pallas `gmm` and `gmm_swiglu` run this kernel instead of the tensor-core one. H200, 2026-11-27
-# (benchmarks/moe_decode.py --gemv-sweep, 8 layers x 4 inputs a call; docs/benchmarks_gmm.md), us per layer at one
-# token, tensor cores -> this kernel (8 x 256): int8 gate_up 15.6 -> 10.3, down 8.8 -> 9.5; 4-bit gate_up 16.2 ->
-# 12.8, down 17.0 -> 9.9. At two tokens the tensor-core kernel is level or faster for int8. Whole decode layer
-# (route + routed experts, H100, 1 token): int8 38.4 -> 36.8 us, 4-bit 38.4 -> 33.6.
+# The key of this kernel's measured knobs in the tuning tables; its "default" entry may also hold "max_rows".
+TUNING_OP = "grouped_matmul.gemv"
+
+# Up to this many rows with their groups named and quantized weights (`takes`), `gmm`'s default runs this
+# kernel instead of the tensor-core one, where the device's table does not say otherwise ("max_rows"): beyond
+# a token's top-k copies the tensor-core kernel's weight reuse across rows wins.
 MAX_ROWS = 8
+
+# Triton's pipelining depth: the k loop is unrolled, so there is nothing to pipeline.
+NUM_STAGES = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GemvBlocks:
-    """Columns per program (`block_n`), k per step (`block_k`, a multiple of the quantization block; for 4 bits
-    it counts packed rows, each step covering block_k k-rows of each half), Triton warps, and whether the k loop
-    is unrolled in the kernel (`unroll`) or a loop Triton software-pipelines over `num_stages`."""
+class Config:
+    """Columns per program (`block_n`), k per step (`block_k`, a multiple of the quantization block; for 4
+    bits it counts packed rows, each step covering block_k k-rows of each half) and Triton warps."""
 
     block_n: int = 8
     block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 3
-    unroll: bool = True
 
 
-def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu: bool, bits, quant_block,
-            gather: bool, fast_silu: bool, asm: bool, int8_fma: bool):
+def default_config() -> Config:
+    """`Config` with the device's measured knobs (`pallas_kernels.tuning`) over its defaults."""
+    measured = tuning.lookup(TUNING_OP)
+    return Config(**{f.name: measured[f.name] for f in dataclasses.fields(Config) if f.name in measured})
+
+
+def max_rows() -> int:
+    """Rows up to which `takes` holds: the device's measured "max_rows", else `MAX_ROWS`."""
+    return tuning.lookup(TUNING_OP).get("max_rows", MAX_ROWS)
+
+
+def _kernel(
+    group_ref,
+    lhs_ref,
+    *rest,
+    k,
+    n_out,
+    groups,
+    bs: Config,
+    swiglu: bool,
+    bits,
+    quant_block,
+    gather: bool,
+    fast_silu: bool,
+    asm: bool,
+    int8_fma: bool,
+):
     rest = list(rest)
     index_ref = rest.pop(0) if gather else None
     out_ref = rest.pop()
@@ -74,10 +98,10 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
     col_bases = (j * bn, n_out + j * bn) if swiglu else (j * bn,)
     k_rows = k // 2 if bits == 4 else k
     steps = pl.cdiv(k_rows, bk)
-    nb = bk // quant_block if bits else 0          # quantization blocks per step
+    nb = bk // quant_block if bits else 0  # quantization blocks per step
 
     g = group_ref[r]
-    valid = (g >= 0) & (g < groups)               # a row of no group: group 0's weights are read, zeros stored
+    valid = (g >= 0) & (g < groups)  # a row of no group: group 0's weights are read, zeros stored
     g = jnp.clip(g, 0, groups - 1)
     src = jnp.clip(index_ref[r], 0, lhs_ref.shape[0] - 1) if gather else r
 
@@ -85,7 +109,11 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
         # [1, bk] f32 (float weights) or [1, nb, 32] (quantized) chunk of the row
         if bits is None:
             at = lhs_ref.at[pl.ds(src, 1), pl.ds(kk, bk)]
-            x = plgpu.load(at, mask=((kk + jnp.arange(bk)) < k)[None, :], other=0) if k % bk else plgpu.load(at)
+            x = (
+                plgpu.load(at, mask=((kk + jnp.arange(bk)) < k)[None, :], other=0)
+                if k % bk
+                else plgpu.load(at)
+            )
         else:
             x = plgpu.load(lhs_ref.at[pl.ds(src, 1), pl.ds(kk // quant_block, nb), :])
         return x.astype(jnp.float32)
@@ -98,31 +126,43 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
     def product(acc, kk, col0):
         # acc [bn, nb, 32] (float weights: [bk, bn]) += x * weights for k-rows kk + [0, bk) (packed rows for
         # 4 bits)
-        if bits is None:   # rhs [groups, k, n]: the tile [bk, bn], n contiguous
+        if bits is None:  # rhs [groups, k, n]: the tile [bk, bn], n contiguous
             mask = col_in[None, :]
             if k % bk:
                 mask = mask & ((kk + jnp.arange(bk)) < k)[:, None]
             wt = plgpu.load(rhs_ref.at[g, pl.ds(kk, bk), pl.ds(col0, bn)], mask=mask, other=0)
             return acc + x_chunk(kk).T * wt.astype(jnp.float32)
-        codes = plgpu.load(rhs_ref.at[g, pl.ds(col0, bn), pl.ds(kk // quant_block, nb), :],
-                           mask=col_in[:, None, None], other=0)          # [bn, nb, 32], k contiguous
+        codes = plgpu.load(
+            rhs_ref.at[g, pl.ds(col0, bn), pl.ds(kk // quant_block, nb), :],
+            mask=col_in[:, None, None],
+            other=0,
+        )  # [bn, nb, 32], k contiguous
         if bits == 8:
             scale = per_block(scale_ref, kk // quant_block, col0)
-            offset = None if offset_ref is None else jnp.broadcast_to(
-                per_block(offset_ref, kk // quant_block, col0), codes.shape)
+            offset = (
+                None
+                if offset_ref is None
+                else jnp.broadcast_to(per_block(offset_ref, kk // quant_block, col0), codes.shape)
+            )
             if asm:
-                wt = _dequantize_asm(codes, jnp.broadcast_to(scale, codes.shape), offset, part=8, int8_fma=int8_fma,
-                                     f32=True)
+                wt = dequantize_asm(
+                    codes, jnp.broadcast_to(scale, codes.shape), offset, part=8, int8_fma=int8_fma, f32=True
+                )
             else:
                 wt = codes.astype(jnp.float32) * scale
                 wt = wt if offset is None else wt + offset
             return acc + x_chunk(kk) * wt
-        for x_row0, part in ((kk, "lo"), (k // 2 + kk, "hi")):   # split-half nibbles
+        for x_row0, part in ((kk, "lo"), (k // 2 + kk, "hi")):  # split-half nibbles
             kb = x_row0 // quant_block
             scale, offset = per_block(scale_ref, kb, col0), per_block(offset_ref, kb, col0)
             if asm:
-                wt = _dequantize_asm(codes, jnp.broadcast_to(scale, codes.shape), jnp.broadcast_to(offset, codes.shape),
-                                     part=part, f32=True)
+                wt = dequantize_asm(
+                    codes,
+                    jnp.broadcast_to(scale, codes.shape),
+                    jnp.broadcast_to(offset, codes.shape),
+                    part=part,
+                    f32=True,
+                )
             else:
                 q = codes.astype(jnp.int32)
                 q = q & 0xF if part == "lo" else (q >> 4) & 0xF
@@ -134,47 +174,61 @@ def _kernel(group_ref, lhs_ref, *rest, k, n_out, groups, bs: GemvBlocks, swiglu:
     accs = tuple(jnp.zeros(shape, jnp.float32) for _ in col_bases)
 
     def step(i, accs):
-        return tuple(product(acc, i * bk, c) for acc, c in zip(accs, col_bases))
+        return tuple(product(acc, i * bk, c) for acc, c in zip(accs, col_bases, strict=True))
 
-    if bs.unroll:
-        for i in range(steps):
-            accs = step(i, accs)
-    else:
-        accs = jax.lax.fori_loop(0, steps, step, accs)
-    sums = [jnp.sum(acc, axis=0) if bits is None else jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs]  # [bn]
+    for i in range(steps):
+        accs = step(i, accs)
+    sums = [
+        jnp.sum(acc, axis=0) if bits is None else jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs
+    ]  # [bn]
     if swiglu:
         out = (silu_approx(sums[0]) if fast_silu else jax.nn.sigmoid(sums[0]) * sums[0]) * sums[1]
     else:
         out = sums[0]
-    plgpu.store(out_ref.at[r, pl.ds(j * bn, bn)], jnp.where(valid, out, 0.0).astype(out_ref.dtype), mask=col_in)
+    plgpu.store(
+        out_ref.at[r, pl.ds(j * bn, bn)], jnp.where(valid, out, 0.0).astype(out_ref.dtype), mask=col_in
+    )
 
 
 def takes(m: int, rhs, row_groups) -> bool:
-    """Whether the Pallas grouped matmul runs `m` product rows on this kernel: their groups named (`row_groups`),
-    at most `MAX_ROWS` of them, and quantized weights with k-major codes. Float weights `[groups, k, n]` stay on
-    the tensor-core kernel: read 8 columns (16 bytes) per k-row here, a bf16 decode layer took 71.0 us against
-    43.7 (H100, 2026-11-27 05:27, `docs/results/2026-11-27_h100_moe_decode_gemv_ab_bf16.json`)."""
-    return row_groups is not None and m <= MAX_ROWS and isinstance(rhs, QuantizedWeights) and rhs.k_major
+    """Whether `gmm`'s default runs `m` product rows on this kernel: their groups named (`row_groups`), at
+    most `max_rows()` of them, and quantized weights with k-major codes. Float weights `[groups, k, n]` stay
+    on the tensor-core kernel, which reads them faster than 8 columns (16 bytes) per k-row here."""
+    return row_groups is not None and m <= max_rows() and isinstance(rhs, QuantizedWeights) and rhs.k_major
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "block_sizes", "interpret"))
-def _gemv(lhs, rhs, row_groups, lhs_index, *, swiglu: bool, preferred_element_type, block_sizes: GemvBlocks | None,
-          interpret):
+def refusal(rhs, group_sizes, row_groups) -> str | None:
+    """Why this kernel cannot run a call (None: it can): it needs each row's group named and k-major codes."""
+    if group_sizes is not None or row_groups is None:
+        return "the matrix-vector kernel takes row_groups, not group_sizes"
+    if isinstance(rhs, QuantizedWeights) and not rhs.k_major:
+        return (
+            "the matrix-vector kernel reads quantized codes stored k-major (QuantizedWeights.with_k_major())"
+        )
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu", "preferred_element_type", "config", "interpret"))
+def _gemv(
+    lhs, rhs, row_groups, lhs_index, *, swiglu: bool, preferred_element_type, config: Config | None, interpret
+):
     m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
     k = lhs.shape[1]
     quantized = isinstance(rhs, QuantizedWeights)
     if quantized:
         rhs.check()
         if not rhs.k_major:
-            raise ValueError("the matrix-vector kernel reads quantized codes stored k-major "
-                             "(QuantizedWeights.with_k_major())")
+            raise ValueError(
+                "the matrix-vector kernel reads quantized codes stored k-major "
+                "(QuantizedWeights.with_k_major())"
+            )
     groups, k_rhs, n_rhs = rhs.shape
     if k_rhs != k:
         raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
     reference.check_groups(None, row_groups, m, groups)
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
-    bs = block_sizes or GemvBlocks()
+    bs = config or default_config()
     bs = dataclasses.replace(bs, block_n=min(bs.block_n, pl.next_power_of_2(n_out)))
     if quantized:
         qb = rhs.block_size
@@ -183,16 +237,22 @@ def _gemv(lhs, rhs, row_groups, lhs_index, *, swiglu: bool, preferred_element_ty
         while block_k > qb and k_rows % block_k:
             block_k //= 2
         if block_k % qb or k_rows % block_k:
-            raise ValueError(f"block_k={bs.block_k}: no multiple of the quantization block {qb} divides the "
-                             f"{k_rows} k-rows")
+            raise ValueError(
+                f"block_k={bs.block_k}: no multiple of the quantization block {qb} divides the "
+                f"{k_rows} k-rows"
+            )
         bs = dataclasses.replace(bs, block_k=block_k)
         # free reshapes: codes [groups, n, rows / 32, 32], lhs [m, k / 32, 32]
         weights = (rhs.values.reshape(groups, n_rhs, -1, qb), rhs.scales) + (
-            () if rhs.offsets is None else (rhs.offsets,))
+            () if rhs.offsets is None else (rhs.offsets,)
+        )
         lhs = lhs.reshape(lhs.shape[0], k // qb, qb)
     else:
         qb = 0
-        bs = dataclasses.replace(bs, block_k=min(bs.block_k, max(16, pl.next_power_of_2(k))))
+        block_k = min(bs.block_k, max(16, pl.next_power_of_2(k)))
+        while block_k > 16 and k > block_k and k % block_k:  # the unrolled steps take no ragged last step
+            block_k //= 2
+        bs = dataclasses.replace(bs, block_k=block_k)
         weights = (rhs,)
     check_int32_offsets(lhs, *weights)
     if interpret is None:
@@ -200,51 +260,100 @@ def _gemv(lhs, rhs, row_groups, lhs_index, *, swiglu: bool, preferred_element_ty
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     extra = () if lhs_index is None else (lhs_index.astype(jnp.int32),)
     kernel = functools.partial(
-        _kernel, k=k, n_out=n_out, groups=groups, bs=bs, swiglu=swiglu, bits=bits, quant_block=qb,
+        _kernel,
+        k=k,
+        n_out=n_out,
+        groups=groups,
+        bs=bs,
+        swiglu=swiglu,
+        bits=bits,
+        quant_block=qb,
         gather=lhs_index is not None,
-        fast_silu=swiglu and not interpret and lhs.dtype == jnp.bfloat16, asm=quantized and not interpret,
-        int8_fma=quantized and rhs.half_precision_scales)
+        fast_silu=swiglu and not interpret and lhs.dtype == jnp.bfloat16,
+        asm=quantized and not interpret,
+        int8_fma=quantized and rhs.half_precision_scales,
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
         grid=(m, pl.cdiv(n_out, bs.block_n)),
-        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=NUM_STAGES),
         interpret=interpret,
         name="gemv_swiglu" if swiglu else "gemv",
     )(row_groups.astype(jnp.int32), lhs, *extra, *weights)
 
 
-def gemv_pallas(lhs, rhs, *, row_groups, lhs_index=None, preferred_element_type=None, interpret=None,
-                block_sizes: GemvBlocks | None = None) -> jax.Array:
-    """out[i] = lhs[lhs_index[i]] @ rhs[row_groups[i]] (`gmm` with `row_groups`), one matrix-vector product per row.
+def gemv(
+    lhs,
+    rhs,
+    group_sizes=None,
+    *,
+    row_groups=None,
+    lhs_index=None,
+    preferred_element_type=None,
+    interpret=None,
+    config: Config | None = None,
+) -> jax.Array:
+    """out[i] = lhs[lhs_index[i]] @ rhs[row_groups[i]] (`gmm` with `row_groups`), one matrix-vector product
+    per row.
 
     Args:
       lhs: `[rows, k]` float32 / bfloat16.
       rhs: `[groups, k, n]` float array, or `QuantizedWeights` with k-major codes.
+      group_sizes: must be None (the signature is shared with the other implementations).
       row_groups: `[m]` int32, each row's group; out of range: a zero row.
       lhs_index: optional `[m]` int32, the lhs row of each product row (clamped into range).
       preferred_element_type: output dtype; None = lhs.dtype.
       interpret: run in the Pallas interpreter; None = only when no GPU is present.
-      block_sizes: `GemvBlocks`; None = its defaults.
+      config: `Config`; None = `default_config()`.
 
     Returns:
       `[m, n]`.
 
     Raises:
-      ValueError: shapes that disagree, quantized codes not stored k-major, or an operand of 2**31 elements or
-        more (Triton's offsets are int32).
+      NotImplementedError: group_sizes instead of row_groups, or quantized codes not stored k-major
+        (`refusal`).
+      ValueError: shapes that disagree, or an operand of 2**31 elements or more (Triton's offsets are int32).
     """
-    return _gemv(lhs, rhs, row_groups, lhs_index, swiglu=False,
-                 preferred_element_type=preferred_element_type, block_sizes=block_sizes, interpret=interpret)
+    if (why := refusal(rhs, group_sizes, row_groups)) is not None:
+        raise NotImplementedError(why)
+    return _gemv(
+        lhs,
+        rhs,
+        row_groups,
+        lhs_index,
+        swiglu=False,
+        preferred_element_type=preferred_element_type,
+        config=config,
+        interpret=interpret,
+    )
 
 
-def gemv_swiglu_pallas(lhs, w_gate_up, *, row_groups, lhs_index=None, preferred_element_type=None, interpret=None,
-                       block_sizes: GemvBlocks | None = None) -> jax.Array:
-    """silu(x @ W_gate) * (x @ W_up) per row (`gmm_swiglu` with `row_groups`); arguments as `gemv_pallas`.
+def gemv_swiglu(
+    lhs,
+    w_gate_up,
+    group_sizes=None,
+    *,
+    row_groups=None,
+    lhs_index=None,
+    preferred_element_type=None,
+    interpret=None,
+    config: Config | None = None,
+) -> jax.Array:
+    """silu(x @ W_gate) * (x @ W_up) per row (`gmm_swiglu` with `row_groups`); arguments and errors as `gemv`.
 
     Returns:
       `[m, ffn]` for w_gate_up `[groups, k, 2 * ffn]`.
     """
-    return _gemv(lhs, w_gate_up, row_groups, lhs_index, swiglu=True,
-                 preferred_element_type=preferred_element_type, block_sizes=block_sizes, interpret=interpret)
-
+    if (why := refusal(w_gate_up, group_sizes, row_groups)) is not None:
+        raise NotImplementedError(why)
+    return _gemv(
+        lhs,
+        w_gate_up,
+        row_groups,
+        lhs_index,
+        swiglu=True,
+        preferred_element_type=preferred_element_type,
+        config=config,
+        interpret=interpret,
+    )

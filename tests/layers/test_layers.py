@@ -49,7 +49,9 @@ def test_partial_rope_rotates_pairs_i_and_i_plus_half():
         want[..., i] = a * np.cos(ang)[None, :, None] - b * np.sin(ang)[None, :, None]
         want[..., i + rotary_dim // 2] = b * np.cos(ang)[None, :, None] + a * np.sin(ang)[None, :, None]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got[..., rotary_dim:], x[..., rotary_dim:])   # dims past rotary_dim untouched
+    np.testing.assert_array_equal(
+        got[..., rotary_dim:], x[..., rotary_dim:]
+    )  # dims past rotary_dim untouched
 
 
 @pytest.mark.parametrize("seq", [1, 2, 3, 4, 9])
@@ -61,11 +63,11 @@ def test_causal_conv_with_history_equals_conv_of_concatenation(seq):
     for h in (np.zeros_like(history), history):
         got = causal_depthwise_conv(x, w, h)
         padded = np.concatenate([h, x], 1)
-        direct = sum(padded[:, j:j + seq] * w[j] for j in range(kernel))
+        direct = sum(padded[:, j : j + seq] * w[j] for j in range(kernel))
         np.testing.assert_allclose(got, direct / (1 + np.exp(-direct)), rtol=1e-5, atol=1e-6)
-    if seq > 5:   # a chunk boundary: the tail with the head's last inputs as history
+    if seq > 5:  # a chunk boundary: the tail with the head's last inputs as history
         whole = causal_depthwise_conv(x, w, history)
-        tail = causal_depthwise_conv(x[:, 5:], w, x[:, 5 - (kernel - 1):5])
+        tail = causal_depthwise_conv(x[:, 5:], w, x[:, 5 - (kernel - 1) : 5])
         np.testing.assert_allclose(tail, whole[:, 5:], rtol=1e-5, atol=1e-6)
 
 
@@ -78,7 +80,7 @@ def test_conv_history_after_is_a_window_of_the_concatenation(seq):
     window = np.concatenate([history, x], axis=1)
     traced = jax.jit(conv_history_after)
     for num_valid in range(seq + 1):
-        want = window[:, num_valid:num_valid + 3]
+        want = window[:, num_valid : num_valid + 3]
         np.testing.assert_array_equal(np.asarray(conv_history_after(history, x, num_valid)), want)
         np.testing.assert_array_equal(np.asarray(traced(history, x, jnp.int32(num_valid))), want)
 
@@ -95,7 +97,7 @@ def test_routing_softmax_topk_renormalised():
 
 # sort=False: the copies in (token, slot) order with each row's expert named (decode's path, the default up to
 # moe.UNSORTED_MAX_ROWS copies); True: sorted by expert (dispatch), as longer chunks run.
-@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
 @pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("with_padding", [False, True])
 def test_routed_experts_match_per_token_loop(with_padding, sort, implementation):
@@ -105,8 +107,18 @@ def test_routed_experts_match_per_token_loop(with_padding, sort, implementation)
     down = rng.standard_normal((experts, ffn, hidden)).astype(np.float32)
     w, ids = route_top_k(jnp.asarray(rng.standard_normal((tokens, experts)).astype(np.float32)), top_k)
     valid = np.arange(tokens) < (9 if with_padding else tokens)
-    got = np.asarray(routed_experts(jnp.asarray(x), w, ids, jnp.asarray(gate_up), jnp.asarray(down),
-                                    valid=jnp.asarray(valid), implementation=implementation, sort=sort))
+    got = np.asarray(
+        routed_experts(
+            jnp.asarray(x),
+            w,
+            ids,
+            jnp.asarray(gate_up),
+            jnp.asarray(down),
+            valid=jnp.asarray(valid),
+            implementation=implementation,
+            sort=sort,
+        )
+    )
     assert_finite(got)
     want = np.zeros_like(x)
     for t in range(tokens):
@@ -123,7 +135,7 @@ def test_routed_experts_match_per_token_loop(with_padding, sort, implementation)
 
 # A decode step of one token with quantized experts: 8 (token, expert) rows, which the Pallas products run as
 # matrix-vector kernels (`pallas_gemv.takes`), against the per-token loop on the dequantized weights.
-@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+@pytest.mark.parametrize("implementation", ["reference", "gemv"])
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
 def test_routed_experts_decode_step_quantized(quantize, implementation):
     hidden, ffn, experts, top_k = 64, 64, 12, 8
@@ -146,8 +158,8 @@ def test_routed_experts_decode_step_quantized(quantize, implementation):
 def test_top_k_by_argmax_is_lax_top_k():
     rng = np.random.default_rng(3)
     x = rng.random((64, 256)).astype(np.float32)
-    x[0, [3, 9, 200]] = 0.5                      # ties: the lower index first, as lax.top_k
-    x[1, :] = 0.25                               # a row of equal values
+    x[0, [3, 9, 200]] = 0.5  # ties: the lower index first, as lax.top_k
+    x[1, :] = 0.25  # a row of equal values
     x[2, -8:] = 1.0
     want_v, want_i = jax.lax.top_k(jnp.asarray(x), 8)
     got_v, got_i = moe_lib.top_k_by_argmax(jnp.asarray(x), 8)
@@ -161,7 +173,7 @@ def test_route_top_k_same_either_way(monkeypatch):
     want = route_top_k(logits, 8)
     monkeypatch.setattr(moe_lib, "ARGMAX_TOP_K_MIN_TOKENS", 1)
     got = route_top_k(logits, 8)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -170,16 +182,19 @@ def test_route_top_k_same_either_way(monkeypatch):
 @pytest.mark.parametrize("start", [0, 8, 13, 24])
 def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypatch):
     # unrolled: a static block loop whose blocks past `start` are empty (the cuDNN path); else the loop with a
-    # traced trip count (the XLA path, and beyond MAX_UNROLLED_BLOCKS). seq=1 is decode: the whole cache is one
-    # block.
+    # traced trip count (the XLA path, and beyond MAX_UNROLLED_BLOCKS). seq=1 is decode: the whole cache is
+    # one block.
     if unrolled:
         monkeypatch.setattr(gated_attention, "MAX_UNROLLED_BLOCKS", 4)
     batch, heads, kv_heads, hd, capacity = 1, 4, 2, 16, 32
     k0 = jax.random.key(start)
-    q, k, v = (jax.random.normal(jax.random.fold_in(k0, i), (batch, seq, h, hd)) for i, h in
-               enumerate((heads, kv_heads, kv_heads)))
-    cache = KVCache(*(jax.random.normal(jax.random.fold_in(k0, 9 + i), (batch, capacity, kv_heads, hd))
-                      for i in range(2)))
+    q, k, v = (
+        jax.random.normal(jax.random.fold_in(k0, i), (batch, seq, h, hd))
+        for i, h in enumerate((heads, kv_heads, kv_heads))
+    )
+    cache = KVCache(
+        *(jax.random.normal(jax.random.fold_in(k0, 9 + i), (batch, capacity, kv_heads, hd)) for i in range(2))
+    )
     attend = jax.jit(lambda *a: cached_attention(*a, static_blocks=unrolled))
     got = np.asarray(attend(q, k, v, cache, jnp.int32(start)))
     assert np.isfinite(got).all()
@@ -194,10 +209,13 @@ def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypat
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("seq,implementation,want", [(1, None, "xla"), (1, "cudnn", "cudnn"), (4, None, None)])
+@pytest.mark.parametrize(
+    "seq,implementation,want", [(1, None, "xla"), (1, "cudnn", "cudnn"), (4, None, None)]
+)
 def test_cached_attention_decode_implementation(seq, implementation, want, monkeypatch):
-    # Decode (one query) with no implementation named attends through DECODE_IMPLEMENTATION (XLA: repeatable bit
-    # for bit on a GPU, where cuDNN's one-query kernel was not); a named one is kept, and chunks keep the default.
+    # Decode (one query) with no implementation named attends through DECODE_IMPLEMENTATION (XLA: repeatable
+    # bit for bit on a GPU, where cuDNN's one-query kernel was not); a named one is kept, and chunks keep the
+    # default.
     seen = []
     real = jax.nn.dot_product_attention
 
@@ -222,11 +240,13 @@ def test_gdn_layer_decode_step_pallas_equals_reference():
     x = jnp.asarray(r.normal(size=(2, 1, config.hidden_dim)), jnp.float32)
     state = GatedDeltaNetState(
         conv=jnp.asarray(r.normal(size=(2, g.conv_kernel - 1, g.conv_dim)), jnp.float32),
-        recurrent=jnp.asarray(r.normal(size=(2, g.num_v_heads, g.key_dim, g.value_dim)) * 0.1, jnp.float32))
+        recurrent=jnp.asarray(r.normal(size=(2, g.num_v_heads, g.key_dim, g.value_dim)) * 0.1, jnp.float32),
+    )
     want_out, want_state = layer(x, state)
     layer.config = config.replace(gdn_implementation="pallas")
     got_out, got_state = layer(x, state)
     assert np.isfinite(np.asarray(got_out)).all()
     np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=1e-5, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(got_state.recurrent), np.asarray(want_state.recurrent), atol=1e-5,
-                               rtol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(got_state.recurrent), np.asarray(want_state.recurrent), atol=1e-5, rtol=1e-4
+    )
