@@ -14,7 +14,7 @@ import os
 import jax
 
 SHARED_MEMORY_BY_ARCH = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912}
-SHARED_MEMORY_DEFAULT = 101376   # every other compute capability (8.6, 8.9, 12.0, ...): 99 KiB
+SHARED_MEMORY_DEFAULT = 101376  # every other compute capability (8.6, 8.9, 12.0, ...): 99 KiB
 
 
 def shared_memory_limit(device: jax.Device | None = None) -> int | None:
@@ -25,7 +25,7 @@ def shared_memory_limit(device: jax.Device | None = None) -> int | None:
     return SHARED_MEMORY_BY_ARCH.get(str(getattr(device, "compute_capability", "")), SHARED_MEMORY_DEFAULT)
 
 
-SM_COUNT_DEFAULT = 132   # an H100 SXM: what persistent grids are sized for where no GPU is present
+SM_COUNT_DEFAULT = 132  # an H100 SXM: what persistent grids are sized for where no GPU is present
 
 
 def sm_count(device: jax.Device | None = None) -> int:
@@ -71,8 +71,10 @@ def enable_concurrent_regions() -> None:
     from jax._src import xla_bridge  # no public way to ask whether the backends exist yet
 
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError(f"enable_concurrent_regions: JAX has already started its backends; set XLA_FLAGS="
-                           f"{CONCURRENT_REGIONS_FLAG} before the first computation")
+        raise RuntimeError(
+            f"enable_concurrent_regions: JAX has already started its backends; set XLA_FLAGS="
+            f"{CONCURRENT_REGIONS_FLAG} before the first computation"
+        )
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CONCURRENT_REGIONS_FLAG}".strip()
 
 

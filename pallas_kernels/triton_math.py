@@ -18,8 +18,13 @@ LOG2_E = 1.4426950408889634  # exp(x) = 2^(x log2(e))
 
 
 def _f32_asm(asm: str, x: jax.Array) -> jax.Array:
-    [y] = plgpu.elementwise_inline_asm(asm, args=[x], constraints="=f,f", pack=1,
-                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    [y] = plgpu.elementwise_inline_asm(
+        asm,
+        args=[x],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
     return y
 
 
@@ -33,5 +38,8 @@ def silu_approx(x: jax.Array) -> jax.Array:
     instructions per element, against libdevice's `expf` and an IEEE division (~20). Relative error a few 2^-22
     where |x| < 16; large negative x gives -0 or a denormal-flushed tiny value as the exact form does (e^-x
     overflows to inf, whose reciprocal is 0), large positive x gives x; NaN stays NaN."""
-    return _f32_asm("{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 e, e, 0f3F800000; "
-                    "rcp.approx.ftz.f32 e, e; mul.f32 $0, $1, e; }", x)
+    return _f32_asm(
+        "{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 e, e, 0f3F800000; "
+        "rcp.approx.ftz.f32 e, e; mul.f32 $0, $1, e; }",
+        x,
+    )

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule import _common
+from pallas_kernels.gated_delta_rule import common
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -51,10 +51,10 @@ def gated_delta_rule_reference(
       final_state: [batch or num_seqs, v_heads, key_dim, value_dim] float32.
 
     Raises:
-      ValueError: shapes that disagree (see `_common.check_shapes`).
+      ValueError: shapes that disagree (see `common.check_shapes`).
     """
     del chunk_size, interpret
-    dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
+    dims = common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
     batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
@@ -125,7 +125,7 @@ def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *
     Raises:
       ValueError: shapes that disagree.
     """
-    _common.check_step_shapes(query, key, value, log_decay, beta, state)
+    common.check_step_shapes(query, key, value, log_decay, beta, state)
     batch, k_heads, key_dim = key.shape
     _, v_heads, value_dim = value.shape
     group = v_heads // k_heads

@@ -39,8 +39,15 @@ QWEN35_PACKED_RAGGED = Workload(name="qwen35_packed_ragged", seq=sum(RAGGED), se
 
 WORKLOADS = {
     w.name: w
-    for w in (TINY, QWEN35_PREFILL_512, QWEN35_PREFILL_4K, QWEN35_PREFILL_16K, QWEN35_PREFILL_64K,
-              QWEN35_PACKED_8X8K, QWEN35_PACKED_RAGGED)
+    for w in (
+        TINY,
+        QWEN35_PREFILL_512,
+        QWEN35_PREFILL_4K,
+        QWEN35_PREFILL_16K,
+        QWEN35_PREFILL_64K,
+        QWEN35_PACKED_8X8K,
+        QWEN35_PACKED_RAGGED,
+    )
 }
 
 

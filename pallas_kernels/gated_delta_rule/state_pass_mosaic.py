@@ -1,9 +1,8 @@
 """Hopper state pass (the sequential walk over chunks) of the chunked gated delta rule in Pallas Mosaic GPU.
 
-The Triton state pass (`pallas_triton._state_kernel`) keeps the state h [key_dim, block_v] as the *B* operand
+The Triton state pass (`state_pass_triton`) keeps the state h [key_dim, block_v] as the *B* operand
 of its products, so h, and every product that feeds the next one, goes through shared memory at each of the
-walk's steps; on an H100 that walk is latency-bound (~1.5 us a step, 20% of the issue slots used;
-docs/benchmarks.md). Here the walk runs on the transposed state h^T [block_v, key_dim] (block_v = 64, one
+walk's steps, and that walk is bound by latency. Here the walk runs on the transposed state h^T [block_v, key_dim] (block_v = 64, one
 warpgroup's `wgmma` M), the *A* operand of every product on the critical path, so it never leaves the
 registers. Per chunk (c = 64 tokens):
 
@@ -13,7 +12,7 @@ registers. Per chunk (c = 64 tokens):
     h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K       [block_v, key_dim]
     O    = diag(e^gamma) scale Q h + P V'                   [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
 
-with T diag(beta), P and gamma from `pallas_triton._prepare` (`wy_in_state`), or P formed in this kernel from
+with T diag(beta), P and gamma from `prepare.prepare` (`wy_in_state`), or P formed in this kernel from
 the Q and K tiles it streams (`state_pass` with p=None; the default for packed sequences on their own grid,
 where it saves the prepare's P write and this kernel's P read). Packed sequences either on the
 packed array's own chunks (a chunk may hold several sequences: T and P block-diagonal over them by
@@ -27,8 +26,7 @@ warp-specialised structure as in JAX's `pallas/ops/gpu/attention_mgpu.py` (Flash
 
 Hopper (sm_90) only; bf16 operands, f32 state and accumulation; chunk_size = block_v = 64, key_dim and
 value_dim multiples of 64. Pallas' GPU interpreter cannot run it (its wgmma takes no register operands): the
-CPU tests lower it for CUDA; the numerical checks run on an H100 (tests skipped elsewhere,
-`benchmarks/gated_delta_rule.py --check`).
+CPU tests lower it for CUDA; the numerical checks run on an sm_90 GPU (tests skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -43,29 +41,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import _common
+from pallas_kernels.gated_delta_rule import common
 
 CHUNK = 64  # tokens per chunk; also the walk's rows of h^T (block_v): one warpgroup's wgmma M
 BLOCK_V = 64
 # Registers per thread where a fourth warpgroup forms P (`state_pass` with p=None): 512 in all (the register
-# file over four warpgroups of 128 threads, 128 each at launch): walk 232, output 144, TMA 40, P 96. H100,
-# 2026-11-25, packed 8 x 8192 ms (output / P registers): 176 / 64 1.407, 168 / 72 1.347, 160 / 80 1.347, 152 / 88
-# 1.325, 144 / 96 1.322, 136 / 104 1.327, 128 / 112 1.312 (docs/results/2026-11-25_h100_gdn_p_in_walk_*.json;
-# P formed by the TMA warpgroup between its copies instead was slower, 1.429).
+# file over four warpgroups of 128 threads, 128 each at launch): walk 232, output 144, TMA 40, P 96, the split
+# measured fastest on packed sequences (docs/performance.md).
 P_OUTPUT_REGISTERS = 144
 P_REGISTERS = 96
 
 
-# Shared memory a block may use on sm_90 (H100, H200), in bytes.
+# Shared memory a block may use on sm_90, in bytes.
 SHARED_MEMORY_LIMIT = gpu_limits.SHARED_MEMORY_BY_ARCH["9.0"]
 
 
 def shared_memory_bytes(key_dim: int, stages: int = 2, p_in_walk: bool = True) -> int:
     """Bytes of shared memory `state_pass`'s buffers (`_scratch_types`) take, its barriers and their alignment
     (1.4-3.9 KB) not counted. key_dim 128, 2 stages: 215 552."""
-    return sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
-               for t in _scratch_types(key_dim, stages, packed=None, p_in_walk=p_in_walk)
-               if not isinstance(t, plgpu.Barrier))
+    return sum(
+        math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+        for t in _scratch_types(key_dim, stages, packed=None, p_in_walk=p_in_walk)
+        if not isinstance(t, plgpu.Barrier)
+    )
 
 
 def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, stages: int = 2) -> str | None:
@@ -78,17 +76,47 @@ def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, s
         return f"compute dtype {jnp.dtype(compute_dtype).name} (the Mosaic GPU walk takes bf16)"
     need = shared_memory_bytes(key_dim, stages) + 6144  # + barriers and alignment (1.4-3.9 KB), with a margin
     if need > SHARED_MEMORY_LIMIT:
-        return (f"key_dim={key_dim} with {stages} stages (~{need} bytes of shared memory, over sm_90's "
-                f"{SHARED_MEMORY_LIMIT})")
+        return (
+            f"key_dim={key_dim} with {stages} stages (~{need} bytes of shared memory, over sm_90's "
+            f"{SHARED_MEMORY_LIMIT})"
+        )
     return None
+
+
+def refusal(
+    *,
+    wy_in_state: bool,
+    interpret: bool,
+    chunk_size: int,
+    key_dim: int,
+    value_dim: int,
+    compute_dtype,
+    stages: int = 2,
+) -> str | None:
+    """Why `state_pass` cannot run this call (None: it can): shapes (`supported`), the W, U form of the prepare
+    (`wy_in_state` False), the Pallas interpreter, or a device other than an sm_90 GPU."""
+    reason = supported(
+        chunk_size=chunk_size,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        compute_dtype=compute_dtype,
+        stages=stages,
+    )
+    if reason is None and not wy_in_state:
+        reason = "Config.wy_in_state=False (the walk takes T diag(beta))"
+    if reason is None and interpret:
+        reason = "the Pallas interpreter (its wgmma takes no register operands)"
+    if reason is None and not gpu_limits.is_hopper():
+        reason = "a device other than an sm_90 GPU (wgmma)"
+    return reason
 
 
 def masked_decay(rows_ref, cols_ref, keep, scale=None):
     """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout, as the exp of the
     difference with -inf where not `keep` (one subtraction, one select and one exp per element); with `scale` (a
     Python float), scale * exp(gamma_i - gamma_j): for scale > 0 as exp2(gamma_i log2(e) + log2(scale) - gamma_j
-    log2(e)) (the scale and log2(e) applied to the [64] vectors; H100, packed 8 x 8192 walk 0.85 / 0.80 -> 0.81 /
-    0.79 ms, docs/benchmarks.md, 2026-11-26), else multiplied after the exp.
+    log2(e)) (the scale and log2(e) applied to the [64] vectors, fewer instructions per element), else multiplied
+    after the exp.
 
     Args:
       rows_ref, cols_ref: [64] f32 shared-memory refs, each holding the chunk's gamma (chunk-local prefix sums of
@@ -128,15 +156,28 @@ def _scratch_types(key_dim, stages, *, packed, p_in_walk, restart=False):
         plgpu.SMEM((key_dim, BLOCK_V), jnp.float32),  # the state's block in and out
         plgpu.Barrier(num_barriers=st, num_arrivals=5),  # loaded0: K, V, T diag(beta), both decays
         plgpu.Barrier(num_barriers=st, num_arrivals=2 if p_in_walk else 3),  # loaded1: (Q,) P, e^gamma
-        plgpu.Barrier(num_barriers=st, num_arrivals=1 + p_in_walk),  # free0: the walk (and P's) done with a stage
+        plgpu.Barrier(
+            num_barriers=st, num_arrivals=1 + p_in_walk
+        ),  # free0: the walk (and P's) done with a stage
         plgpu.Barrier(num_barriers=st, num_arrivals=1),  # free1: the output is done with a stage
         plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_ready
         plgpu.Barrier(num_barriers=2, num_arrivals=1),  # h_free
         plgpu.Barrier(num_barriers=1, num_arrivals=1),  # state
-        *((plgpu.SMEM((st, CHUNK), jnp.float32), plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
-           plgpu.Barrier(num_barriers=st, num_arrivals=3)) if p_in_walk else ()),  # Q, gamma twice
+        *(
+            (
+                plgpu.SMEM((st, CHUNK), jnp.float32),
+                plgpu.SMEM((st, CHUNK), jnp.float32),  # gamma for P
+                plgpu.Barrier(num_barriers=st, num_arrivals=3),
+            )
+            if p_in_walk
+            else ()
+        ),  # Q, gamma twice
         # restart: gamma of the walk's first and last chunk, and their barriers (each waited once)
-        *((plgpu.SMEM((2, CHUNK), jnp.float32), plgpu.Barrier(num_barriers=2, num_arrivals=1)) if restart else ()),
+        *(
+            (plgpu.SMEM((2, CHUNK), jnp.float32), plgpu.Barrier(num_barriers=2, num_arrivals=1))
+            if restart
+            else ()
+        ),
     )
 
 
@@ -157,14 +198,46 @@ def _own_decays(gamma_ref, first, last, layout):
 
 
 def _walk_kernel(
-    q_ref, k_ref, v_ref, tb_ref, p_ref, eg_ref, ed_ref, init_ref, cu_ref, bounds_ref,  # inputs (GMEM)
-    o_ref, final_ref,  # outputs (GMEM)
-    q_smem, k_smem, v_smem, tb_smem, p_smem, eg0_smem, ed_smem, eg1_smem,  # [stages, ...] input tiles
-    h_smem, vn_smem, o_smem, state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, state in/out
-    loaded0, loaded1, free0, free1, h_ready, h_free, state_barrier,  # barriers
+    q_ref,
+    k_ref,
+    v_ref,
+    tb_ref,
+    p_ref,
+    eg_ref,
+    ed_ref,
+    init_ref,
+    cu_ref,
+    bounds_ref,  # inputs (GMEM)
+    o_ref,
+    final_ref,  # outputs (GMEM)
+    q_smem,
+    k_smem,
+    v_smem,
+    tb_smem,
+    p_smem,
+    eg0_smem,
+    ed_smem,
+    eg1_smem,  # [stages, ...] input tiles
+    h_smem,
+    vn_smem,
+    o_smem,
+    state_smem,  # h^T and V'^T handed to the output warpgroup, O staging, state in/out
+    loaded0,
+    loaded1,
+    free0,
+    free1,
+    h_ready,
+    h_free,
+    state_barrier,  # barriers
     *p_scratch,  # p_in_walk: gamma [stages, 64] f32 twice (SMEM: rows, columns) and their barrier with Q's;
     # restart: then gamma [2, 64] f32 of the walk's first and last chunk and their two barriers
-    group, scale, stages, packed, chunk_offset=0, p_in_walk=False, restart=False,
+    group,
+    scale,
+    stages,
+    packed,
+    chunk_offset=0,
+    p_in_walk=False,
+    restart=False,
 ):
     # Three warpgroups: 0 walks (h^T, V'^T: the critical path), 1 forms the output from the h^T and V'^T that
     # warpgroup 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (`stages` buffers;
@@ -174,7 +247,7 @@ def _walk_kernel(
     # [lo, hi) it walks: "own_grid", the packed array's own chunks (the first and last may hold other
     # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
     # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles (T diag(beta),
-    # P, the decays) one piece of it starting at that chunk (`pallas_triton._pipelined_walk`)
+    # P, the decays) one piece of it starting at that chunk (`chunk.pipelined_walk`)
     # p_in_walk: p_ref holds gamma [b, v_heads, t] f32 instead of P, and a fourth warpgroup forms each chunk's
     # P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and K tiles warpgroup 2 streams, into p_smem
     # restart (own grid, p_in_walk): eg_ref, ed_ref hold the chunk grid's decay factors (`decay_factors(gamma)`);
@@ -198,8 +271,11 @@ def _walk_kernel(
 
     # own grid: the walk's chunks in three parts (first, stop, which): its first chunk (which 0), the middle ones
     # (None: all their tokens its own) and its last (1; empty when the first is also the last)
-    walk_parts = ((lo, jnp.minimum(lo + 1, hi), 0), (lo + 1, hi - 1, None),
-                  (jnp.maximum(hi - 1, lo + 1), hi, 1)) if packed == "own_grid" else None
+    walk_parts = (
+        ((lo, jnp.minimum(lo + 1, hi), 0), (lo + 1, hi - 1, None), (jnp.maximum(hi - 1, lo + 1), hi, 1))
+        if packed == "own_grid"
+        else None
+    )
     wg = lax.axis_index("wg")
     kh = lax.div(h, jnp.array(group, h.dtype))
     cols = pl.ds(vb * BLOCK_V, BLOCK_V)
@@ -234,7 +310,9 @@ def _walk_kernel(
                 return lc(lc(acc_ref[...]) * decay)
 
             p = lc(pl.run_scoped(scores, plgpu.ACC(shape, f32)).astype(bf16))
-            plgpu.barrier_arrive(free0.at[s])  # done with K (the TMA warpgroup refills its stage once the walk is too)
+            plgpu.barrier_arrive(
+                free0.at[s]
+            )  # done with K (the TMA warpgroup refills its stage once the walk is too)
             p_smem[s] = p
             plgpu.commit_smem()
             plgpu.barrier_arrive(loaded1.at[s])
@@ -254,9 +332,14 @@ def _walk_kernel(
         plgpu.set_max_registers(40, action="decrease")
         if restart:  # gamma of the walk's first and last chunk (the same chunk: only the first)
             for first_n, stop_n, which in walk_parts[::2]:
-                pl.when(first_n < stop_n)(functools.partial(
-                    plgpu.copy_gmem_to_smem, p_ref.at[b, h, pl.ds(first_n * CHUNK, CHUNK)], ends_smem.at[which],
-                    ends_loaded.at[which]))
+                pl.when(first_n < stop_n)(
+                    functools.partial(
+                        plgpu.copy_gmem_to_smem,
+                        p_ref.at[b, h, pl.ds(first_n * CHUNK, CHUNK)],
+                        ends_smem.at[which],
+                        ends_loaded.at[which],
+                    )
+                )
 
         @pl.loop(lo, hi)
         def _(n):
@@ -264,17 +347,29 @@ def _walk_kernel(
             tokens = pl.ds((n + chunk_offset) * CHUNK, CHUNK)
             # packed: q, k, v past the array's end (its last chunk) read as zeros (TMA)
             walk_tiles = (  # warpgroup 0's: K, V, T diag(beta), e^gamma, e^(gamma_last - gamma)
-                (k_ref.at[b, tokens, kh, :], k_smem), (v_ref.at[b, tokens, h, cols], v_smem),
-                (tb_ref.at[b, rows, h, :], tb_smem), (eg_ref.at[b, h, rows], eg0_smem),
+                (k_ref.at[b, tokens, kh, :], k_smem),
+                (v_ref.at[b, tokens, h, cols], v_smem),
+                (tb_ref.at[b, rows, h, :], tb_smem),
+                (eg_ref.at[b, h, rows], eg0_smem),
                 (ed_ref.at[b, h, rows], ed_smem),
             )
             if p_in_walk:  # warpgroup 1's: Q and gamma (for P, formed here), e^gamma
                 gamma_tiles = ((p_ref.at[b, h, rows], gm_rows_smem), (p_ref.at[b, h, rows], gm_cols_smem))
-                output_tiles = (((q_ref.at[b, tokens, kh, :], q_smem), *gamma_tiles), qg_loaded), (
-                    ((eg_ref.at[b, h, rows], eg1_smem),), loaded1)
+                output_tiles = (
+                    (((q_ref.at[b, tokens, kh, :], q_smem), *gamma_tiles), qg_loaded),
+                    (((eg_ref.at[b, h, rows], eg1_smem),), loaded1),
+                )
             else:  # warpgroup 1's: Q, P, e^gamma
-                output_tiles = (((q_ref.at[b, tokens, kh, :], q_smem), (p_ref.at[b, rows, h, :], p_smem),
-                                 (eg_ref.at[b, h, rows], eg1_smem)), loaded1),
+                output_tiles = (
+                    (
+                        (
+                            (q_ref.at[b, tokens, kh, :], q_smem),
+                            (p_ref.at[b, rows, h, :], p_smem),
+                            (eg_ref.at[b, h, rows], eg1_smem),
+                        ),
+                        loaded1,
+                    ),
+                )
             pl.when(n - lo >= stages)(functools.partial(plgpu.barrier_wait, free0.at[s]))
             for src, dst in walk_tiles:
                 plgpu.copy_gmem_to_smem(src, dst.at[s], loaded0.at[s])
@@ -333,7 +428,9 @@ def _walk_kernel(
                 state_scaled = lc(state * exp_last)
                 return lc(u_ref[...]), decay, state_scaled
 
-            vnew_t, decay, state_scaled = pl.run_scoped(products, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
+            vnew_t, decay, state_scaled = pl.run_scoped(
+                products, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32)
+            )
             decayed = lc((vnew_t * decay).astype(bf16))
             vnew_in = lc(vnew_t.astype(bf16))
 
@@ -347,7 +444,9 @@ def _walk_kernel(
             plgpu.barrier_arrive(free0.at[s])
             return lc(state)
 
-        if packed == "own_grid":  # the mask only in the first and last chunk: the step is the walk's critical path
+        if (
+            packed == "own_grid"
+        ):  # the mask only in the first and last chunk: the step is the walk's critical path
             state = state0
             for first_n, stop_n, which in walk_parts:
                 state = lax.fori_loop(first_n, stop_n, functools.partial(step, which=which), state)
@@ -370,8 +469,11 @@ def _walk_kernel(
                 plgpu.barrier_wait(p_scratch[2].at[s])  # Q (P's is loaded1 above: formed by warpgroup 3)
             plgpu.barrier_wait(h_ready.at[hb])
             # e^gamma over the rows (tokens): the prepare's, or in the walk's first and last chunk its own
-            exp_gamma = (plgpu.load(eg1_smem.at[s], layout=layout.reduce(1)) if which is None
-                         else own_decays(n, which, 1)[0])
+            exp_gamma = (
+                plgpu.load(eg1_smem.at[s], layout=layout.reduce(1))
+                if which is None
+                else own_decays(n, which, 1)[0]
+            )
 
             def inter(acc_ref):  # Q h, scaled by rows
                 plgpu.wgmma(acc_ref, q_smem.at[s], h_smem.at[hb].transpose((1, 0)))
@@ -409,8 +511,11 @@ def _walk_kernel(
             @pl.when(jnp.logical_not(whole))
             def _():
                 for r in range(CHUNK):
-                    plgpu.copy_smem_to_gmem(o_smem.at[hb, pl.ds(r, 1)], o_ref.at[0, pl.ds(row0 + r, 1), h, cols],
-                                            predicate=(r >= first) & (r < last))
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[hb, pl.ds(r, 1)],
+                        o_ref.at[0, pl.ds(row0 + r, 1), h, cols],
+                        predicate=(r >= first) & (r < last),
+                    )
 
         if restart:  # the first and last chunk with the sequence's own factors
             for first_n, stop_n, which in walk_parts:
@@ -479,7 +584,7 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
         gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
         return jnp.exp(gamma), jnp.exp(gamma_last - gamma)
     t = gamma.shape[2]
-    ranges = _common.grid_ranges(cu_seqlens, seq, t, CHUNK)
+    ranges = common.grid_ranges(cu_seqlens, seq, t, CHUNK)
     token = jnp.arange(t, dtype=jnp.int32)
     before = jnp.take(gamma, jnp.maximum(ranges.first - 1, 0), axis=2)  # gamma just before the restart
     restart = jnp.where(ranges.first > token - token % CHUNK, before - SEQUENCE_BREAK, 0.0)
@@ -488,8 +593,22 @@ def decay_factors(gamma, cu_seqlens=None, seq=None):
 
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
 def state_pass(
-    q, k, v, t_beta, p, gamma, initial_state, cu_seqlens=None, chunk_bounds=None, *, scale, out_seq=None,
-    max_concurrent_steps=2, chunk_offset=0, out=None, decays=None,
+    q,
+    k,
+    v,
+    t_beta,
+    p,
+    gamma,
+    initial_state,
+    cu_seqlens=None,
+    chunk_bounds=None,
+    *,
+    scale,
+    out_seq=None,
+    max_concurrent_steps=2,
+    chunk_offset=0,
+    out=None,
+    decays=None,
 ):
     """Fused state pass and output of the chunked gated delta rule (Hopper, Mosaic GPU).
 
@@ -522,7 +641,7 @@ def state_pass(
       out_seq: regathered: the packed output's length (static).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
       chunk_offset: batch rows only: t_beta, p and gamma hold one piece of the sequence, its chunks from
-        this one on (static; `pallas_triton._pipelined_walk`); q, k, v (and `out`) the whole sequence.
+        this one on (static; `chunk.pipelined_walk`); q, k, v (and `out`) the whole sequence.
       out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
       decays: batch rows or the own grid: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as
@@ -547,32 +666,52 @@ def state_pass(
             raise ValueError("state_pass: chunk_offset and out take batch rows, not packed sequences")
         t = t_beta.shape[1]
         if chunk_offset < 0 or chunk_offset * CHUNK + t > seq:
-            raise ValueError(f"state_pass: chunks {chunk_offset} .. {chunk_offset} + {t // CHUNK} past seq={seq}")
+            raise ValueError(
+                f"state_pass: chunks {chunk_offset} .. {chunk_offset} + {t // CHUNK} past seq={seq}"
+            )
     if out is not None and (out.shape != v.shape or out.dtype != jnp.bfloat16):
         raise ValueError(f"state_pass: out {out.shape} {out.dtype} must be bf16 of v's shape {v.shape}")
-    reason = supported(chunk_size=CHUNK, key_dim=key_dim, value_dim=value_dim, compute_dtype=q.dtype,
-                       stages=max_concurrent_steps)
+    reason = supported(
+        chunk_size=CHUNK,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        compute_dtype=q.dtype,
+        stages=max_concurrent_steps,
+    )
     if reason or (seq % CHUNK and packed != "own_grid"):
         raise ValueError(f"Mosaic GPU state pass: {reason or f'seq={seq} not a multiple of {CHUNK}'}")
     p_in_walk = p is None
     if p_in_walk and gamma is None:
         raise ValueError("state_pass: p=None (P formed in the walk) needs gamma")
-    if (not p_in_walk and (decays is None) == (gamma is None)) or (decays is not None and packed == "regathered"):
+    if (not p_in_walk and (decays is None) == (gamma is None)) or (
+        decays is not None and packed == "regathered"
+    ):
         raise ValueError("state_pass: pass gamma or (batch rows, own grid) decays, one of the two")
     restart = packed == "own_grid" and decays is not None
     if restart and not p_in_walk:
         raise ValueError("state_pass: decays on the own grid need p=None and gamma (the walk restarts them)")
     gamma_shape = gamma.shape if decays is None else decays[0].shape
-    if t_beta.shape[1] != t or (not p_in_walk and p.shape[1] != t) or gamma_shape[2] != t or (
-            decays is not None and decays[1].shape != gamma_shape) or (
-            gamma is not None and gamma.shape != gamma_shape):
-        raise ValueError(f"t_beta {t_beta.shape}, p {None if p_in_walk else p.shape}, gamma/decays {gamma_shape}: "
-                         f"need {t} tokens (seq {seq} rounded up to chunks)")
+    if (
+        t_beta.shape[1] != t
+        or (not p_in_walk and p.shape[1] != t)
+        or gamma_shape[2] != t
+        or (decays is not None and decays[1].shape != gamma_shape)
+        or (gamma is not None and gamma.shape != gamma_shape)
+    ):
+        raise ValueError(
+            f"t_beta {t_beta.shape}, p {None if p_in_walk else p.shape}, gamma/decays {gamma_shape}: "
+            f"need {t} tokens (seq {seq} rounded up to chunks)"
+        )
     rows = (initial_state.shape[0] + 1,)
-    if packed and (batch != 1 or cu_seqlens.shape != rows or (chunk_bounds is not None and (
-            chunk_bounds.shape != rows or out_seq is None))):
-        raise ValueError(f"packed: cu_seqlens {cu_seqlens.shape} (and regathered, chunk_bounds and out_seq) need "
-                         "batch 1 and one entry per initial state + 1")
+    if packed and (
+        batch != 1
+        or cu_seqlens.shape != rows
+        or (chunk_bounds is not None and (chunk_bounds.shape != rows or out_seq is None))
+    ):
+        raise ValueError(
+            f"packed: cu_seqlens {cu_seqlens.shape} (and regathered, chunk_bounds and out_seq) need "
+            "batch 1 and one entry per initial state + 1"
+        )
     own = packed == "own_grid"
     exp_gamma, exp_to_last = decays or decay_factors(gamma, cu_seqlens if own else None, seq)
     init = initial_state.astype(jnp.float32)
@@ -580,27 +719,52 @@ def state_pass(
     # chunk_bounds is read only when regathered; else cu stands in for it (no zeros kernel for packed sequences)
     bounds = cu if chunk_bounds is None else jnp.asarray(chunk_bounds, jnp.int32)
     out_rows = out_seq if packed == "regathered" else seq
-    if seq % 8:  # TMA into 8-row tiles needs whole tiles in GMEM too: copies of q, k, v (the output is untiled)
+    if (
+        seq % 8
+    ):  # TMA into 8-row tiles needs whole tiles in GMEM too: copies of q, k, v (the output is untiled)
         q, k, v = (jnp.pad(x, [(0, 0), (0, (-seq) % 8), (0, 0), (0, 0)]) for x in (q, k, v))
 
     def gdn_state_mosaic(*refs):  # the kernel's name in profiles (the output ref the 11th either way)
-        _walk_kernel(*refs, group=v_heads // k_heads, scale=scale, stages=max_concurrent_steps, packed=packed,
-                     chunk_offset=chunk_offset, p_in_walk=p_in_walk, restart=restart)
+        _walk_kernel(
+            *refs,
+            group=v_heads // k_heads,
+            scale=scale,
+            stages=max_concurrent_steps,
+            packed=packed,
+            chunk_offset=chunk_offset,
+            p_in_walk=p_in_walk,
+            restart=restart,
+        )
 
     final_type = jax.ShapeDtypeStruct(init.shape, jnp.float32)
-    out_type = (final_type,) if out is not None else (
-        jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16), final_type)
+    out_type = (
+        (final_type,)
+        if out is not None
+        else (jax.ShapeDtypeStruct((batch, out_rows, v_heads, value_dim), jnp.bfloat16), final_type)
+    )
     outs = plgpu.kernel(
         gdn_state_mosaic,
         out_type=out_type,
-        scratch_types=_scratch_types(key_dim, max_concurrent_steps, packed=packed, p_in_walk=p_in_walk,
-                                     restart=restart),
+        scratch_types=_scratch_types(
+            key_dim, max_concurrent_steps, packed=packed, p_in_walk=p_in_walk, restart=restart
+        ),
         grid=(init.shape[0], v_heads, value_dim // BLOCK_V),
         grid_names=("rows", "heads", "vblocks"),
         num_threads=4 if p_in_walk else 3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, t_beta, gamma if p_in_walk else p, exp_gamma, exp_to_last, init, cu, bounds,
-      *(() if out is None else (out,)))
+    )(
+        q,
+        k,
+        v,
+        t_beta,
+        gamma if p_in_walk else p,
+        exp_gamma,
+        exp_to_last,
+        init,
+        cu,
+        bounds,
+        *(() if out is None else (out,)),
+    )
     out_array, final = (None, *outs) if out is not None else outs
     return out_array, final
