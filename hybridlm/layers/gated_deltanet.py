@@ -3,7 +3,7 @@
 Per token t and value head h (q/k from k-head h // (v_heads // k_heads)):
     [q | k | v] = silu(causal_depthwise_conv([q | k | v] projection))
     q, k        = l2norm(q), l2norm(k);  beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
-    S_t         = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;   o_t = S_t^T q_t / sqrt(key_dim)
+    S_t         = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;  o_t = S_t^T q_t / sqrt(key_dim)
     out         = out_proj(gated_rms_norm(o, z))
 Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (arXiv:2412.06464); HF
 `Qwen3_5MoeGatedDeltaNet.forward`.
@@ -32,8 +32,8 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
 
     out[t] = silu(sum_j weight[j] * window[t + j]) with window = concat(history, mixed), each tap computed as
     a shifted copy of `mixed` plus the history's rows (pads and slices that XLA fuses into one pass): the
-    [batch, kernel - 1 + seq, channels] window itself is never built (XLA wrote it out: 38 ms of a
-    32 768-token prefill on an H100; adding the history rows by dynamic_update_slice wrote out an f32 copy).
+    [batch, kernel - 1 + seq, channels] window itself is never built (XLA would write it out, as it would an
+    f32 copy if the history rows were added by dynamic_update_slice).
 
     Args:
       mixed: [batch, seq, channels] pre-conv inputs.
@@ -63,7 +63,7 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
 def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Array | int) -> jax.Array:
     """The conv state after `num_valid` tokens: rows [num_valid, num_valid + kernel - 1) of
     concat(history, mixed), without materialising that concatenation (a [batch, seq, channels] copy per layer
-    and chunk: 40 ms of a 32 768-token prefill on an H100 when it was built whole).
+    and chunk).
 
     Args:
       history: [batch, conv_kernel - 1, channels] inputs before the chunk.
@@ -85,14 +85,18 @@ def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Arra
 
 
 class GatedDeltaNet(nnx.Module):
-    """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output projection."""
+    """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output
+    projection."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         g = config.gdn
         h = config.hidden_dim
         self.config = config
         normal = nnx.initializers.normal(stddev=0.02)
-        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
+
+        def p(shape):
+            return nnx.Param(normal(rngs.params(), shape, dtype))
+
         self.qkv_proj = p((h, g.conv_dim))  # [hidden, 2*k_heads*key_dim + v_heads*value_dim]
         self.output_gate_proj = p((h, g.num_v_heads * g.value_dim))  # z: [hidden, v_heads*value_dim]
         self.beta_proj = p((h, g.num_v_heads))  # b: [hidden, v_heads]
@@ -151,9 +155,9 @@ class GatedDeltaNet(nnx.Module):
         k = jnp.where(valid[..., None, None], k, 0.0)
 
         if seq == 1:
-            # decode: "triton", "mosaic" (no step of its own) and None go to the fused Triton step (None: on a GPU
-            # for few sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has no
-            # single-token variant)
+            # decode: "triton", "mosaic" (no step of its own) and None go to the fused Triton step (None: on a
+            # GPU for few sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has
+            # no single-token variant)
             impl = self.config.gdn_implementation
             step = None if impl is None else "triton" if impl in ("triton", "mosaic") else "reference"
             o, recurrent = gated_delta_rule_step(

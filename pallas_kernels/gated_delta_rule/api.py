@@ -1,7 +1,6 @@
 """Public gated-delta-rule entry points: `gated_delta_rule` (prefill), `gated_delta_rule_step` (decode)."""
 
 import functools
-
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -71,9 +70,10 @@ def gated_delta_rule(
         cu_seqlens[0] == 0 and cu_seqlens[-1] == seq; the state restarts at every boundary. With "mosaic" a
         packed seq that is a multiple of 8 runs fastest (the sequences stay on the packed array's own chunks;
         otherwise they are regathered chunk-aligned).
-      max_seqlen: optional static bound (tokens) on the packed sequences' lengths. For "triton" and "mosaic" the
-        sequences then run as a padded batch, one sequential walk per sequence in parallel (worth it when
-        lengths are similar); the other implementations ignore it. Checked against concrete cu_seqlens.
+      max_seqlen: optional static bound (tokens) on the packed sequences' lengths. For "triton" and
+        "mosaic" the sequences then run as a padded batch, one sequential walk per sequence in parallel
+        (worth it when lengths are similar); the other implementations ignore it. Checked against concrete
+        cu_seqlens.
       implementation: "reference" (token-by-token lax.scan in f32: the oracle), "chunked" (pure JAX, WY
         form, spec §9), "triton" (Pallas kernels, Triton lowering; the interpreter off GPU) or "mosaic"
         (the Triton prepare and a Mosaic GPU state pass: Hopper, bf16, chunk_size 64), or a sequence of them

@@ -10,13 +10,18 @@ packed length a multiple of 8, TMA's row tiles) stay on the packed array's own c
 """
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import common, gates, prepare, state_pass_mosaic, state_pass_triton
+from pallas_kernels.gated_delta_rule import (
+    common,
+    gates,
+    prepare,
+    state_pass_mosaic,
+    state_pass_triton,
+    walk_pipeline,
+)
 from pallas_kernels.gated_delta_rule import config as config_lib
 
 BACKENDS = ("triton", "mosaic")
@@ -26,21 +31,9 @@ BACKENDS = ("triton", "mosaic")
     jax.jit, static_argnames=("backend", "scale", "chunk_size", "interpret", "config", "max_seqlen")
 )
 def gated_delta_rule_pallas(
-    query,
-    key,
-    value,
-    log_decay,
-    beta,
-    *,
-    backend,
-    initial_state=None,
-    scale=None,
-    chunk_size=64,
-    cu_seqlens=None,
-    max_seqlen=None,
-    interpret=None,
-    config: config_lib.Config | None = None,
-):
+    query, key, value, log_decay, beta, *, backend, initial_state=None, scale=None, chunk_size=64,
+    cu_seqlens=None, max_seqlen=None, interpret=None, config=None,
+):  # fmt: skip
     """The gated delta rule by the Pallas stages; arguments and results as `api.gated_delta_rule`.
 
     Args:
@@ -54,21 +47,16 @@ def gated_delta_rule_pallas(
       ValueError: shapes that disagree; chunk_size, key_dim or value_dim not a power of two >= 16.
       NotImplementedError: "mosaic" where `state_pass_mosaic.refusal` gives a reason.
     """
+    inputs = (query, key, value, log_decay, beta)
     _, seq, _, key_dim, v_heads, value_dim, num_states = common.check_shapes(
-        query, key, value, log_decay, beta, initial_state, cu_seqlens
+        *inputs, initial_state, cu_seqlens
     )
-    static = {
-        "backend": backend,
-        "scale": scale,
-        "chunk_size": chunk_size,
-        "interpret": interpret,
-        "config": config,
-    }
     if cu_seqlens is not None and max_seqlen is not None:  # packed -> padded batch, one walk per sequence
         if max_seqlen < 1:
             raise ValueError(f"max_seqlen={max_seqlen} must be >= 1")
+        static = dict(backend=backend, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config)
         max_len = -(-max_seqlen // chunk_size) * chunk_size
-        batched, overflow = common.packed_to_batch((query, key, value, log_decay, beta), cu_seqlens, max_len)
+        batched, overflow = common.packed_to_batch(inputs, cu_seqlens, max_len)
         out, final_state = gated_delta_rule_pallas(*batched, initial_state=initial_state, **static)
         out = common.batch_to_packed(out, cu_seqlens, seq)
         nan = jnp.asarray(jnp.nan, jnp.float32)
@@ -80,35 +68,17 @@ def gated_delta_rule_pallas(
         raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     compute_dtype = jnp.float32 if jnp.float32 in (query.dtype, key.dtype, value.dtype) else jnp.bfloat16
+    sizes = dict(chunk_size=chunk_size, key_dim=key_dim, value_dim=value_dim, compute_dtype=compute_dtype)
     packed, mosaic = cu_seqlens is not None, backend == "mosaic"
     own_grid = packed and mosaic and seq % 8 == 0 and seq > 0
     config = config_lib.resolve(
-        config,
-        backend,
-        packed=packed,
-        own_grid=own_grid,
-        shared_memory=None if interpret else gpu_limits.shared_memory_limit(),
-        chunk_size=chunk_size,
-        key_dim=key_dim,
-        itemsize=jnp.dtype(compute_dtype).itemsize,
+        config, backend, packed=packed, own_grid=own_grid, interpret=interpret, **sizes
     )
-    reason = mosaic and state_pass_mosaic.refusal(
-        wy_in_state=config.wy_in_state,
-        interpret=interpret,
-        chunk_size=chunk_size,
-        key_dim=key_dim,
-        value_dim=value_dim,
-        compute_dtype=compute_dtype,
-        stages=config.mosaic_stages,
-    )
+    reason = mosaic and state_pass_mosaic.refusal(config, interpret=interpret, **sizes)
     if reason:
         raise NotImplementedError(f"the Mosaic GPU state pass does not take {reason}")
-    q, k, v, g, bt, layout = gates.arrange(
-        query,
-        key,
-        value,
-        log_decay,
-        beta,
+    arranged = gates.arrange(
+        *inputs,
         cu_seqlens,
         chunk_size=chunk_size,
         compute_dtype=compute_dtype,
@@ -118,82 +88,43 @@ def gated_delta_rule_pallas(
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, key_dim, value_dim), jnp.float32)
     initial_state = initial_state.astype(jnp.float32)
-    regathered = packed and not own_grid
-    if regathered:
-        chunk_flags = (
-            layout.chunk_seq,
-            layout.chunk_first.astype(jnp.int32),
-            layout.chunk_last.astype(jnp.int32),
-        )
-    else:
-        chunk_flags = (jnp.zeros((1,), jnp.int32),) * 3
-    common_args = {
-        "chunk_size": chunk_size,
-        "group": v_heads // key.shape[2],
-        "compute_dtype": compute_dtype,
-        "config": config,
-        "interpret": interpret,
-    }
+    scale = key_dim**-0.5 if scale is None else scale
+    common_args = dict(chunk_size=chunk_size, compute_dtype=compute_dtype, config=config, interpret=interpret)
     out, final_state = run_stages(
-        q,
-        k,
-        v,
-        g,
-        bt,
-        initial_state,
-        chunk_flags,
-        mosaic=mosaic,
-        packed=packed,
-        scale=key_dim**-0.5 if scale is None else scale,
-        out_dtype=value.dtype,
-        token_rows=(layout.chunk_src, layout.chunk_len) if regathered else None,
-        cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32) if packed else None,
-        chunk_bounds=layout.chunk_start if regathered else None,
-        **common_args,
+        *arranged, initial_state, cu_seqlens, mosaic=mosaic, scale=scale, out_dtype=value.dtype, **common_args
     )
     return (out if packed else common.unpad_output(out, seq, None)), final_state
 
 
-def run_stages(
-    q,
-    k,
-    v,
-    g,
-    bt,
-    initial_state,
-    chunk_flags,
-    *,
-    mosaic,
-    packed,
-    scale,
-    out_dtype,
-    token_rows,
-    cu_seqlens,
-    chunk_bounds,
-    **common_args,
-):
-    """Prepare and state pass on the arranged inputs (`gates.arrange`); (output, final state)."""
+def run_stages(q, k, v, g, bt, layout, initial_state, cu_seqlens, *, mosaic, scale, out_dtype, **common_args):
+    """Prepare and state pass on the arranged inputs (q, k, v, g, beta, layout of `gates.arrange`); returns
+    (output, final state)."""
+    common_args["group"] = v.shape[2] // k.shape[2]
+    packed, regathered = cu_seqlens is not None, layout is not None
+    token_rows = (layout.chunk_src, layout.chunk_len) if regathered else None
+    if regathered:  # the sequence each chunk holds, whether it opens it, closes it
+        chunk_flags = (
+            layout.chunk_seq,
+            *(x.astype(jnp.int32) for x in (layout.chunk_first, layout.chunk_last)),
+        )
+    else:
+        chunk_flags = (jnp.zeros((1,), jnp.int32),) * 3
     config = common_args["config"]
     valid_rows = q.shape[1] if token_rows is None and q.shape[1] < g.shape[2] else None
     num_chunks = g.shape[2] // common_args["chunk_size"]
-    pieces = config_lib.walk_pipeline_pieces(config, num_chunks) if mosaic and not packed else 1
+    pieces = walk_pipeline.num_pieces(config, num_chunks) if mosaic and not packed else 1
     if pieces > 1 and valid_rows is None:
-        return pipelined_walk(q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common_args)
+        return walk_pipeline.pipelined_walk(
+            q, k, v, g, bt, initial_state, pieces=pieces, scale=scale, **common_args
+        )
     # the Mosaic GPU walk takes its decay factors from the prepare (batch rows; own grid with P in the walk)
     p_in_walk = mosaic and config.p_in_walk and token_rows is None
     decay_factors = mosaic and (not packed or p_in_walk)
+    options = dict(
+        token_rows=token_rows, valid_rows=valid_rows, decay_factors=decay_factors, p_in_walk=p_in_walk
+    )
     w, u, gamma, p, q_aligned, k_aligned = prepare.prepare(
-        q,
-        k,
-        v,
-        g,
-        bt,
-        scale=scale,
-        token_rows=token_rows,
-        valid_rows=valid_rows,
-        decay_factors=decay_factors,
-        p_in_walk=p_in_walk,
-        **common_args,
+        q, k, v, g, bt, scale=scale, **options, **common_args
     )
     decays = (gamma, u) if decay_factors else None
     if p_in_walk:  # no P; gamma itself for the walk's P mask (with decay_factors the prepare wrote it as p)
@@ -204,82 +135,11 @@ def run_stages(
     if token_rows is not None:  # the state pass reads the chunk-aligned copies, writes the packed output
         q, k, out_seq = q_aligned, k_aligned, q.shape[1]
     if mosaic:
-        return state_pass_mosaic.state_pass(
-            q,
-            k,
-            u,
-            w,
-            p,
-            None if decays and not p_in_walk else gamma,
-            initial_state,
-            cu_seqlens,
-            chunk_bounds,
-            scale=scale,
-            out_seq=out_seq,
-            max_concurrent_steps=config.mosaic_stages,
-            decays=decays,
-        )
+        gamma = None if decays and not p_in_walk else gamma
+        walk = dict(scale=scale, out_seq=out_seq, max_concurrent_steps=config.mosaic_stages, decays=decays)
+        cu, bounds = jnp.asarray(cu_seqlens, jnp.int32) if packed else None, layout and layout.chunk_start
+        return state_pass_mosaic.state_pass(q, k, u, w, p, gamma, initial_state, cu, bounds, **walk)
+    rows = dict(packed=packed, scale=scale, out_dtype=out_dtype, token_rows=token_rows, out_seq=out_seq)
     return state_pass_triton.state_pass(
-        q,
-        k,
-        w,
-        u,
-        gamma,
-        p,
-        initial_state,
-        chunk_flags,
-        packed=packed,
-        scale=scale,
-        out_dtype=out_dtype,
-        token_rows=token_rows,
-        out_seq=out_seq,
-        **common_args,
+        q, k, w, u, gamma, p, initial_state, chunk_flags, **rows, **common_args
     )
-
-
-def pipelined_walk(q, k, v, g, bt, initial_state, *, pieces, scale, chunk_size, config, **common_args):
-    """Prepare and Mosaic GPU walk on batch rows, the chunks cut into `pieces` (1 <= pieces <= chunks): prepare
-    i reads q, k, g, beta from its first chunk on and waits for prepare i - 1 (an optimization barrier on g:
-    else a concurrent graph would start every prepare at once); walk i takes walk i - 1's final state and
-    writes its rows of one output buffer (a `jax.Ref`). Returns (output [b, t, v_heads, value_dim] bf16, final
-    state)."""
-    edges = [g.shape[2] // chunk_size * i // pieces for i in range(pieces + 1)]
-    prepared, before = [], None
-    for first, end in itertools.pairwise(edges):
-        g_in = g if before is None else jax.lax.optimization_barrier((g, before))[0]
-        t_beta, exp_to_last, exp_gamma, p, _, _ = prepare.prepare(
-            q,
-            k,
-            v,
-            g_in,
-            bt,
-            scale=scale,
-            chunk_size=chunk_size,
-            config=config,
-            chunk_offset=first,
-            num_chunks=end - first,
-            decay_factors=True,
-            p_in_walk=bool(config.p_in_walk),
-            **common_args,
-        )
-        gamma, p = (p, None) if config.p_in_walk else (None, p)  # with P in the walk, p is gamma (its P mask)
-        prepared.append((first, t_beta, p, gamma, (exp_gamma, exp_to_last)))
-        before = exp_gamma
-    out = jax.empty_ref(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16))
-    state = initial_state
-    for first, t_beta, p, gamma, decays in prepared:
-        _, state = state_pass_mosaic.state_pass(
-            q,
-            k,
-            v,
-            t_beta,
-            p,
-            gamma,
-            state,
-            scale=scale,
-            chunk_offset=first,
-            out=out,
-            max_concurrent_steps=config.mosaic_stages,
-            decays=decays,
-        )
-    return jax.freeze(out), state

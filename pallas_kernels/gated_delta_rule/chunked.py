@@ -66,7 +66,10 @@ def gated_delta_rule_chunked(
     c = chunk_size
     scale = key_dim**-0.5 if scale is None else scale
     layout = None if cu_seqlens is None else common.packed_layout(cu_seqlens, seq, c)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
     q, k, v, g, bt = common.pad_to_chunks(
         f32(query) * scale, f32(key), f32(value), f32(log_decay), f32(beta), c, layout
     )
@@ -110,7 +113,9 @@ def gated_delta_rule_chunked(
         state_out = decay_n[..., None, None] * state + _einsum("bhgck,bhgcv->bhgkv", kd_n, v_new)
         return state_out, v_new
 
-    chunk_major = lambda x: jnp.moveaxis(x, 1, 0)
+    def chunk_major(x):
+        return jnp.moveaxis(x, 1, 0)
+
     xs = tuple(map(chunk_major, (w, u, k_decayed, chunk_decay)))
     if layout is None:
 

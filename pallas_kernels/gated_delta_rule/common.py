@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# jnp.searchsorted's method for token / chunk -> sequence of packed inputs: its default, "scan", runs as an XLA
-# while loop on the GPU; "scan_unrolled" makes the same O(n log num_seqs) comparisons with no loop.
+# jnp.searchsorted's method for token / chunk -> sequence of packed inputs: its default, "scan", runs as an
+# XLA while loop on the GPU; "scan_unrolled" makes the same O(n log num_seqs) comparisons with no loop.
 SEARCH = "scan_unrolled"
 
 PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
@@ -197,8 +197,9 @@ def token_sequences(cu, token):
 
 
 class GridRanges(NamedTuple):
-    """Packed sequences on the packed array's own chunk grid (chunk n = tokens [n c, n c + c), a chunk may hold
-    the end of one sequence and the start of the next): per token slot t < padded (padded a multiple of c)."""
+    """Packed sequences on the packed array's own chunk grid (chunk n = tokens [n c, n c + c), a chunk may
+    hold the end of one sequence and the start of the next): per token slot t < padded (padded a multiple of
+    c)."""
 
     first: jax.Array  # int32 [padded]: the first token of t's sequence in t's chunk (t >= seq: the chunk's)
     last: jax.Array  # int32 [padded]: the last token of t's sequence in t's chunk (t >= seq: t)

@@ -1,11 +1,14 @@
-"""Launch configuration of the Pallas gated delta rule: `Config`, its heuristic and the per-device tuning table.
+"""Launch configuration of the Pallas gated delta rule: `Config`, its heuristic and the per-device tuning
+table.
 
 `resolve` takes the heuristic (`Config()`, what unknown devices run) updated by the device's tuning table
-(`tuning.lookup("gated_delta_rule.<backend>", shape_class)`), then fitted to the device's shared memory; fields
-left None are decided per call by the rules beside them.
+(`tuning.lookup("gated_delta_rule.<backend>", shape_class)`), then fitted to the device's shared memory;
+fields left None are decided per call by the rules beside them.
 """
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from pallas_kernels import gpu_limits, tuning
 
@@ -25,41 +28,54 @@ class Config:
         None  # chunks per prepare program; None: `prepare.prepare_chunks_per_program`
     )
     # The prepare writes T diag(beta) and the state pass forms U - W h from it (fewer bytes than W and U);
-    # None: on, except for packed sequences read in place by the Triton walk (V would need a chunk-aligned copy).
+    # None: on, except for packed sequences read in place by the Triton walk (V would need a chunk-aligned
+    # copy).
     wy_in_state: bool | None = None
     mosaic_stages: int = 2  # Mosaic GPU walk: TMA pipeline depth (3 do not fit in shared memory)
     # Mosaic GPU walk on batch rows: the chunks cut into this many pieces, each prepared and walked by its own
-    # launches, so that a CUDA graph with concurrent regions overlaps piece i + 1's prepare with piece i's walk.
-    # None: `walk_pipeline_pieces`.
+    # launches, so that a CUDA graph with concurrent regions overlaps piece i + 1's prepare with piece i's
+    # walk. None: `walk_pipeline.num_pieces`.
     walk_pipeline: int | None = None
     # Mosaic GPU walk: a fourth warpgroup forms P from the Q and K tiles it streams (the prepare neither reads
-    # Q nor writes P). None: on for packed sequences on their own chunk grid, where the walk is not the bottleneck.
+    # Q nor writes P). None: on for packed sequences on their own chunk grid, where the walk is not the
+    # bottleneck.
     p_in_walk: bool | None = None
 
 
 def shape_class(packed: bool, own_grid: bool) -> str:
-    """The tuning table's shape class of a call: batch rows, packed sequences regathered, or on their own grid."""
+    """The tuning table's shape class of a call: batch rows, packed sequences regathered, or on their own
+    grid."""
     return "packed_own_grid" if own_grid else "packed" if packed else "batch_rows"
 
 
 def resolve(
-    config: Config | None, backend: str, *, packed: bool, own_grid: bool, shared_memory: int | None, **sizes
+    config: Config | None,
+    backend: str,
+    *,
+    packed: bool,
+    own_grid: bool,
+    interpret: bool,
+    chunk_size: int,
+    key_dim: int,
+    compute_dtype,
+    **_,
 ) -> Config:
-    """The call's configuration: None = the heuristic (`Config()`) updated by the running device's tuning table
-    (`tuning.lookup("gated_delta_rule.<backend>", shape_class)`) and fitted to `shared_memory` bytes (None: no
-    limit; sizes: chunk_size, key_dim, itemsize); an explicit config is the caller's choice. Then
-    `wy_in_state` and `p_in_walk` left None are decided by their rules."""
+    """The call's configuration: None = the heuristic (`Config()`) updated by the running device's tuning
+    table (`tuning.lookup("gated_delta_rule.<backend>", shape_class)`) and fitted to the device's shared
+    memory (none in the interpreter); an explicit config is the caller's choice. Then `wy_in_state` and
+    `p_in_walk` left None are decided by their rules."""
     fitted = config is None
     if fitted:
-        config = dataclasses.replace(
-            Config(), **tuning.lookup(f"gated_delta_rule.{backend}", shape_class(packed, own_grid))
-        )
+        tuned = tuning.lookup(f"gated_delta_rule.{backend}", shape_class(packed, own_grid))
+        config = dataclasses.replace(Config(), **tuned)
     if config.wy_in_state is None:  # the Mosaic GPU walk always takes T diag(beta)
         config = dataclasses.replace(config, wy_in_state=backend == "mosaic" or not packed)
     if config.p_in_walk is None:
         config = dataclasses.replace(config, p_in_walk=own_grid)
     if fitted:
-        config = fit_shared_memory(config, shared_memory, **sizes)
+        limit = None if interpret else gpu_limits.shared_memory_limit()
+        itemsize = jnp.dtype(compute_dtype).itemsize
+        config = fit_shared_memory(config, limit, chunk_size=chunk_size, key_dim=key_dim, itemsize=itemsize)
     return config
 
 
@@ -81,26 +97,3 @@ def fit_shared_memory(config: Config, limit: int | None, **sizes) -> Config:
     while limit is not None and config.state_stages > 1 and state_pass_shared_memory(config, **sizes) > limit:
         config = dataclasses.replace(config, state_stages=config.state_stages - 1)
     return config
-
-
-# Pieces of the pipelined walk (`Config.walk_pipeline` None) and the fewest chunks a piece must have: below,
-# the launches cost more than the overlap gains.
-WALK_PIPELINE_PIECES = 4
-WALK_PIPELINE_MIN_CHUNKS = 64
-
-
-def walk_pipeline_pieces(config: Config, num_chunks: int) -> int:
-    """How many pieces the pipelined walk cuts `num_chunks` chunks into (1: no pipeline). None: 4 where
-    XLA_FLAGS enable CUDA-graph concurrent regions (`gpu_limits.concurrent_regions_enabled`) and each piece
-    gets >= 64 chunks, else 1.
-
-    Raises:
-      ValueError: walk_pipeline < 1.
-    """
-    pieces = config.walk_pipeline
-    if pieces is None:
-        enough = num_chunks >= WALK_PIPELINE_PIECES * WALK_PIPELINE_MIN_CHUNKS
-        pieces = WALK_PIPELINE_PIECES if enough and gpu_limits.concurrent_regions_enabled() else 1
-    if pieces < 1:
-        raise ValueError(f"Config.walk_pipeline={pieces} must be >= 1")
-    return max(1, min(pieces, num_chunks))

@@ -4,8 +4,8 @@ Per chunk (c tokens) and v-head, as flash-linear-attention's `chunk_gated_delta_
     gamma = chunk-local cumsum of g;   A = strict_lower(diag(beta) K K^T * Gamma);   T = (I + A)^-1
     W = T diag(beta e^gamma) K,   U = T diag(beta) V,   P = scale lower_incl(Q K^T * Gamma)
 With `wy_in_state` it writes T diag(beta) [c, c] instead of W and U (the state pass forms U - W h from it).
-The inverse is blocked for stability: 4-row diagonal blocks inverted exactly by repeated squaring, merged 4 at a
-time (`unit_lower_inverse`), inside 16-row slabs solved by forward block substitution (`slab_inverse`).
+The inverse is blocked for stability: 4-row diagonal blocks inverted exactly by repeated squaring, merged 4 at
+a time (`unit_lower_inverse`), inside 16-row slabs solved by forward block substitution (`slab_inverse`).
 Products take the input dtype and accumulate in f32 (f32 inputs: IEEE f32); bf16 inputs give the inverse's
 products bf16 operands.
 """
@@ -23,8 +23,8 @@ from pallas_kernels.triton_math import LOG2_E, exp2_approx
 
 # Rows per diagonal block that `unit_lower_inverse` inverts by repeated squaring; larger blocks merge 4 at a
 # time. Squaring a whole 16-row block is exact in real numbers but not in floating point: with correlated keys
-# (A entries near 1) its powers reach C(15, 7) ~ 6 400 and cancel; 4-row squaring and 4-block merges keep every
-# factor of order 1 with the same 10 products for a 64-row chunk.
+# (A entries near 1) its powers reach C(15, 7) ~ 6 400 and cancel; 4-row squaring and 4-block merges keep
+# every factor of order 1 with the same 10 products for a 64-row chunk.
 SQUARING_BLOCK = 4
 
 
@@ -49,7 +49,8 @@ def unit_lower_inverse(a, exact, operand_dtype=None):
     """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two), block by block: the
     `SQUARING_BLOCK`-row diagonal blocks D by repeated squaring, then levels of 4x larger blocks:
         (I + A_level) = (I + D)(I + N),  N = (I + D)^-1 L   (L: A inside the level's blocks, outside D's),
-        N is strictly block-lower over <= 4 blocks, so (I + N)^-1 = (I - N)(I + N^2);  T = (I + N)^-1 (I + D)^-1.
+        N is strictly block-lower over <= 4 blocks, so (I + N)^-1 = (I - N)(I + N^2);
+        T = (I + N)^-1 (I + D)^-1.
     `operand_dtype` (e.g. bf16): the products' operands are rounded to it (f32 accumulation, f32 result)."""
     s = a.shape[0]
     cast = (lambda x: x) if operand_dtype is None else (lambda x: x.astype(operand_dtype))
@@ -70,9 +71,10 @@ def slab_inverse(a, exact, operand_dtype=None, slab=16):
     """(I + a)^-1 for a strictly lower-triangular [s, s] f32 tile (s a power of two >= slab) as s // slab row
     slabs [slab, s] f32, by forward block substitution (as FLA's `solve_tril` merges its 16x16 blocks):
         T_d = D_d (E_d - sum_{m < d} A_dm T_m),   D_d = (I + A_dd)^-1 by `unit_lower_inverse`,
-    A_dm the [slab, slab] blocks of a, E_d rows d * slab .. of the identity: about a tenth of the multiply-adds
-    of `unit_lower_inverse` on the whole tile. The blocks come from splitting the register tile (`jnp.split`,
-    which Pallas Triton lowers for power-of-two parts). `operand_dtype`: as in `unit_lower_inverse`."""
+    A_dm the [slab, slab] blocks of a, E_d rows d * slab .. of the identity: about a tenth of the
+    multiply-adds of `unit_lower_inverse` on the whole tile. The blocks come from splitting the register tile
+    (`jnp.split`, which Pallas Triton lowers for power-of-two parts). `operand_dtype`: as in
+    `unit_lower_inverse`."""
     s = a.shape[0]
     n = s // slab
     cast = (lambda x: x) if operand_dtype is None else (lambda x: x.astype(operand_dtype))
@@ -118,9 +120,9 @@ def _prepare_kernel(
     gamma_in_p,
     fast_exp,
 ):
-    # q_ref/k_ref [b, t, k_heads, key_dim]; v_ref [b, t, v_heads, value_dim]; g_ref/beta_ref [b, v_heads, t] f32.
-    # Outputs as `prepare` returns them. Program (batch*v_heads, chunk block) walks chunks_per_program chunks
-    # in a loop (the last block clamped to the last chunk, which it then redoes: identical writes).
+    # q_ref/k_ref [b, t, k_heads, key_dim]; v_ref [b, t, v_heads, value_dim]; g_ref/beta_ref [b, v_heads, t]
+    # f32. Outputs as `prepare` returns them. Program (batch*v_heads, chunk block) walks chunks_per_program
+    # chunks in a loop (the last block clamped to the last chunk, which it then redoes: identical writes).
     # in_place: q, k, v are the packed arrays, read from token src_ref[n] (len_ref[n] rows; the rest zeros),
     # and the chunk-aligned q, k tiles are copied to q_out_ref/k_out_ref (by the first v-head of each group).
     # valid_rows: q, k hold that many tokens; the rows past them read as zeros. chunk_offset: the outputs are
@@ -161,7 +163,7 @@ def _prepare_kernel(
         j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
         incl, strict = i >= j, i > j
         if fast_exp and not with_p:  # beta and the mask in A's exponent: beta_i e^(gamma_i - gamma_j) =
-            # 2^(gamma2_i + log2(beta_i) - gamma2_j), -inf off the strict lower triangle (and for beta_i = 0) -> 0
+            # 2^(gamma2_i + log2(beta_i) - gamma2_j), -inf (-> 0) off the strict lower triangle and for beta 0
             rows_exp = gamma2 + jnp.log2(beta)
             exponent = jnp.where(strict, rows_exp[:, None] - gamma2[None, :], -jnp.inf)
             a = dot(k, k, TRANS_B, exact) * exp2_approx(exponent)
@@ -204,7 +206,7 @@ def _prepare_kernel(
     num_chunks, first = gamma_ref.shape[2] // c, block * chunks_per_program
     if chunks_per_program == 1:
         one_chunk(first)
-    else:  # a loop, so that Triton's software pipeline loads the next chunk's tiles during this one's products
+    else:  # a loop: Triton's software pipeline loads the next chunk's tiles during this one's products
         if prefetch_rows:  # the program's chunk offsets and lengths, loaded once before the loop
             span = src_ref.shape[0] - num_chunks  # a power of 2 >= chunks_per_program (padded by `prepare`)
             lane = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
@@ -230,10 +232,11 @@ def prepare_chunks_per_program(
 ) -> int:
     """Chunks each prepare program walks (`Config.prepare_chunks`), at most num_chunks // 16 (>= 1).
 
-    chunks None (auto): with `fit`, the c in 8..24 that minimises ceil(programs / slots) * c, the prepare's time
-    in chunk steps when its programs run in whole waves (programs = rows * ceil(num_chunks / c), slots = SMs *
-    `PREPARE_PROGRAMS_PER_SM`); the smallest c of equals. Without `fit`, 8: `prepare` fits only the prepare
-    whose occupancy `PREPARE_PROGRAMS_PER_SM` describes (T diag(beta) alone, compiled, the whole input).
+    chunks None (auto): with `fit`, the c in 8..24 that minimises ceil(programs / slots) * c, the prepare's
+    time in chunk steps when its programs run in whole waves (programs = rows * ceil(num_chunks / c), slots =
+    SMs * `PREPARE_PROGRAMS_PER_SM`); the smallest c of equals. Without `fit`, 8: `prepare` fits only the
+    prepare whose occupancy `PREPARE_PROGRAMS_PER_SM` describes (T diag(beta) alone, compiled, the whole
+    input).
 
     Raises:
       ValueError: chunks < 1.
@@ -300,7 +303,8 @@ def prepare(
     wy_in_state = config.wy_in_state
     num_chunks = padded // chunk_size
     with_p = not p_in_walk
-    # fitted to the SMs only where measured: T diag(beta) alone (no P, W, U), the whole input at once, compiled
+    # fitted to the SMs only where measured: T diag(beta) alone (no P, W, U), the whole input at once,
+    # compiled
     fit = wy_in_state and not with_p and not piece and not interpret
     chunks_per_program = prepare_chunks_per_program(
         config.prepare_chunks, num_chunks, batch * v_heads, fit=fit

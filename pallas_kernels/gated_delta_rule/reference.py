@@ -58,7 +58,10 @@ def gated_delta_rule_reference(
     batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
     q = f32(query) * scale  # [b, t, h, k]
     k = f32(key)
     v = f32(value).reshape(batch, seq, k_heads, group, value_dim)  # [b, t, h, g, v]
@@ -76,7 +79,9 @@ def gated_delta_rule_reference(
         state = state + jnp.einsum("bhk,bhgv->bhgkv", k_t, delta, precision=_HIGHEST)
         return state, jnp.einsum("bhk,bhgkv->bhgv", q_t, state, precision=_HIGHEST)
 
-    time_major = lambda x: jnp.moveaxis(x, 1, 0)
+    def time_major(x):
+        return jnp.moveaxis(x, 1, 0)
+
     xs = tuple(map(time_major, (q, k, v, g, bt)))
     if cu_seqlens is None:
 
@@ -130,7 +135,10 @@ def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *
     _, v_heads, value_dim = value.shape
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
     q = f32(query) * scale  # [b, h, k]
     k = f32(key)
     v = f32(value).reshape(batch, k_heads, group, value_dim)

@@ -1,22 +1,22 @@
 """Hopper state pass (the sequential walk over chunks) of the chunked gated delta rule in Pallas Mosaic GPU.
 
-The Triton state pass (`state_pass_triton`) keeps the state h [key_dim, block_v] as the *B* operand
-of its products, so h, and every product that feeds the next one, goes through shared memory at each of the
-walk's steps, and that walk is bound by latency. Here the walk runs on the transposed state h^T [block_v, key_dim] (block_v = 64, one
-warpgroup's `wgmma` M), the *A* operand of every product on the critical path, so it never leaves the
-registers. Per chunk (c = 64 tokens):
+The Triton state pass (`state_pass_triton`) keeps the state h [key_dim, block_v] as the *B* operand of its
+products, so h, and every product that feeds the next one, goes through shared memory at each of the walk's
+steps, and that walk is bound by latency. Here the walk runs on the transposed state h^T [block_v, key_dim]
+(block_v = 64, one warpgroup's `wgmma` M), the *A* operand of every product on the critical path, so it never
+leaves the registers. Per chunk (c = 64 tokens):
 
-    U^T  = V^T (T diag(beta))^T                             [block_v, c]  (both operands transposed from SMEM)
-    Y    = -(h^T K^T) diag(e^gamma)                         [block_v, c]
-    V'^T = U^T + Y (T diag(beta))^T                         [block_v, c]  (= (T diag(beta) (V - diag(e^gamma) K h))^T)
-    h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K       [block_v, key_dim]
-    O    = diag(e^gamma) scale Q h + P V'                   [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
+    U^T  = V^T (T diag(beta))^T                 [block_v, c]  (both operands transposed from SMEM)
+    Y    = -(h^T K^T) diag(e^gamma)             [block_v, c]
+    V'^T = U^T + Y (T diag(beta))^T             [block_v, c]  (= (T diag(beta) (V - diag(e^gamma) K h))^T)
+    h^T <- e^gamma_last h^T + (V'^T diag(e^(gamma_last - gamma))) K     [block_v, key_dim]
+    O    = diag(e^gamma) scale Q h + P V'       [c, block_v]  (second warpgroup, h^T and V'^T via SMEM)
 
 with T diag(beta), P and gamma from `prepare.prepare` (`wy_in_state`), or P formed in this kernel from
 the Q and K tiles it streams (`state_pass` with p=None; the default for packed sequences on their own grid,
 where it saves the prepare's P write and this kernel's P read). Packed sequences either on the
 packed array's own chunks (a chunk may hold several sequences: T and P block-diagonal over them by
-`break_sequences`, and each sequence's walk masks the others' columns out of its state update and writes
+`gates.break_sequences`, and each sequence's walk masks the others' columns out of its state update and writes
 only its own rows) or regathered chunk-aligned (see `state_pass`). Three warpgroups per program
 (batch row or packed sequence, v-head, block of 64 value columns): 0 walks, 1 forms the output from the h^T
 and V'^T that 0 leaves in shared memory (two buffers), 2 streams the chunk tiles with TMA (two stages, each
@@ -41,9 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import common
+from pallas_kernels.gated_delta_rule import gates
 
-CHUNK = 64  # tokens per chunk; also the walk's rows of h^T (block_v): one warpgroup's wgmma M
+CHUNK = gates.OWN_GRID_CHUNK  # tokens per chunk; also the walk's rows of h^T (block_v): one wgmma M
 BLOCK_V = 64
 # Registers per thread where a fourth warpgroup forms P (`state_pass` with p=None): 512 in all (the register
 # file over four warpgroups of 128 threads, 128 each at launch): walk 232, output 144, TMA 40, P 96, the split
@@ -84,25 +84,19 @@ def supported(*, chunk_size: int, key_dim: int, value_dim: int, compute_dtype, s
 
 
 def refusal(
-    *,
-    wy_in_state: bool,
-    interpret: bool,
-    chunk_size: int,
-    key_dim: int,
-    value_dim: int,
-    compute_dtype,
-    stages: int = 2,
+    config, *, interpret: bool, chunk_size: int, key_dim: int, value_dim: int, compute_dtype
 ) -> str | None:
-    """Why `state_pass` cannot run this call (None: it can): shapes (`supported`), the W, U form of the prepare
-    (`wy_in_state` False), the Pallas interpreter, or a device other than an sm_90 GPU."""
+    """Why `state_pass` cannot run this call (None: it can): shapes (`supported`, with
+    `config.mosaic_stages`), the W, U form of the prepare (`config.wy_in_state` False), the Pallas
+    interpreter, or a device other than an sm_90 GPU."""
     reason = supported(
         chunk_size=chunk_size,
         key_dim=key_dim,
         value_dim=value_dim,
         compute_dtype=compute_dtype,
-        stages=stages,
+        stages=config.mosaic_stages,
     )
-    if reason is None and not wy_in_state:
+    if reason is None and not config.wy_in_state:
         reason = "Config.wy_in_state=False (the walk takes T diag(beta))"
     if reason is None and interpret:
         reason = "the Pallas interpreter (its wgmma takes no register operands)"
@@ -113,15 +107,15 @@ def refusal(
 
 def masked_decay(rows_ref, cols_ref, keep, scale=None):
     """exp(gamma_i - gamma_j) where `keep`, 0 elsewhere: [64, 64] f32 in the WGMMA layout, as the exp of the
-    difference with -inf where not `keep` (one subtraction, one select and one exp per element); with `scale` (a
-    Python float), scale * exp(gamma_i - gamma_j): for scale > 0 as exp2(gamma_i log2(e) + log2(scale) - gamma_j
-    log2(e)) (the scale and log2(e) applied to the [64] vectors, fewer instructions per element), else multiplied
-    after the exp.
+    difference with -inf where not `keep` (one subtraction, one select and one exp per element); with `scale`
+    (a Python float), scale * exp(gamma_i - gamma_j): for scale > 0 as exp2(gamma_i log2(e) + log2(scale) -
+    gamma_j log2(e)) (the scale and log2(e) applied to the [64] vectors, fewer instructions per element), else
+    multiplied after the exp.
 
     Args:
-      rows_ref, cols_ref: [64] f32 shared-memory refs, each holding the chunk's gamma (chunk-local prefix sums of
-        the log decay), read over the rows and over the columns: two copies, because two loads of one ref in two
-        layouts defeat Mosaic GPU's layout inference.
+      rows_ref, cols_ref: [64] f32 shared-memory refs, each holding the chunk's gamma (chunk-local prefix
+        sums of the log decay), read over the rows and over the columns: two copies, because two loads of one
+        ref in two layouts defeat Mosaic GPU's layout inference.
       keep: [64, 64] bool (WGMMA layout), on and/or below the diagonal only, where gamma_i <= gamma_j (so the
         exponent is <= 0 and the factor <= 1).
     """
@@ -183,14 +177,15 @@ def _scratch_types(key_dim, stages, *, packed, p_in_walk, restart=False):
 
 def _own_decays(gamma_ref, first, last, layout):
     """A packed sequence's own decay factors in one chunk of the own grid, from the chunk's gamma: gamma_ref
-    [64] f32 (shared memory; chunk-local prefix sums of the log decay of `break_sequences`), the sequence's rows
-    [first, last) of the chunk (int32 scalars, first < last). Returns e^gamma' and e^(gamma'_last - gamma') [64]
-    f32 in `layout` (0 off the sequence's rows) and e^gamma'_last (a scalar), gamma' restarting at row first
-    (the break added back), gamma'_last its value at row last - 1: `decay_factors` with cu_seqlens."""
+    [64] f32 (shared memory; chunk-local prefix sums of the log decay of `gates.break_sequences`), the
+    sequence's rows [first, last) of the chunk (int32 scalars, first < last). Returns e^gamma' and
+    e^(gamma'_last - gamma') [64] f32 in `layout` (0 off the sequence's rows) and e^gamma'_last (a scalar),
+    gamma' restarting at row first (the break added back), gamma'_last its value at row last - 1:
+    `gates.decay_factors` with cu_seqlens."""
     gamma = plgpu.load(gamma_ref, layout=layout)
     token = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), layout)
     own = (token >= first) & (token < last)
-    restart = jnp.where(first > 0, gamma_ref[jnp.maximum(first - 1, 0)] - SEQUENCE_BREAK, 0.0)
+    restart = jnp.where(first > 0, gamma_ref[jnp.maximum(first - 1, 0)] - gates.SEQUENCE_BREAK, 0.0)
     gamma_last = gamma_ref[last - 1]
     exp_gamma = jnp.where(own, jnp.exp(gamma - restart), 0.0)  # (inf off the rows, where it is not taken)
     exp_to_last = jnp.where(own, jnp.exp(gamma_last - gamma), 0.0)
@@ -246,13 +241,15 @@ def _walk_kernel(
     # row: a batch row, or with `packed` a sequence (tokens [start, end) of the packed output), whose chunks
     # [lo, hi) it walks: "own_grid", the packed array's own chunks (the first and last may hold other
     # sequences' tokens too); "regathered", chunk-aligned copies (bounds_ref: each sequence's chunk range)
-    # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles (T diag(beta),
-    # P, the decays) one piece of it starting at that chunk (`chunk.pipelined_walk`)
+    # chunk_offset (batch rows): q, k, v and the output are the whole sequence, the prepare's tiles
+    # (T diag(beta), P, the decays) one piece of it starting at that chunk (`walk_pipeline.pipelined_walk`)
     # p_in_walk: p_ref holds gamma [b, v_heads, t] f32 instead of P, and a fourth warpgroup forms each chunk's
-    # P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and K tiles warpgroup 2 streams, into p_smem
-    # restart (own grid, p_in_walk): eg_ref, ed_ref hold the chunk grid's decay factors (`decay_factors(gamma)`);
-    # in the walk's first and last chunk warpgroups 0 and 1 form the sequence's own (restarting at its first
-    # token, ending at its last) from that chunk's gamma, `_own_decays`
+    # P = scale lower_incl(Q K^T * exp(gamma_i - gamma_j)) from the Q and K tiles warpgroup 2 streams, into
+    # p_smem
+    # restart (own grid, p_in_walk): eg_ref, ed_ref hold the chunk grid's decay factors
+    # (`gates.decay_factors(gamma)`); in the walk's first and last chunk warpgroups 0 and 1 form the
+    # sequence's own (restarting at its first token, ending at its last) from that chunk's gamma
+    # (`_own_decays`)
     b = 0 if packed else row
     start, end = (cu_ref[row], cu_ref[row + 1]) if packed else (0, 0)
     if packed == "own_grid":
@@ -269,8 +266,8 @@ def _walk_kernel(
         row0 = start + (n - lo) * CHUNK
         return row0, 0, jnp.minimum(end - row0, CHUNK)
 
-    # own grid: the walk's chunks in three parts (first, stop, which): its first chunk (which 0), the middle ones
-    # (None: all their tokens its own) and its last (1; empty when the first is also the last)
+    # own grid: the walk's chunks in three parts (first, stop, which): its first chunk (which 0), the middle
+    # ones (None: all their tokens its own) and its last (1; empty when the first is also the last)
     walk_parts = (
         ((lo, jnp.minimum(lo + 1, hi), 0), (lo + 1, hi - 1, None), (jnp.maximum(hi - 1, lo + 1), hi, 1))
         if packed == "own_grid"
@@ -381,16 +378,16 @@ def _walk_kernel(
     @pl.when(wg == 0)
     def _walk():
         plgpu.set_max_registers(232, action="increase")
-        # the state h [key_dim, value_dim] in GMEM; state_smem its [key_dim, 64] block, read and written as h^T
-        # through a transposed view (WGMMA_TRANSPOSED: one shuffle from and to the walk's layout)
+        # the state h [key_dim, value_dim] in GMEM; state_smem its [key_dim, 64] block, read and written as
+        # h^T through a transposed view (WGMMA_TRANSPOSED: one shuffle from and to the walk's layout)
         plgpu.copy_gmem_to_smem(init_ref.at[row, h, :, cols], state_smem, state_barrier.at[0])
         plgpu.barrier_wait(state_barrier.at[0])
         state0 = lc(plgpu.load(state_smem.T, (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False))
         shape = (BLOCK_V, CHUNK)
 
         def step(n, state, which=0):
-            # which (own grid, `walk_parts`): the walk's first (0) or last (1) chunk, or None, a chunk strictly
-            # between them (all its own tokens)
+            # which (own grid, `walk_parts`): the walk's first (0) or last (1) chunk, or None, a chunk
+            # strictly between them (all its own tokens)
             boundary = which is not None
             s, hb = lax.rem(n - lo, stages), lax.rem(n - lo, 2)
             plgpu.barrier_wait(loaded0.at[s])
@@ -525,72 +522,6 @@ def _walk_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-# Packed sequences on their own chunk grid: the log decay at each sequence's first token inside a chunk (not a
-# chunk's first row) is lowered by this much, so that exp(gamma_i - gamma_j) = exp(<= -256) = 0 in f32 for every
-# token j of an earlier sequence in the chunk: the prepare's T and P come out block-diagonal over the chunk's
-# sequences with no mask. Within a sequence the offsets cancel, at an f32 rounding cost of ~256 m * 6e-8 in the
-# exponent after m breaks in the chunk (1.5e-5 relative per break, under bf16's 4e-3); `decay_factors` (and the
-# walk in each sequence's first and last chunk, `_own_decays`) add them back for the walk's own factors.
-SEQUENCE_BREAK = 256.0
-
-
-def break_sequences(log_decay, cu_seqlens, seq):
-    """log_decay [1, t, v_heads] f32 (t = seq rounded up to chunks) with -SEQUENCE_BREAK added at each packed
-    sequence's first token that is not a chunk's first row (cu_seqlens int32 [num_seqs + 1]). The compiled call
-    takes this form only beyond `gates.MAX_SEQS` sequences (`gates.heads_major_gates` does it in its kernel
-    below that), so it scatters the penalty rather than comparing every token with every start."""
-    t = log_decay.shape[1]
-    starts = jnp.asarray(cu_seqlens, jnp.int32)[:-1]
-    inside = (starts % CHUNK != 0) & (starts < seq)
-    penalty = jnp.zeros((t,), jnp.float32).at[jnp.where(inside, starts, t)].set(-SEQUENCE_BREAK, mode="drop")
-    return log_decay + penalty[None, :, None]
-
-
-def own_grid_gates(log_decay, beta, cu_seqlens=None):
-    """The gates as the prepare and the walk take them on the packed array's own chunk grid, in XLA (before the
-    heads-major transpose). `gates.heads_major_gates` does the same and the transpose in one kernel; this form
-    serves more than `gates.MAX_SEQS` sequences, and is the kernel's test reference.
-
-    Args:
-      log_decay, beta: [batch, seq, v_heads], any float dtype.
-      cu_seqlens: None (batch rows), or packed sequences' int32 [num_seqs + 1] token offsets (batch == 1).
-
-    Returns:
-      (log_decay, beta) [batch, t, v_heads] f32, zero-padded to t = seq rounded up to chunks; with cu_seqlens the
-      log decay of `break_sequences`.
-    """
-    seq = log_decay.shape[1]
-    pad = [(0, 0), (0, -(-seq // CHUNK) * CHUNK - seq), (0, 0)]
-    g, bt = (jnp.pad(x.astype(jnp.float32), pad) for x in (log_decay, beta))
-    return (g if cu_seqlens is None else break_sequences(g, cu_seqlens, seq)), bt
-
-
-def decay_factors(gamma, cu_seqlens=None, seq=None):
-    """The walk's decays as factors, once per token (XLA) instead of once per token and value block in the walk.
-
-    Args:
-      gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (t a multiple of 64).
-      cu_seqlens: None, or packed sequences (batch == 1) on the packed array's chunk grid: int32 [num_seqs + 1]
-        token offsets (cu[-1] == seq <= t); a chunk may then hold several sequences' tokens, and gamma sums
-        the log decay of `break_sequences`.
-      seq: with cu_seqlens, the packed length.
-
-    Returns:
-      (e^gamma', e^(gamma'_last - gamma')) [batch, v_heads, t] f32: gamma' the prefix sum from the start of the
-      token's sequence or chunk, whichever is later, gamma'_last its value at the last token of the same
-      sequence in the same chunk (for batch rows: gamma and the chunk's last gamma).
-    """
-    if cu_seqlens is None:
-        gamma_last = jnp.repeat(gamma[:, :, CHUNK - 1 :: CHUNK], CHUNK, axis=2)
-        return jnp.exp(gamma), jnp.exp(gamma_last - gamma)
-    t = gamma.shape[2]
-    ranges = common.grid_ranges(cu_seqlens, seq, t, CHUNK)
-    token = jnp.arange(t, dtype=jnp.int32)
-    before = jnp.take(gamma, jnp.maximum(ranges.first - 1, 0), axis=2)  # gamma just before the restart
-    restart = jnp.where(ranges.first > token - token % CHUNK, before - SEQUENCE_BREAK, 0.0)
-    return jnp.exp(gamma - restart), jnp.exp(jnp.take(gamma, ranges.last, axis=2) - gamma)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "out_seq", "max_concurrent_steps", "chunk_offset"))
 def state_pass(
     q,
@@ -622,15 +553,15 @@ def state_pass(
         the own grid (not a multiple of 8: q, k, v are copied 8-row aligned, TMA's tiles needing whole tiles).
       v: [batch, seq, v_heads, value_dim] bf16; v-head h reads q/k head h // (v_heads // k_heads).
       t_beta: [batch, t, v_heads, 64] bf16, each chunk's T diag(beta) (the UT transform) from the prepare;
-        t = seq rounded up to chunks. Own grid: the chunks of the packed array itself (chunk n = tokens
-        [64 n, 64 n + 64), whatever sequences they belong to), from the log decay of `break_sequences` (T
+        t = seq rounded up to chunks. Own grid: the chunks of the packed array itself (chunk n = tokens [64 n,
+        64 n + 64), whatever sequences they belong to), from the log decay of `gates.break_sequences` (T
         block-diagonal over the chunk's sequences), and zero columns past seq (beta = 0 there).
       p: [batch, t, v_heads, 64] bf16, each chunk's scale * lower_incl(Q K^T * Gamma) (own grid:
         block-diagonal like T); None: a fourth warpgroup of the kernel forms it from the Q and K tiles the
         kernel streams and gamma (which must then be given, with or without `decays`), so that the prepare
         neither reads Q nor writes P.
       gamma: [batch, v_heads, t] f32, chunk-local prefix sums of the log decay (own grid: of
-        `break_sequences`); None with `decays` (and p given).
+        `gates.break_sequences`); None with `decays` (and p given).
       initial_state: [batch, v_heads, key_dim, value_dim] f32, or packed [num_seqs, ...].
       cu_seqlens: None, or packed sequences (batch == 1): int32 [num_seqs + 1] token offsets in the packed
         output (and own grid: in q, k, v), cu[-1] == the packed length. One walk per sequence over its chunks
@@ -641,13 +572,14 @@ def state_pass(
       out_seq: regathered: the packed output's length (static).
       max_concurrent_steps: chunks in flight in the TMA pipeline (shared-memory stages).
       chunk_offset: batch rows only: t_beta, p and gamma hold one piece of the sequence, its chunks from
-        this one on (static; `chunk.pipelined_walk`); q, k, v (and `out`) the whole sequence.
+        this one on (static; `walk_pipeline.pipelined_walk`); q, k, v (and `out`) the whole sequence.
       out: batch rows only: a `jax.Ref` [batch, seq, v_heads, value_dim] bf16 taking the piece's output
         rows in place (the other rows untouched); None: a new output array.
       decays: batch rows or the own grid: (e^gamma, e^(gamma_last - gamma)) [batch, v_heads, t] f32 as
-        `decay_factors(gamma)` returns them (no cu_seqlens: the chunk grid's), formed elsewhere (the prepare
-        writes them); gamma is then None, unless p is None. Own grid: p must be None; each walk forms its
-        sequence's own factors (`decay_factors` with cu_seqlens) in its first and last chunk from gamma.
+        `gates.decay_factors(gamma)` returns them (no cu_seqlens: the chunk grid's), formed elsewhere (the
+        prepare writes them); gamma is then None, unless p is None. Own grid: p must be None; each walk forms
+        its sequence's own factors (`gates.decay_factors` with cu_seqlens) in its first and last chunk from
+        gamma.
         None: formed here from gamma (XLA, every token; own grid with cu_seqlens).
 
     Returns:
@@ -713,10 +645,11 @@ def state_pass(
             "batch 1 and one entry per initial state + 1"
         )
     own = packed == "own_grid"
-    exp_gamma, exp_to_last = decays or decay_factors(gamma, cu_seqlens if own else None, seq)
+    exp_gamma, exp_to_last = decays or gates.decay_factors(gamma, cu_seqlens if own else None, seq)
     init = initial_state.astype(jnp.float32)
     cu = jnp.zeros((2,), jnp.int32) if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
-    # chunk_bounds is read only when regathered; else cu stands in for it (no zeros kernel for packed sequences)
+    # chunk_bounds is read only when regathered; else cu stands in for it (no zeros kernel for packed
+    # sequences)
     bounds = cu if chunk_bounds is None else jnp.asarray(chunk_bounds, jnp.int32)
     out_rows = out_seq if packed == "regathered" else seq
     if (

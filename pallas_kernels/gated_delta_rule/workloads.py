@@ -106,7 +106,9 @@ def make_inputs(
             x = x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
         return x
 
-    sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
+    def sigmoid(x):
+        return 1.0 / (1.0 + np.exp(-x))
+
     inputs = {
         "query": jnp.asarray(unit((b, seq, hk, dk)), dtype),
         "key": jnp.asarray(unit((b, seq, hk, dk)), dtype),

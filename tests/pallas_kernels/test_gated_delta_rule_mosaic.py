@@ -17,9 +17,17 @@ import pytest
 import support
 
 from pallas_kernels import gpu_limits
-from pallas_kernels.gated_delta_rule import api, chunk, gates, prepare, reference, workloads
+from pallas_kernels.gated_delta_rule import (
+    api,
+    chunk,
+    gates,
+    prepare,
+    reference,
+    state_pass_mosaic,
+    walk_pipeline,
+    workloads,
+)
 from pallas_kernels.gated_delta_rule import config as gdn_config
-from pallas_kernels.gated_delta_rule import state_pass_mosaic
 
 DIM128 = dataclasses.replace(workloads.TINY, name="dim128", seq=200, batch=2, key_dim=128, value_dim=128)
 DEFAULT = gdn_config.Config()
@@ -56,9 +64,9 @@ def test_supported_shapes():
 
 @pytest.mark.parametrize("key_dim,stages", [(128, 2), (128, 3), (192, 1), (192, 2), (256, 1)])
 def test_supported_exactly_where_the_walk_fits_shared_memory(key_dim, stages, monkeypatch):
-    """`supported` refuses the shapes whose buffers exceed an sm_90 block's shared memory (so that "auto" takes
-    the Triton walk rather than failing to compile), and only those: its verdict is Mosaic GPU's own, from
-    lowering the kernel for CUDA with the check lifted."""
+    """`supported` refuses the shapes whose buffers exceed an sm_90 block's shared memory (so that the GPU
+    default takes the Triton walk rather than failing to compile), and only those: its verdict is Mosaic GPU's
+    own, from lowering the kernel for CUDA with the check lifted."""
     verdict = state_pass_mosaic.supported(
         chunk_size=64, key_dim=key_dim, value_dim=128, compute_dtype=jnp.bfloat16, stages=stages
     )
@@ -75,7 +83,7 @@ def test_supported_exactly_where_the_walk_fits_shared_memory(key_dim, stages, mo
         s((1, 2, key_dim, 128), f32),
         s((2,), jnp.int32),
     )
-    monkeypatch.setattr(pallas_mosaic, "SHARED_MEMORY_LIMIT", 10**7)
+    monkeypatch.setattr(state_pass_mosaic, "SHARED_MEMORY_LIMIT", 10**7)
     try:
         state_pass_mosaic.state_pass.trace(*args, scale=0.1, max_concurrent_steps=stages).lower(
             lowering_platforms=("cuda",)
@@ -89,18 +97,19 @@ def test_supported_exactly_where_the_walk_fits_shared_memory(key_dim, stages, mo
 
 def test_refusals_name_the_reason(monkeypatch):
     monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: True)
-    wy = {"wy_in_state": True, **REFUSAL_ARGS}
-    assert state_pass_mosaic.refusal(**wy) is None
+    wy = gdn_config.Config(wy_in_state=True)
+    assert state_pass_mosaic.refusal(wy, **REFUSAL_ARGS) is None
     cases = {
         "interpreter": {"interpret": True},
         "float32": {"compute_dtype": jnp.float32},
         "shared memory": {"key_dim": 256},  # "auto" then takes the Triton walk instead of failing to compile
     }
     for words, change in cases.items():
-        assert words in state_pass_mosaic.refusal(**{**wy, **change})
-    assert "Config.wy_in_state=False" in state_pass_mosaic.refusal(**{**wy, "wy_in_state": False})
+        assert words in state_pass_mosaic.refusal(wy, **{**REFUSAL_ARGS, **change})
+    no_wy = gdn_config.Config(wy_in_state=False)
+    assert "Config.wy_in_state=False" in state_pass_mosaic.refusal(no_wy, **REFUSAL_ARGS)
     monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: False)
-    assert "sm_90" in state_pass_mosaic.refusal(**wy)
+    assert "sm_90" in state_pass_mosaic.refusal(wy, **REFUSAL_ARGS)
 
 
 def test_explicit_mosaic_refused_in_the_interpreter_and_the_gpu_default_falls_back():
@@ -167,14 +176,14 @@ def test_kernel_lowers_for_cuda():
         lowered(*args(1, 3), cu, cu)
     with pytest.raises(ValueError, match="need 192 tokens"):
         lowered(*args(1, 3, seq=192)[:3], *chunked, state, cu)
-    # P formed by a fourth warpgroup of the kernel (p=None) from Q, K and gamma: batch rows with and without the
-    # prepare's decay factors, and packed on the own grid; it needs gamma
+    # P formed by a fourth warpgroup of the kernel (p=None) from Q, K and gamma: batch rows with and without
+    # the prepare's decay factors, and packed on the own grid; it needs gamma
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6])
     assert "mosaic_gpu" in lowered(*a[:4], None, a[5], a[6], decays=(a[5], a[5]))
     own_grid = (*(jax.ShapeDtypeStruct((1, 256) + x.shape[2:], bf16) for x in qkv), chunked[0])
     assert "mosaic_gpu" in lowered(*own_grid, None, chunked[2], state, cu)
-    # the own grid with the chunk grid's decay factors: each walk restarts them in its first and last chunk from
-    # gamma, so no XLA scatter or exp; that needs P formed in the walk
+    # the own grid with the chunk grid's decay factors: each walk restarts them in its first and last chunk
+    # from gamma, so no XLA scatter or exp; that needs P formed in the walk
     text = lowered(*own_grid, None, chunked[2], state, cu, decays=(chunked[2],) * 2)
     assert "mosaic_gpu" in text and "stablehlo.scatter" not in text and "stablehlo.exponential" not in text
     with pytest.raises(ValueError, match="decays on the own grid need p=None"):
@@ -187,17 +196,22 @@ def test_kernel_lowers_for_cuda():
 
 
 def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scale):
-    """What `state_pass_mosaic.state_pass` computes for packed sequences on their own chunk grid, in f32 jnp: one
-    walk per sequence over the chunks holding its tokens, other sequences' tokens masked off."""
+    """What `state_pass_mosaic.state_pass` computes for packed sequences on their own chunk grid, in f32 jnp:
+    one walk per sequence over the chunks holding its tokens, other sequences' tokens masked off."""
     seq, k_heads = q.shape[1], q.shape[2]
     v_heads, c = v.shape[2], state_pass_mosaic.CHUNK
     t = gamma.shape[2]
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    pad = lambda x: jnp.pad(f32(x[0]), [(0, t - seq)] + [(0, 0)] * (x.ndim - 2))  # [t, heads, dim]
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
+    def pad(x):  # [t, heads, dim]
+        return jnp.pad(f32(x[0]), [(0, t - seq)] + [(0, 0)] * (x.ndim - 2))
+
     heads = jnp.arange(v_heads) // (v_heads // k_heads)
     q, k, v = pad(q)[:, heads], pad(k)[:, heads], pad(v)  # [t, v_heads, dim]
     tb, pp = f32(t_beta[0]), f32(p[0])
-    exp_gamma, exp_to_last = (f32(x[0]).T for x in state_pass_mosaic.decay_factors(gamma, cu_seqlens, seq))
+    exp_gamma, exp_to_last = (f32(x[0]).T for x in gates.decay_factors(gamma, cu_seqlens, seq))
     out, finals = jnp.zeros((seq, v_heads, v.shape[2]), jnp.float32), []
     for i in range(len(cu_seqlens) - 1):
         start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
@@ -223,11 +237,11 @@ def _walk_on_own_grid(q, k, v, t_beta, p, gamma, initial_state, cu_seqlens, scal
 
 def test_break_sequences_in_xla_and_in_the_gates_kernel_alike():
     """The sequence breaks as XLA's scatter (`break_sequences`, beyond `gates.MAX_SEQS` sequences) and as the
-    gates kernel's compares (interpreter) are the same: the penalty at each start inside a chunk only (not at a
-    chunk's first row, an empty sequence's start once, none at the packed length)."""
+    gates kernel's compares (interpreter) are the same: the penalty at each start inside a chunk only (not at
+    a chunk's first row, an empty sequence's start once, none at the packed length)."""
     cu = jnp.asarray([0, 70, 70, 75, 78, 128, 192, 330], jnp.int32)
     g = -jnp.abs(jax.random.normal(jax.random.key(0), (1, 384, 3), jnp.float32))
-    scattered = state_pass_mosaic.break_sequences(g, cu, 330)
+    scattered = gates.break_sequences(g, cu, 330)
     compared, _ = gates.heads_major_gates(
         g[:, :330], jnp.ones_like(g[:, :330]), cu, padded=384, interpret=True
     )
@@ -242,8 +256,9 @@ def test_break_sequences_in_xla_and_in_the_gates_kernel_alike():
 def test_own_grid_prepare_and_walk_math(seqlens):
     """The packed path of the Mosaic walk, its math on the CPU: the prepare on the packed array's own chunk
     grid (T, P block-diagonal over each chunk's sequences by `break_sequences`; interpreter) and the decay
-    factors, walked as the kernel walks them (`_walk_on_own_grid`), against the f32 recurrence. Sequences that share chunks, one
-    inside a chunk, an empty one, a sequence ending exactly at a chunk's end, a last partial chunk."""
+    factors, walked as the kernel walks them (`_walk_on_own_grid`), against the f32 recurrence. Sequences that
+    share chunks, one inside a chunk, an empty one, a sequence ending exactly at a chunk's end, a last partial
+    chunk."""
     workload = dataclasses.replace(DIM128, seq=sum(seqlens), batch=1, key_dim=64, value_dim=64)
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=7, seqlens=seqlens)
     cu = np.asarray(inputs["cu_seqlens"])
@@ -253,10 +268,7 @@ def test_own_grid_prepare_and_walk_math(seqlens):
     want = reference.gated_delta_rule_reference(**as_f32)
     seq, c = workload.seq, state_pass_mosaic.CHUNK
     t = -(-seq // c) * c
-    g, bt = (
-        jnp.swapaxes(x, 1, 2)
-        for x in state_pass_mosaic.own_grid_gates(inputs["log_decay"], inputs["beta"], cu)
-    )
+    g, bt = (jnp.swapaxes(x, 1, 2) for x in gates.own_grid_gates(inputs["log_decay"], inputs["beta"], cu))
     scale = workload.key_dim**-0.5
     t_beta, _, gamma, p, _, _ = prepare.prepare(
         inputs["query"],
@@ -325,8 +337,8 @@ def test_query_scale_on_hopper(scale):
 
 
 def prepare_inputs(chunks, seed):
-    """(q, k, v), g and beta [b, v_heads, t] f32, and the other `_prepare` arguments (interpreter, T diag(beta))
-    for two rows of `chunks` 64-token chunks."""
+    """(q, k, v), g and beta [b, v_heads, t] f32, and the other `prepare.prepare` arguments (interpreter, T
+    diag(beta)) for two rows of `chunks` 64-token chunks."""
     workload = dataclasses.replace(DIM128, seq=chunks * 64, batch=2, key_dim=64, value_dim=64)
     inputs = workloads.make_inputs(workload, dtype=jnp.bfloat16, seed=seed)
     g, bt = (jnp.swapaxes(jnp.asarray(inputs[n], jnp.float32), 1, 2) for n in ("log_decay", "beta"))
@@ -342,8 +354,8 @@ def prepare_inputs(chunks, seed):
 
 
 def test_prepare_of_a_piece_is_that_piece_of_the_whole_prepare():
-    """The pipelined walk's prepare of one piece (chunk_offset, num_chunks; interpreter) writes what the prepare
-    of the whole sequence writes for those chunks, reading q, k, v, g, beta in place."""
+    """The pipelined walk's prepare of one piece (chunk_offset, num_chunks; interpreter) writes what the
+    prepare of the whole sequence writes for those chunks, reading q, k, v, g, beta in place."""
     qkv, g, bt, common = prepare_inputs(chunks=5, seed=8)
     whole = prepare.prepare(*qkv, g, bt, **common)
     piece = prepare.prepare(*qkv, g, bt, chunk_offset=2, num_chunks=2, **common)
@@ -361,8 +373,8 @@ def test_prepare_of_a_piece_is_that_piece_of_the_whole_prepare():
 
 def test_prepare_warps_by_what_it_writes(monkeypatch):
     """`Config.prepare_warps` None: the prepare of T diag(beta) alone (packed sequences on their own grid,
-    the Mosaic GPU walk forming P) runs 1 warp per program, the prepare that forms P (batch rows) 2; an explicit
-    value holds for both. Lowered for an H100 (abstract device)."""
+    the Mosaic GPU walk forming P) runs 1 warp per program, the prepare that forms P (batch rows) 2; an
+    explicit value holds for both. Lowered for an H100 (abstract device)."""
     monkeypatch.setattr(gpu_limits, "is_hopper", lambda device=None: True)
     t, bf16, f32 = 1024, jnp.bfloat16, jnp.float32
     args = (jax.ShapeDtypeStruct((1, t, 2, 128), bf16),) * 2 + (
@@ -404,7 +416,7 @@ def test_pipelined_walk_lowers_for_cuda():
     )
     for p_in_walk in (False, True):  # True: the walks form P, the prepares write gamma in its place
         text = support.lowered_for_h100(
-            chunk.pipelined_walk,
+            walk_pipeline.pipelined_walk,
             *args,
             pieces=4,
             scale=k**-0.5,
@@ -416,17 +428,18 @@ def test_pipelined_walk_lowers_for_cuda():
         )
         assert text.count("custom_call @mosaic_gpu") == 4 and text.count("xla.gpu.triton") == 4
         assert text.count("output_operand_aliases") == 4 and text.count("optimization_barrier") == 3
-        # the prepares write the walks' decay factors; the walks read and write the state as it is (no transpose)
+        # the prepares write the walks' decay factors; the walks read and write the state as it is (no
+        # transpose)
         assert "stablehlo.exponential" not in text and "stablehlo.transpose" not in text
 
 
 def test_prepare_writes_the_walks_decay_factors():
     """With decay_factors the prepare (interpreter) writes e^gamma and e^(gamma_last - gamma), what
-    `state_pass_mosaic.decay_factors` forms from the gamma it otherwise writes, and the same T diag(beta) and P."""
+    `gates.decay_factors` forms from the gamma it otherwise writes, and the same T diag(beta) and P."""
     qkv, g, bt, common = prepare_inputs(chunks=3, seed=9)
     plain = prepare.prepare(*qkv, g, bt, **common)
     factors = prepare.prepare(*qkv, g, bt, decay_factors=True, **common)
-    want = state_pass_mosaic.decay_factors(plain[2])
+    want = gates.decay_factors(plain[2])
     for name, got, w in (("e^gamma", factors[2], want[0]), ("e^(gamma_last - gamma)", factors[1], want[1])):
         assert got.shape == w.shape and np.isfinite(np.asarray(got)).all(), name
         np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-6, atol=0, err_msg=name)
@@ -439,8 +452,8 @@ def test_prepare_writes_the_walks_decay_factors():
 
 
 def test_prepare_for_a_walk_that_forms_p():
-    """With `p_in_walk` (Mosaic walk) the prepare (interpreter) writes no P: with decay_factors gamma itself in
-    its place (the walk's P mask), without them nothing; T diag(beta) and the decays are unchanged."""
+    """With `p_in_walk` (Mosaic walk) the prepare (interpreter) writes no P: with decay_factors gamma itself
+    in its place (the walk's P mask), without them nothing; T diag(beta) and the decays are unchanged."""
     qkv, g, bt, common = prepare_inputs(chunks=3, seed=10)
     plain = prepare.prepare(*qkv, g, bt, **common)
     factors = prepare.prepare(*qkv, g, bt, decay_factors=True, p_in_walk=True, **common)
@@ -476,7 +489,7 @@ def test_walk_pipeline_pieces_follow_the_concurrent_regions_flag(monkeypatch):
     auto = gdn_config.Config(walk_pipeline=None)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     assert not gpu_limits.concurrent_regions_enabled()
-    assert gdn_config.walk_pipeline_pieces(auto, 256) == 1
+    assert walk_pipeline.num_pieces(auto, 256) == 1
     jax.devices()  # the backend has started
     with pytest.raises(RuntimeError, match="xla_gpu_graph_enable_concurrent_region"):
         gpu_limits.enable_concurrent_regions()
@@ -494,8 +507,8 @@ def test_walk_pipeline_pieces_follow_the_concurrent_regions_flag(monkeypatch):
         monkeypatch.setenv("XLA_FLAGS", flags)
         assert gpu_limits.concurrent_regions_enabled() is on, flags
     monkeypatch.setenv("XLA_FLAGS", gpu_limits.CONCURRENT_REGIONS_FLAG)
-    assert [gdn_config.walk_pipeline_pieces(auto, n) for n in (255, 256, 4096)] == [1, 4, 4]
+    assert [walk_pipeline.num_pieces(auto, n) for n in (255, 256, 4096)] == [1, 4, 4]
     explicit = gdn_config.Config(walk_pipeline=8)
-    assert [gdn_config.walk_pipeline_pieces(explicit, n) for n in (3, 64)] == [3, 8]
+    assert [walk_pipeline.num_pieces(explicit, n) for n in (3, 64)] == [3, 8]
     with pytest.raises(ValueError, match="walk_pipeline=0"):
-        gdn_config.walk_pipeline_pieces(gdn_config.Config(walk_pipeline=0), 64)
+        walk_pipeline.num_pieces(gdn_config.Config(walk_pipeline=0), 64)
