@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import gpu_limits
+from pallas_kernels import gpu_limits, tuning
 from pallas_kernels.gated_delta_rule.common import TRANS_B, dot, load_rows, token_rows
 from pallas_kernels.triton_math import LOG2_E, exp2_approx
 
@@ -222,8 +222,8 @@ def _prepare_kernel(
         jax.lax.fori_loop(0, chunks_per_program, body, 0)
 
 
-# Dense prepare programs an SM holds at once (2 warps: its registers and shared memory, as profiled): what
-# `prepare_chunks_per_program` sizes the waves of programs by.
+# Prepare programs an SM holds at once (2 warps: their registers and shared memory) where no tuning table
+# ("gated_delta_rule.prepare", "programs_per_sm") says: what `prepare_chunks_per_program` sizes waves by.
 PREPARE_PROGRAMS_PER_SM = 6
 
 
@@ -248,30 +248,38 @@ def prepare_chunks_per_program(
         return min(chunks, cap)
     if not fit or cap <= 8:
         return min(8, cap)
-    slots = (sm_count or gpu_limits.sm_count()) * PREPARE_PROGRAMS_PER_SM
+    per_sm = tuning.lookup("gated_delta_rule.prepare").get("programs_per_sm", PREPARE_PROGRAMS_PER_SM)
+    slots = (sm_count or gpu_limits.sm_count()) * per_sm
     return min(range(8, min(24, cap) + 1), key=lambda c: (-(-rows * -(-num_chunks // c) // slots) * c, c))
 
 
+def _check_rows(k, g, chunk_size, padded, token_rows, valid_rows, chunk_offset, piece):
+    """Raises ValueError where `prepare`'s piece (chunk_offset, num_chunks) or valid_rows misfit q, k, g."""
+    num_chunks = padded // chunk_size
+    if piece and (
+        token_rows is not None
+        or valid_rows is not None
+        or chunk_offset < 0
+        or padded < chunk_size
+        or (chunk_offset * chunk_size + padded) > min(k.shape[1], g.shape[2])
+    ):
+        raise ValueError(
+            f"prepare: chunk_offset={chunk_offset}, num_chunks={num_chunks} need no token_rows or "
+            "valid_rows, and q, k, g holding those chunks"
+        )
+    if valid_rows is not None and (
+        token_rows is not None or not valid_rows < padded == k.shape[1] + (-k.shape[1]) % chunk_size
+    ):
+        raise ValueError(
+            f"prepare: valid_rows={valid_rows} needs no token_rows, and q, k of that many rows, "
+            f"fewer than the chunk-aligned {padded}"
+        )
+
+
 def prepare(
-    q,
-    k,
-    v,
-    g,
-    bt,
-    *,
-    scale,
-    chunk_size,
-    group,
-    compute_dtype,
-    config,
-    interpret,
-    token_rows=None,
-    valid_rows=None,
-    chunk_offset=0,
-    num_chunks=None,
-    decay_factors=False,
-    p_in_walk=False,
-):
+    q, k, v, g, bt, *, scale, chunk_size, group, compute_dtype, config, interpret, token_rows=None,
+    valid_rows=None, chunk_offset=0, num_chunks=None, decay_factors=False, p_in_walk=False,
+):  # fmt: skip
     """The WY factors of every chunk; t = g's chunk-aligned length (or num_chunks * chunk_size).
 
     Args:
@@ -303,8 +311,7 @@ def prepare(
     wy_in_state = config.wy_in_state
     num_chunks = padded // chunk_size
     with_p = not p_in_walk
-    # fitted to the SMs only where measured: T diag(beta) alone (no P, W, U), the whole input at once,
-    # compiled
+    # fitted to the SMs where measured: T diag(beta) alone (no P, W, U), the whole input at once, compiled
     fit = wy_in_state and not with_p and not piece and not interpret
     chunks_per_program = prepare_chunks_per_program(
         config.prepare_chunks, num_chunks, batch * v_heads, fit=fit
@@ -324,24 +331,7 @@ def prepare(
     p_dtype = compute_dtype
     if p_in_walk and decay_factors:  # the walk's P mask needs gamma itself (e^gamma underflows)
         p_shape, p_dtype = (batch, v_heads, padded), jnp.float32
-    if piece and (
-        token_rows is not None
-        or valid_rows is not None
-        or chunk_offset < 0
-        or padded < chunk_size
-        or (chunk_offset * chunk_size + padded) > min(k.shape[1], g.shape[2])
-    ):
-        raise ValueError(
-            f"prepare: chunk_offset={chunk_offset}, num_chunks={num_chunks} need no token_rows or "
-            "valid_rows, and q, k, g holding those chunks"
-        )
-    if valid_rows is not None and (
-        token_rows is not None or not valid_rows < padded == k.shape[1] + (-k.shape[1]) % chunk_size
-    ):
-        raise ValueError(
-            f"prepare: valid_rows={valid_rows} needs no token_rows, and q, k of that many rows, "
-            f"fewer than the chunk-aligned {padded}"
-        )
+    _check_rows(k, g, chunk_size, padded, token_rows, valid_rows, chunk_offset, piece)
     return pl.pallas_call(
         functools.partial(
             _prepare_kernel,

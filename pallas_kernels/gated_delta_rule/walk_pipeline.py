@@ -8,27 +8,29 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_limits
+from pallas_kernels import gpu_limits, tuning
 from pallas_kernels.gated_delta_rule import prepare, state_pass_mosaic
 
-# Pieces of the pipeline (`Config.walk_pipeline` None) and the fewest chunks a piece must have: below, the
-# launches cost more than the overlap gains.
-PIECES = 4
-MIN_CHUNKS = 64
+# Without a tuning table ("gated_delta_rule.walk_pipeline"): the pieces of the pipeline
+# (`Config.walk_pipeline` None) and the fewest chunks a piece must have (below, the launches cost more than
+# the overlap gains).
+DEFAULTS = {"pieces": 4, "min_chunks": 64}
 
 
 def num_pieces(config, num_chunks: int) -> int:
     """How many pieces `pipelined_walk` cuts `num_chunks` chunks into (1: no pipeline):
-    `config.walk_pipeline`, at most one per chunk; None: `PIECES` where XLA_FLAGS enable CUDA-graph concurrent
-    regions (`gpu_limits.concurrent_regions_enabled`) and each piece gets >= `MIN_CHUNKS` chunks, else 1.
+    `config.walk_pipeline`, at most one per chunk; None: the tuned pieces (`DEFAULTS`) where XLA_FLAGS enable
+    CUDA-graph concurrent regions (`gpu_limits.concurrent_regions_enabled`) and each piece gets enough chunks,
+    else 1.
 
     Raises:
       ValueError: walk_pipeline < 1.
     """
     count = config.walk_pipeline
     if count is None:
-        enough = num_chunks >= PIECES * MIN_CHUNKS
-        count = PIECES if enough and gpu_limits.concurrent_regions_enabled() else 1
+        tuned = {**DEFAULTS, **tuning.lookup("gated_delta_rule.walk_pipeline")}
+        enough = num_chunks >= tuned["pieces"] * tuned["min_chunks"]
+        count = tuned["pieces"] if enough and gpu_limits.concurrent_regions_enabled() else 1
     if count < 1:
         raise ValueError(f"Config.walk_pipeline={count} must be >= 1")
     return max(1, min(count, num_chunks))
