@@ -1,11 +1,11 @@
-"""The Hopper state pass (`pallas_mosaic`, Pallas Mosaic GPU): where it is chosen, what it refuses, and that
-it lowers; its outputs against the f32 reference where an sm_90 GPU is present.
+"""The Hopper state pass (`state_pass_mosaic`, implementation "mosaic"): where it is chosen, what it refuses,
+and that it lowers; its outputs against the f32 reference where an sm_90 GPU is present.
 
 Pallas' GPU interpreter cannot run it (its wgmma takes no register operands), so on the CPU machine the
 kernel is lowered for CUDA (Mosaic GPU's layout inference and shape checks run) but not executed; the
-numerical checks run on an H100 / H200 (and in `benchmarks/gated_delta_rule.py --check`):
+numerical checks run on an sm_90 GPU:
   JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/pallas_kernels/test_gated_delta_rule_mosaic.py
-(passed on an H100 on 2026-11-26; tests/conftest.py otherwise pins JAX to the CPU)."""
+(tests/conftest.py otherwise pins JAX to the CPU)."""
 
 import dataclasses
 import re
@@ -102,7 +102,7 @@ def test_refusals_name_the_reason(monkeypatch):
     cases = {
         "interpreter": {"interpret": True},
         "float32": {"compute_dtype": jnp.float32},
-        "shared memory": {"key_dim": 256},  # "auto" then takes the Triton walk instead of failing to compile
+        "shared memory": {"key_dim": 256},  # the GPU default then takes the Triton walk
     }
     for words, change in cases.items():
         assert words in state_pass_mosaic.refusal(wy, **{**REFUSAL_ARGS, **change})
