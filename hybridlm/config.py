@@ -113,12 +113,12 @@ class ModelConfig:
     moe: MoEConfig | None = MoEConfig()
     dense_ffn_dim: int | None = None  # dense SwiGLU MLP instead of MoE (GGUF arch qwen35)
     # Kernel choice per op: None picks the fast kernel on GPU and the pure-JAX path elsewhere.
-    gdn_implementation: str | None = None  # "reference" | "chunked" | "pallas" (decode: "pallas",
-    # and None on GPU up to 8 sequences, take the fused
-    # Pallas step, the rest the JAX one)
+    # "reference" | "chunked" | "triton" | "mosaic"; decode: "triton", "mosaic" and None (on GPU, few
+    # sequences) take the fused Triton step, the rest the JAX one
+    gdn_implementation: str | None = None
     moe_implementation: str | None = None  # grouped matmul: "reference" | "triton" | "gemv"
-    attention_implementation: str | None = None  # None (cuDNN on GPU for bf16/fp16 chunks, XLA for decode's
-    # one query and on CPU) | "xla" | "cudnn"
+    # None (cuDNN on GPU for bf16/fp16 chunks, XLA for decode's one query and on CPU) | "xla" | "cudnn"
+    attention_implementation: str | None = None
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_dim", "num_layers", "full_attention_interval"):

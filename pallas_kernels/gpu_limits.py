@@ -14,7 +14,7 @@ import os
 import jax
 
 SHARED_MEMORY_BY_ARCH = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912}
-SHARED_MEMORY_DEFAULT = 101376   # every other compute capability (8.6, 8.9, 12.0, ...): 99 KiB
+SHARED_MEMORY_DEFAULT = 101376  # every other compute capability (8.6, 8.9, 12.0, ...): 99 KiB
 
 
 def shared_memory_limit(device: jax.Device | None = None) -> int | None:
@@ -25,7 +25,7 @@ def shared_memory_limit(device: jax.Device | None = None) -> int | None:
     return SHARED_MEMORY_BY_ARCH.get(str(getattr(device, "compute_capability", "")), SHARED_MEMORY_DEFAULT)
 
 
-SM_COUNT_DEFAULT = 132   # an H100 SXM: what persistent grids are sized for where no GPU is present
+SM_COUNT_DEFAULT = 132  # an sm_90 SXM card's: what persistent grids are sized for where no GPU is present
 
 
 def sm_count(device: jax.Device | None = None) -> int:
@@ -36,7 +36,7 @@ def sm_count(device: jax.Device | None = None) -> int:
 
 
 def is_hopper(device: jax.Device | None = None) -> bool:
-    """Whether `device` (default: the first device) is an sm_90 GPU (H100, H200, H20): the `wgmma` kernels
+    """Whether `device` (default: the first device) is an sm_90 (Hopper) GPU: the `wgmma` kernels
     (Pallas Mosaic GPU) run there only (Blackwell has no `wgmma`)."""
     device = jax.devices()[0] if device is None else device
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
@@ -47,7 +47,7 @@ CONCURRENT_REGIONS_FLAG = "--xla_gpu_graph_enable_concurrent_region=true"
 
 def concurrent_regions_enabled() -> bool:
     """Whether XLA_FLAGS asks XLA:GPU to run independent kernels of a CUDA graph concurrently (off by default
-    in JAX 0.11.2): what `pallas_triton.BlockSizes.walk_pipeline` needs to overlap its launches. The last
+    in JAX 0.11.2): what `gated_delta_rule.walk_pipeline` needs to overlap its launches. The last
     mention of the flag counts (`=true`, `=1` or bare: on)."""
     name = CONCURRENT_REGIONS_FLAG.split("=")[0]
     value = None
@@ -71,15 +71,17 @@ def enable_concurrent_regions() -> None:
     from jax._src import xla_bridge  # no public way to ask whether the backends exist yet
 
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError(f"enable_concurrent_regions: JAX has already started its backends; set XLA_FLAGS="
-                           f"{CONCURRENT_REGIONS_FLAG} before the first computation")
+        raise RuntimeError(
+            f"enable_concurrent_regions: JAX has already started its backends; set XLA_FLAGS="
+            f"{CONCURRENT_REGIONS_FLAG} before the first computation"
+        )
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CONCURRENT_REGIONS_FLAG}".strip()
 
 
 def smem_tiles(itemsize: int, width: int) -> tuple:
-    """Mosaic GPU shared-memory transforms for an operand whose rows hold `width` elements of `itemsize` bytes:
-    (8, width) tiles, swizzled by a row's bytes (128 for 64 bf16, the widest swizzle; 64 for 32 bf16), the
-    layout TMA writes and wgmma reads without bank conflicts (CUDA C++ Programming Guide, "Tensor Memory
+    """Mosaic GPU shared-memory transforms for an operand whose rows hold `width` elements of `itemsize`
+    bytes: (8, width) tiles, swizzled by a row's bytes (128 for 64 bf16, the widest swizzle; 64 for 32 bf16),
+    the layout TMA writes and wgmma reads without bank conflicts (CUDA C++ Programming Guide, "Tensor Memory
     Access", swizzle modes)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

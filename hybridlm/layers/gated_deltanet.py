@@ -3,7 +3,7 @@
 Per token t and value head h (q/k from k-head h // (v_heads // k_heads)):
     [q | k | v] = silu(causal_depthwise_conv([q | k | v] projection))
     q, k        = l2norm(q), l2norm(k);  beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
-    S_t         = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;   o_t = S_t^T q_t / sqrt(key_dim)
+    S_t         = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;  o_t = S_t^T q_t / sqrt(key_dim)
     out         = out_proj(gated_rms_norm(o, z))
 Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (arXiv:2412.06464); HF
 `Qwen3_5MoeGatedDeltaNet.forward`.
@@ -32,8 +32,8 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
 
     out[t] = silu(sum_j weight[j] * window[t + j]) with window = concat(history, mixed), each tap computed as
     a shifted copy of `mixed` plus the history's rows (pads and slices that XLA fuses into one pass): the
-    [batch, kernel - 1 + seq, channels] window itself is never built (XLA wrote it out: 38 ms of a
-    32 768-token prefill on an H100; adding the history rows by dynamic_update_slice wrote out an f32 copy).
+    [batch, kernel - 1 + seq, channels] window itself is never built (XLA would write it out, as it would an
+    f32 copy if the history rows were added by dynamic_update_slice).
 
     Args:
       mixed: [batch, seq, channels] pre-conv inputs.
@@ -48,14 +48,14 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
     w = weight.astype(jnp.float32)
     x, h = mixed.astype(jnp.float32), history.astype(jnp.float32)
     out = 0.0
-    for j in range(kernel):     # window[t + j]: history[t + j] for t + j < kernel - 1, else x[t - shift]
+    for j in range(kernel):  # window[t + j]: history[t + j] for t + j < kernel - 1, else x[t - shift]
         shift = kernel - 1 - j
         from_history = min(shift, seq)
         tap = 0.0
-        if from_history:        # the first rows, zero below (exact: one of the two terms is 0 at every row)
-            tap = jnp.pad(h[:, j:j + from_history], ((0, 0), (0, seq - from_history), (0, 0)))
+        if from_history:  # the first rows, zero below (exact: one of the two terms is 0 at every row)
+            tap = jnp.pad(h[:, j : j + from_history], ((0, 0), (0, seq - from_history), (0, 0)))
         if seq > shift:
-            tap = tap + jnp.pad(x[:, :seq - shift], ((0, 0), (shift, 0), (0, 0)))
+            tap = tap + jnp.pad(x[:, : seq - shift], ((0, 0), (shift, 0), (0, 0)))
         out = out + tap * w[j]  # the taps summed in the order of the window formula (same rounding)
     return jax.nn.silu(out).astype(mixed.dtype)
 
@@ -63,7 +63,7 @@ def causal_depthwise_conv(mixed: jax.Array, weight: jax.Array, history: jax.Arra
 def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Array | int) -> jax.Array:
     """The conv state after `num_valid` tokens: rows [num_valid, num_valid + kernel - 1) of
     concat(history, mixed), without materialising that concatenation (a [batch, seq, channels] copy per layer
-    and chunk: 40 ms of a 32 768-token prefill on an H100 when it was built whole).
+    and chunk).
 
     Args:
       history: [batch, conv_kernel - 1, channels] inputs before the chunk.
@@ -74,8 +74,10 @@ def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Arra
       [batch, conv_kernel - 1, channels] in mixed.dtype.
     """
     width = history.shape[1]
-    head = jnp.concatenate([history, mixed[:, :width]], axis=1)       # covers num_valid < width
-    from_head = jax.lax.dynamic_slice_in_dim(head, jnp.minimum(num_valid, head.shape[1] - width), width, axis=1)
+    head = jnp.concatenate([history, mixed[:, :width]], axis=1)  # covers num_valid < width
+    from_head = jax.lax.dynamic_slice_in_dim(
+        head, jnp.minimum(num_valid, head.shape[1] - width), width, axis=1
+    )
     if mixed.shape[1] < width:
         return from_head
     from_mixed = jax.lax.dynamic_slice_in_dim(mixed, jnp.maximum(num_valid - width, 0), width, axis=1)
@@ -83,26 +85,33 @@ def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Arra
 
 
 class GatedDeltaNet(nnx.Module):
-    """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output projection."""
+    """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output
+    projection."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         g = config.gdn
         h = config.hidden_dim
         self.config = config
         normal = nnx.initializers.normal(stddev=0.02)
-        p = lambda shape: nnx.Param(normal(rngs.params(), shape, dtype))
-        self.qkv_proj = p((h, g.conv_dim))                               # [hidden, 2*k_heads*key_dim + v_heads*value_dim]
-        self.output_gate_proj = p((h, g.num_v_heads * g.value_dim))      # z: [hidden, v_heads*value_dim]
-        self.beta_proj = p((h, g.num_v_heads))                           # b: [hidden, v_heads]
-        self.decay_proj = p((h, g.num_v_heads))                          # a: [hidden, v_heads]
-        self.conv_weight = nnx.Param(normal(rngs.params(), (g.conv_kernel, g.conv_dim), dtype))  # [kernel, channels]
-        self.log_decay_rate = nnx.Param(jnp.zeros((g.num_v_heads,), jnp.float32))   # A_log: [v_heads]
-        self.delta_time_bias = nnx.Param(jnp.ones((g.num_v_heads,), jnp.float32))   # dt_bias: [v_heads]
-        self.output_norm = nnx.Param(jnp.ones((g.value_dim,), dtype))               # gated norm weight (plain w)
-        self.out_proj = p((g.num_v_heads * g.value_dim, h))              # [v_heads*value_dim, hidden]
 
-    def __call__(self, x: jax.Array, state: GatedDeltaNetState | None = None,
-                 num_valid: jax.Array | int | None = None) -> tuple[jax.Array, GatedDeltaNetState]:
+        def p(shape):
+            return nnx.Param(normal(rngs.params(), shape, dtype))
+
+        self.qkv_proj = p((h, g.conv_dim))  # [hidden, 2*k_heads*key_dim + v_heads*value_dim]
+        self.output_gate_proj = p((h, g.num_v_heads * g.value_dim))  # z: [hidden, v_heads*value_dim]
+        self.beta_proj = p((h, g.num_v_heads))  # b: [hidden, v_heads]
+        self.decay_proj = p((h, g.num_v_heads))  # a: [hidden, v_heads]
+        self.conv_weight = nnx.Param(
+            normal(rngs.params(), (g.conv_kernel, g.conv_dim), dtype)
+        )  # [kernel, channels]
+        self.log_decay_rate = nnx.Param(jnp.zeros((g.num_v_heads,), jnp.float32))  # A_log: [v_heads]
+        self.delta_time_bias = nnx.Param(jnp.ones((g.num_v_heads,), jnp.float32))  # dt_bias: [v_heads]
+        self.output_norm = nnx.Param(jnp.ones((g.value_dim,), dtype))  # gated norm weight (plain w)
+        self.out_proj = p((g.num_v_heads * g.value_dim, h))  # [v_heads*value_dim, hidden]
+
+    def __call__(
+        self, x: jax.Array, state: GatedDeltaNetState | None = None, num_valid: jax.Array | int | None = None
+    ) -> tuple[jax.Array, GatedDeltaNetState]:
         """Runs the layer over a chunk of tokens.
 
         Args:
@@ -120,41 +129,51 @@ class GatedDeltaNet(nnx.Module):
         if state is None:
             state = GatedDeltaNetState(
                 conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), x.dtype),
-                recurrent=jnp.zeros((batch, cfg.num_v_heads, cfg.key_dim, cfg.value_dim), jnp.float32))
+                recurrent=jnp.zeros((batch, cfg.num_v_heads, cfg.key_dim, cfg.value_dim), jnp.float32),
+            )
         num_valid = seq if num_valid is None else num_valid
 
-        mixed = linear(x, self.qkv_proj[...])                                       # [b, t, conv_dim]
+        mixed = linear(x, self.qkv_proj[...])  # [b, t, conv_dim]
         z = linear(x, self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))   # [b, t, v_heads]
+        beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))  # [b, t, v_heads]
         a = linear(x, self.decay_proj[...]).astype(jnp.float32)
         log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
-            a + self.delta_time_bias[...].astype(jnp.float32))                       # g <= 0, [b, t, v_heads]
+            a + self.delta_time_bias[...].astype(jnp.float32)
+        )  # g <= 0, [b, t, v_heads]
 
         conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
         new_conv = conv_history_after(state.conv.astype(mixed.dtype), mixed, num_valid)
 
         q = conv_out[..., :kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
-        k = conv_out[..., kq:2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
-        v = conv_out[..., 2 * kq:].reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        k = conv_out[..., kq : 2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
+        v = conv_out[..., 2 * kq :].reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
         q, k = l2_normalize(q), l2_normalize(k)
 
-        valid = (jnp.arange(seq) < num_valid)[None, :]                              # [1, t]
+        valid = (jnp.arange(seq) < num_valid)[None, :]  # [1, t]
         beta = jnp.where(valid[..., None], beta, 0.0)
         log_decay = jnp.where(valid[..., None], log_decay, 0.0)
         k = jnp.where(valid[..., None, None], k, 0.0)
 
         if seq == 1:
-            # decode: "pallas" and None go to the step's API (None: the fused Pallas step on a GPU for few
-            # sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has no single-token
-            # variant)
+            # decode: "triton", "mosaic" (no step of its own) and None go to the fused Triton step (None: on a
+            # GPU for few sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has
+            # no single-token variant)
             impl = self.config.gdn_implementation
-            step = impl if impl in (None, "pallas") else "reference"
-            o, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0],
-                                                 state.recurrent, implementation=step)
+            step = None if impl is None else "triton" if impl in ("triton", "mosaic") else "reference"
+            o, recurrent = gated_delta_rule_step(
+                q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0], state.recurrent, implementation=step
+            )
             o = o[:, None]
         else:
-            o, recurrent = gated_delta_rule(q, k, v, log_decay, beta, initial_state=state.recurrent,
-                                            implementation=self.config.gdn_implementation)
+            o, recurrent = gated_delta_rule(
+                q,
+                k,
+                v,
+                log_decay,
+                beta,
+                initial_state=state.recurrent,
+                implementation=self.config.gdn_implementation,
+            )
         o = gated_rms_norm(o.astype(x.dtype), z, self.output_norm[...], self.config.rms_norm_eps)
         out = linear(o.reshape(batch, seq, vd), self.out_proj[...])
         return out, GatedDeltaNetState(conv=new_conv.astype(state.conv.dtype), recurrent=recurrent)

@@ -1,31 +1,36 @@
 """Public gated-delta-rule entry points: `gated_delta_rule` (prefill), `gated_delta_rule_step` (decode)."""
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
 import numpy as np
 
-from pallas_kernels.gated_delta_rule import chunked, pallas_step, pallas_triton, reference
+from pallas_kernels import tuning
+from pallas_kernels.gated_delta_rule import chunk, chunked, decode_step, reference
 
-Implementation = Literal["reference", "chunked", "pallas"]
-StepImplementation = Literal["reference", "pallas"]
+Implementation = Literal["reference", "chunked", "triton", "mosaic"]
+StepImplementation = Literal["reference", "triton"]
 
 _IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
     "reference": reference.gated_delta_rule_reference,
     "chunked": chunked.gated_delta_rule_chunked,
-    "pallas": pallas_triton.gated_delta_rule_pallas,
+    "triton": functools.partial(chunk.gated_delta_rule_pallas, backend="triton"),
+    "mosaic": functools.partial(chunk.gated_delta_rule_pallas, backend="mosaic"),
 }
-# Largest batch for which `gated_delta_rule_step(implementation=None)` takes the fused Pallas step on a GPU: on an
-# H100 it beats XLA's step at 1 and 8 sequences (54 against 67.5 us, 61 against 75) but not at 32-128
-# (docs/benchmarks.md, "Decode step"); in the whole-model decode step at batch 1, 4.19 against 4.27-4.31 ms
-# (2026-11-26, "Decode, whole model").
-PALLAS_STEP_MAX_BATCH = 8
+_PALLAS = ("triton", "mosaic")  # the implementations that take max_seqlen
+# What `implementation=None` tries on a GPU, in order: the Mosaic GPU walk where it runs, else the Triton one.
+GPU_DEFAULT = ("mosaic", "triton")
 
-_STEP_IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
-    "reference": reference.gated_delta_rule_step_reference,
-    "pallas": pallas_step.gated_delta_rule_step_pallas,
-}
+# Decode step on devices without a tuning table: the fused Triton step up to this many sequences (beyond, the
+# state reads dominate and XLA's step is as fast), 32 value columns per program.
+STEP_DEFAULTS = {"max_batch": 8, "block_v": 32}
+
+
+def step_config() -> dict[str, int]:
+    """`STEP_DEFAULTS` updated by the running device's tuning table ("gated_delta_rule.step")."""
+    return {**STEP_DEFAULTS, **tuning.lookup("gated_delta_rule.step")}
 
 
 def gated_delta_rule(
@@ -40,7 +45,7 @@ def gated_delta_rule(
     chunk_size: int = 64,
     cu_seqlens: jax.Array | None = None,
     max_seqlen: int | None = None,
-    implementation: Implementation | None = None,
+    implementation: Implementation | Sequence[Implementation] | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gated delta rule over a whole prompt (prefill).
@@ -58,20 +63,23 @@ def gated_delta_rule(
       initial_state: [batch, v_heads, key_dim, value_dim] f32 ([num_seqs, ...] with cu_seqlens), or None
         for zeros.
       scale: multiplies the query; defaults to key_dim ** -0.5.
-      chunk_size: tokens per chunk for the chunked implementations (64; a power of two >= 16 for "pallas").
+      chunk_size: tokens per chunk for the chunked implementations (64; a power of two >= 16 for "triton",
+        64 for "mosaic").
         Any seq is accepted: the last partial chunk is padded internally without changing the results.
       cu_seqlens: optional int32 [num_seqs + 1] offsets of packed variable-length sequences, batch == 1,
-        cu_seqlens[0] == 0 and cu_seqlens[-1] == seq; the state restarts at every boundary. With "pallas" on
-        an sm_90 GPU a packed seq that is a multiple of 8 runs fastest (the sequences stay on the packed
-        array's own chunks; otherwise they are regathered chunk-aligned: H100, ~65 K tokens, 1.52 against
-        2.04 ms, docs/benchmarks.md).
-      max_seqlen: optional static bound (tokens) on the packed sequences' lengths. For "pallas" the
-        sequences then run as a padded batch, one sequential walk per sequence in parallel (worth it when
-        lengths are similar); the other implementations ignore it. Checked against concrete cu_seqlens.
+        cu_seqlens[0] == 0 and cu_seqlens[-1] == seq; the state restarts at every boundary. With "mosaic" a
+        packed seq that is a multiple of 8 runs fastest (the sequences stay on the packed array's own chunks;
+        otherwise they are regathered chunk-aligned).
+      max_seqlen: optional static bound (tokens) on the packed sequences' lengths. For "triton" and
+        "mosaic" the sequences then run as a padded batch, one sequential walk per sequence in parallel
+        (worth it when lengths are similar); the other implementations ignore it. Checked against concrete
+        cu_seqlens.
       implementation: "reference" (token-by-token lax.scan in f32: the oracle), "chunked" (pure JAX, WY
-        form, spec §9) or "pallas" (Pallas kernels with the Triton lowering). None picks "pallas" on GPU and
-        "chunked" elsewhere.
-      interpret: for "pallas": run the kernels in the Pallas interpreter; None = only when no GPU is present.
+        form, spec §9), "triton" (Pallas kernels, Triton lowering; the interpreter off GPU) or "mosaic"
+        (the Triton prepare and a Mosaic GPU state pass: Hopper, bf16, chunk_size 64), or a sequence of them
+        tried in order while each raises NotImplementedError. None: ("mosaic", "triton") on a GPU, "chunked"
+        elsewhere.
+      interpret: for "triton" and "mosaic": the Pallas interpreter; None = only when no GPU is present.
 
     Returns:
       output: [batch, seq, v_heads, value_dim] in value.dtype.
@@ -80,33 +88,45 @@ def gated_delta_rule(
     Raises:
       ValueError: unknown `implementation`, shapes that disagree, or (concrete cu_seqlens) a sequence longer
         than `max_seqlen`.
+      NotImplementedError: a single implementation refusing the call, or every one of a sequence (naming
+        each refusal).
     """
     if implementation is None:
-        implementation = "pallas" if jax.default_backend() == "gpu" else "chunked"
-    if implementation not in _IMPLEMENTATIONS:
+        implementation = GPU_DEFAULT if jax.default_backend() == "gpu" else "chunked"
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    if not names or any(name not in _IMPLEMENTATIONS for name in names):
         raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(_IMPLEMENTATIONS)}")
-    extra = {}
-    if max_seqlen is not None and cu_seqlens is not None:
-        if not isinstance(cu_seqlens, jax.core.Tracer):
-            cu = np.asarray(cu_seqlens)
-            longest = int(np.max(cu[1:] - cu[:-1], initial=0))
-            if longest > max_seqlen:
-                raise ValueError(f"max_seqlen={max_seqlen} but cu_seqlens has a sequence of {longest} tokens")
-        if implementation == "pallas":
-            extra["max_seqlen"] = int(max_seqlen)
-    return _IMPLEMENTATIONS[implementation](
-        query,
-        key,
-        value,
-        log_decay,
-        beta,
-        initial_state=initial_state,
-        scale=scale,
-        chunk_size=chunk_size,
-        cu_seqlens=cu_seqlens,
-        interpret=interpret,
-        **extra,
-    )
+    if max_seqlen is not None and cu_seqlens is not None and not isinstance(cu_seqlens, jax.core.Tracer):
+        cu = np.asarray(cu_seqlens)
+        longest = int(np.max(cu[1:] - cu[:-1], initial=0))
+        if longest > max_seqlen:
+            raise ValueError(f"max_seqlen={max_seqlen} but cu_seqlens has a sequence of {longest} tokens")
+    refusals = []
+    for name in names:
+        extra = (
+            {"max_seqlen": int(max_seqlen)}
+            if name in _PALLAS and max_seqlen is not None and cu_seqlens is not None
+            else {}
+        )
+        try:
+            return _IMPLEMENTATIONS[name](
+                query,
+                key,
+                value,
+                log_decay,
+                beta,
+                initial_state=initial_state,
+                scale=scale,
+                chunk_size=chunk_size,
+                cu_seqlens=cu_seqlens,
+                interpret=interpret,
+                **extra,
+            )
+        except NotImplementedError as error:
+            if len(names) == 1:
+                raise
+            refusals.append(f"{name}: {error}")
+    raise NotImplementedError(f"no implementation of {names} takes this call; " + "; ".join(refusals))
 
 
 def gated_delta_rule_step(
@@ -130,11 +150,9 @@ def gated_delta_rule_step(
       log_decay, beta: [batch, v_heads]; any float dtype (computed in f32).
       state: [batch, v_heads, key_dim, value_dim] float32.
       scale: multiplies the query; defaults to key_dim ** -0.5.
-      implementation: "reference" (pure JAX, XLA's fusions) or "pallas" (`pallas_step`: one fused kernel,
-        the state read and written once; in the Pallas interpreter where no GPU is present). None picks
-        "pallas" on a GPU up to `PALLAS_STEP_MAX_BATCH` sequences and "reference" otherwise: on an H100
-        (2026-11-25, docs/benchmarks.md) the Pallas step took 54 / 61 / 99 / 393 us at batch 1 / 8 / 32 / 128
-        against the JAX step's 68 / 75 / 84 / 284.
+      implementation: "reference" (pure JAX, XLA's fusions) or "triton" (`decode_step`: one fused Pallas
+        kernel, the state read and written once; in the Pallas interpreter where no GPU is present). None
+        picks "triton" on a GPU up to `step_config()["max_batch"]` sequences and "reference" otherwise.
 
     Returns:
       output: [batch, v_heads, value_dim] in value.dtype; new_state: same shape as state, float32.
@@ -142,11 +160,16 @@ def gated_delta_rule_step(
     Raises:
       ValueError: unknown `implementation`, or shapes that disagree.
     """
+    config = step_config()
     if implementation is None:
-        small = query.shape[0] <= PALLAS_STEP_MAX_BATCH
-        implementation = "pallas" if small and jax.default_backend() == "gpu" else "reference"
-    if implementation not in _STEP_IMPLEMENTATIONS:
-        raise ValueError(
-            f"unknown implementation {implementation!r}; choose from {sorted(_STEP_IMPLEMENTATIONS)}"
+        small = query.shape[0] <= config["max_batch"]
+        implementation = "triton" if small and jax.default_backend() == "gpu" else "reference"
+    if implementation == "reference":
+        return reference.gated_delta_rule_step_reference(
+            query, key, value, log_decay, beta, state, scale=scale
         )
-    return _STEP_IMPLEMENTATIONS[implementation](query, key, value, log_decay, beta, state, scale=scale)
+    if implementation != "triton":
+        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
+    return decode_step.gated_delta_rule_step_triton(
+        query, key, value, log_decay, beta, state, scale=scale, block_v=config["block_v"]
+    )

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule import _common
+from pallas_kernels.gated_delta_rule import common
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -60,14 +60,17 @@ def gated_delta_rule_chunked(
       ValueError: shapes that disagree.
     """
     del interpret
-    dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
+    dims = common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
     batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
     group = v_heads // k_heads
     c = chunk_size
     scale = key_dim**-0.5 if scale is None else scale
-    layout = None if cu_seqlens is None else _common.packed_layout(cu_seqlens, seq, c)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    q, k, v, g, bt = _common.pad_to_chunks(
+    layout = None if cu_seqlens is None else common.packed_layout(cu_seqlens, seq, c)
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
+    q, k, v, g, bt = common.pad_to_chunks(
         f32(query) * scale, f32(key), f32(value), f32(log_decay), f32(beta), c, layout
     )
     n = k.shape[1] // c
@@ -110,7 +113,9 @@ def gated_delta_rule_chunked(
         state_out = decay_n[..., None, None] * state + _einsum("bhgck,bhgcv->bhgkv", kd_n, v_new)
         return state_out, v_new
 
-    chunk_major = lambda x: jnp.moveaxis(x, 1, 0)
+    def chunk_major(x):
+        return jnp.moveaxis(x, 1, 0)
+
     xs = tuple(map(chunk_major, (w, u, k_decayed, chunk_decay)))
     if layout is None:
 
@@ -138,5 +143,5 @@ def gated_delta_rule_chunked(
         "bnhgij,bnhgjv->bnhgiv", qk, v_new
     )
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, n * c, v_heads, value_dim)
-    out = _common.unpad_output(out, seq, layout)
+    out = common.unpad_output(out, seq, layout)
     return out.astype(value.dtype), final_state.reshape(num_states, v_heads, key_dim, value_dim)

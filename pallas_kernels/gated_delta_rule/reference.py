@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule import _common
+from pallas_kernels.gated_delta_rule import common
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -51,14 +51,17 @@ def gated_delta_rule_reference(
       final_state: [batch or num_seqs, v_heads, key_dim, value_dim] float32.
 
     Raises:
-      ValueError: shapes that disagree (see `_common.check_shapes`).
+      ValueError: shapes that disagree (see `common.check_shapes`).
     """
     del chunk_size, interpret
-    dims = _common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
+    dims = common.check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens)
     batch, seq, k_heads, key_dim, v_heads, value_dim, num_states = dims
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
     q = f32(query) * scale  # [b, t, h, k]
     k = f32(key)
     v = f32(value).reshape(batch, seq, k_heads, group, value_dim)  # [b, t, h, g, v]
@@ -76,7 +79,9 @@ def gated_delta_rule_reference(
         state = state + jnp.einsum("bhk,bhgv->bhgkv", k_t, delta, precision=_HIGHEST)
         return state, jnp.einsum("bhk,bhgkv->bhgv", q_t, state, precision=_HIGHEST)
 
-    time_major = lambda x: jnp.moveaxis(x, 1, 0)
+    def time_major(x):
+        return jnp.moveaxis(x, 1, 0)
+
     xs = tuple(map(time_major, (q, k, v, g, bt)))
     if cu_seqlens is None:
 
@@ -125,12 +130,15 @@ def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *
     Raises:
       ValueError: shapes that disagree.
     """
-    _common.check_step_shapes(query, key, value, log_decay, beta, state)
+    common.check_step_shapes(query, key, value, log_decay, beta, state)
     batch, k_heads, key_dim = key.shape
     _, v_heads, value_dim = value.shape
     group = v_heads // k_heads
     scale = key_dim**-0.5 if scale is None else scale
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
     q = f32(query) * scale  # [b, h, k]
     k = f32(key)
     v = f32(value).reshape(batch, k_heads, group, value_dim)

@@ -39,8 +39,15 @@ QWEN35_PACKED_RAGGED = Workload(name="qwen35_packed_ragged", seq=sum(RAGGED), se
 
 WORKLOADS = {
     w.name: w
-    for w in (TINY, QWEN35_PREFILL_512, QWEN35_PREFILL_4K, QWEN35_PREFILL_16K, QWEN35_PREFILL_64K,
-              QWEN35_PACKED_8X8K, QWEN35_PACKED_RAGGED)
+    for w in (
+        TINY,
+        QWEN35_PREFILL_512,
+        QWEN35_PREFILL_4K,
+        QWEN35_PREFILL_16K,
+        QWEN35_PREFILL_64K,
+        QWEN35_PACKED_8X8K,
+        QWEN35_PACKED_RAGGED,
+    )
 }
 
 
@@ -99,7 +106,9 @@ def make_inputs(
             x = x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
         return x
 
-    sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
+    def sigmoid(x):
+        return 1.0 / (1.0 + np.exp(-x))
+
     inputs = {
         "query": jnp.asarray(unit((b, seq, hk, dk)), dtype),
         "key": jnp.asarray(unit((b, seq, hk, dk)), dtype),

@@ -231,7 +231,7 @@ def test_cached_attention_decode_implementation(seq, implementation, want, monke
 
 
 def test_gdn_layer_decode_step_pallas_equals_reference():
-    """A decode step (seq = 1) of the Gated DeltaNet layer with gdn_implementation="pallas" (the fused Pallas
+    """A decode step (seq = 1) of the Gated DeltaNet layer with gdn_implementation="triton" (the fused Pallas
     step, interpreter on the CPU) against the pure-JAX step, from a non-zero state."""
     config = hybridlm.get_config("tiny")
     layer = GatedDeltaNet(config.replace(gdn_implementation="reference"), rngs=nnx.Rngs(0))
@@ -243,7 +243,7 @@ def test_gdn_layer_decode_step_pallas_equals_reference():
         recurrent=jnp.asarray(r.normal(size=(2, g.num_v_heads, g.key_dim, g.value_dim)) * 0.1, jnp.float32),
     )
     want_out, want_state = layer(x, state)
-    layer.config = config.replace(gdn_implementation="pallas")
+    layer.config = config.replace(gdn_implementation="triton")
     got_out, got_state = layer(x, state)
     assert np.isfinite(np.asarray(got_out)).all()
     np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=1e-5, rtol=1e-4)

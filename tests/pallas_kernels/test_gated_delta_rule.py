@@ -12,10 +12,11 @@ import support
 
 from pallas_kernels.gated_delta_rule import (
     api,
+    chunk,
+    config,
+    decode_step,
     gates,
-    pallas_mosaic,
-    pallas_step,
-    pallas_triton,
+    prepare,
     reference,
     workloads,
 )
@@ -23,7 +24,7 @@ from pallas_kernels.gated_delta_rule import (
 # Max |got - want| / max |want| against the f32 reference, by input dtype. The bf16 bound covers bf16 tiles
 # (W, U, V', chunk states) feeding the matrix products; the f32 bound is f32 rounding over ~100 tokens.
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-IMPLEMENTATIONS = ["chunked", "pallas"]
+IMPLEMENTATIONS = ["chunked", "triton"]
 CHUNK = 16  # small chunks keep interpret mode quick; the model uses 64 (covered by test_chunk_size_64)
 SMALL = dataclasses.replace(workloads.TINY, name="small", k_heads=2, v_heads=4, key_dim=16, value_dim=16)
 
@@ -50,7 +51,7 @@ def check(inputs, implementation, dtype, chunk_size=CHUNK):
     want = expected(inputs)
     got = api.gated_delta_rule(**inputs, chunk_size=chunk_size, implementation=implementation)
     assert got[0].dtype == inputs["value"].dtype and got[1].dtype == jnp.float32
-    for name, g, w in zip(("output", "final_state"), got, want):
+    for name, g, w in zip(("output", "final_state"), got, want, strict=True):
         assert_close(name, g, w, dtype)
 
 
@@ -158,20 +159,22 @@ def test_decode_step_matches_prefill():
     assert_close("state", state, want_final, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype,group,block_v", [(jnp.float32, 1, 32), (jnp.float32, 2, 16),
-                                                 (jnp.bfloat16, 3, 32)])
+@pytest.mark.parametrize(
+    "dtype,group,block_v", [(jnp.float32, 1, 32), (jnp.float32, 2, 16), (jnp.bfloat16, 3, 32)]
+)
 def test_pallas_decode_step_matches_the_recurrence(dtype, group, block_v):
     """The fused Pallas step (interpreter), token by token from an initial state, against the f32 recurrence
     over the same tokens: grouped heads 1, 2, 3, several value blocks, strongly negative g and beta 0 / 1."""
-    workload = dataclasses.replace(workloads.TINY, seq=5, batch=2, k_heads=2, v_heads=2 * group, key_dim=32,
-                                   value_dim=64)
+    workload = dataclasses.replace(
+        workloads.TINY, seq=5, batch=2, k_heads=2, v_heads=2 * group, key_dim=32, value_dim=64
+    )
     inputs = workloads.make_inputs(workload, dtype=dtype, seed=11)
     inputs["log_decay"] = inputs["log_decay"].at[:, 1].set(-30.0)  # the state all but erased at token 1
     inputs["beta"] = inputs["beta"].at[:, 2].set(0.0).at[:, 3].set(1.0)
     as_f32 = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
     want_out, want_final = reference.gated_delta_rule_reference(**as_f32)
     state = inputs["initial_state"]
-    step = functools.partial(pallas_step.gated_delta_rule_step_pallas, block_v=block_v, interpret=True)
+    step = functools.partial(decode_step.gated_delta_rule_step_triton, block_v=block_v, interpret=True)
     for t in range(workload.seq):
         token = {n: inputs[n][:, t] for n in ("query", "key", "value", "log_decay", "beta")}
         out, state = step(**token, state=state)
@@ -184,13 +187,13 @@ def test_pallas_decode_step_through_the_api_and_its_errors():
     inputs = workloads.make_inputs(SMALL, seq=1, dtype=jnp.float32, seed=3)
     token = {n: inputs[n][:, 0] for n in ("query", "key", "value", "log_decay", "beta")}
     want = api.gated_delta_rule_step(**token, state=inputs["initial_state"], implementation="reference")
-    got = api.gated_delta_rule_step(**token, state=inputs["initial_state"], implementation="pallas")
+    got = api.gated_delta_rule_step(**token, state=inputs["initial_state"], implementation="triton")
     for name, g, w in zip(("output", "state"), got, want, strict=True):
         assert_close(name, g, w, jnp.float32)
     with pytest.raises(ValueError, match="power of two"):
-        pallas_step.gated_delta_rule_step_pallas(**token, state=inputs["initial_state"], block_v=12)
+        decode_step.gated_delta_rule_step_triton(**token, state=inputs["initial_state"], block_v=12)
     with pytest.raises(ValueError, match="state.shape"):
-        pallas_step.gated_delta_rule_step_pallas(**token, state=inputs["initial_state"][:, :1])
+        decode_step.gated_delta_rule_step_triton(**token, state=inputs["initial_state"][:, :1])
 
 
 def test_pallas_decode_step_lowers_for_cuda():
@@ -198,22 +201,35 @@ def test_pallas_decode_step_lowers_for_cuda():
     Triton IR needs one): Qwen3.5's head shape, batch 4."""
     b, kh, vh, d = 4, 16, 32, 128
     bf16, f32 = jnp.bfloat16, jnp.float32
-    args = (jax.ShapeDtypeStruct((b, kh, d), bf16), jax.ShapeDtypeStruct((b, kh, d), bf16),
-            jax.ShapeDtypeStruct((b, vh, d), bf16), jax.ShapeDtypeStruct((b, vh), f32),
-            jax.ShapeDtypeStruct((b, vh), f32), jax.ShapeDtypeStruct((b, vh, d, d), f32))
-    assert "gdn_step" in support.lowered_for_h100(pallas_step.gated_delta_rule_step_pallas, *args,
-                                                  interpret=False)
+    args = (
+        jax.ShapeDtypeStruct((b, kh, d), bf16),
+        jax.ShapeDtypeStruct((b, kh, d), bf16),
+        jax.ShapeDtypeStruct((b, vh, d), bf16),
+        jax.ShapeDtypeStruct((b, vh), f32),
+        jax.ShapeDtypeStruct((b, vh), f32),
+        jax.ShapeDtypeStruct((b, vh, d, d), f32),
+    )
+    assert "gdn_step" in support.lowered_for_h100(
+        decode_step.gated_delta_rule_step_triton, *args, interpret=False
+    )
 
 
-@pytest.mark.parametrize("seq,heads,cu_seqlens", [
-    (300, 5, (0, 70, 75, 200, 300)),   # two starts in one chunk, a last partial chunk, heads not a power of 2
-    (128, 3, (0, 0, 5, 128)),   # an empty sequence, a start at a chunk's first row
-    (1000, 4, None),   # batch rows: padding only
-    (520, 96, None),   # more than 32 heads: 64-token tiles
-])
+@pytest.mark.parametrize(
+    "seq,heads,cu_seqlens",
+    [
+        (
+            300,
+            5,
+            (0, 70, 75, 200, 300),
+        ),  # two starts in one chunk, a last partial chunk, heads not a power of 2
+        (128, 3, (0, 0, 5, 128)),  # an empty sequence, a start at a chunk's first row
+        (1000, 4, None),  # batch rows: padding only
+        (520, 96, None),  # more than 32 heads: 64-token tiles
+    ],
+)
 def test_heads_major_gates_match_xla(seq, heads, cu_seqlens):
     """`gates.heads_major_gates` (interpreter) writes what XLA's pad, sequence breaks and transposes
-    (`pallas_mosaic.own_grid_gates`, then [batch, v_heads, t]) give, bit for bit; bad lengths raise."""
+    (`gates.own_grid_gates`, then [batch, v_heads, t]) give, bit for bit; bad lengths raise."""
     rng = np.random.default_rng(seq)
     batch = 2 if cu_seqlens is None else 1
     g = jnp.asarray(-np.abs(rng.standard_normal((batch, seq, heads))), jnp.float32)
@@ -221,7 +237,7 @@ def test_heads_major_gates_match_xla(seq, heads, cu_seqlens):
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
     padded = -(-seq // 64) * 64
     got = gates.heads_major_gates(g, beta, cu, padded=padded, interpret=True)
-    want = (jnp.swapaxes(x, 1, 2) for x in pallas_mosaic.own_grid_gates(g, beta, cu))
+    want = (jnp.swapaxes(x, 1, 2) for x in gates.own_grid_gates(g, beta, cu))
     for name, a, e in zip(("log decay", "beta"), got, want, strict=True):
         support.assert_finite(np.asarray(a), name)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
@@ -233,24 +249,27 @@ def test_heads_major_gates_match_xla(seq, heads, cu_seqlens):
 
 @pytest.mark.parametrize("cu_seqlens", [None, (0, 100, 256)])
 def test_prepare_fast_exp_lowers_for_cuda(cu_seqlens):
-    """`BlockSizes.prepare_fast_exp` puts `ex2.approx` (inline PTX, which the interpreter cannot run) into the
-    compiled bf16 prepare, batch rows (P formed there too) and packed sequences (T alone); not for f32 inputs
-    nor with the field off. The numbers were checked on an H100 (docs/benchmarks.md, 2026-11-26)."""
+    """The compiled bf16 prepare takes its decays by `ex2.approx` (inline PTX, which the interpreter cannot
+    run), batch rows (P formed there too) and packed sequences (T alone); f32 inputs do not."""
     t, kh, vh, d = 256, 2, 4, 64
     f32 = jnp.float32
 
-    def lowered(dtype, fast_exp):
-        args = (jax.ShapeDtypeStruct((1, t, kh, d), dtype), jax.ShapeDtypeStruct((1, t, kh, d), dtype),
-                jax.ShapeDtypeStruct((1, t, vh, d), dtype), jax.ShapeDtypeStruct((1, t, vh), f32),
-                jax.ShapeDtypeStruct((1, t, vh), f32))
+    def lowered(dtype):
+        args = (
+            jax.ShapeDtypeStruct((1, t, kh, d), dtype),
+            jax.ShapeDtypeStruct((1, t, kh, d), dtype),
+            jax.ShapeDtypeStruct((1, t, vh, d), dtype),
+            jax.ShapeDtypeStruct((1, t, vh), f32),
+            jax.ShapeDtypeStruct((1, t, vh), f32),
+        )
         cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
-        block_sizes = dataclasses.replace(pallas_triton.BlockSizes(), prepare_fast_exp=fast_exp)
-        return support.lowered_for_h100(lambda *a: pallas_triton.gated_delta_rule_pallas(
-            *a, cu_seqlens=cu, interpret=False, block_sizes=block_sizes), *args)
+        return support.lowered_for_h100(
+            lambda *a: chunk.gated_delta_rule_pallas(*a, backend="triton", cu_seqlens=cu, interpret=False),
+            *args,
+        )
 
-    assert "ex2.approx" in lowered(jnp.bfloat16, True)
-    assert "ex2.approx" not in lowered(jnp.bfloat16, False)
-    assert "ex2.approx" not in lowered(f32, True)
+    assert "ex2.approx" in lowered(jnp.bfloat16)
+    assert "ex2.approx" not in lowered(f32)
 
 
 def test_nan_output_fails_the_check():
@@ -265,7 +284,9 @@ def test_default_implementation_and_errors():
         chunked = api.gated_delta_rule(**inputs, implementation="chunked")
         np.testing.assert_array_equal(default[0], chunked[0])
     with pytest.raises(ValueError, match="choose from"):
-        api.gated_delta_rule(**inputs, implementation="triton")
+        api.gated_delta_rule(**inputs, implementation="pallas")
+    with pytest.raises(ValueError, match="choose from"):
+        api.gated_delta_rule(**inputs, implementation=("triton", "cuda"))
     with pytest.raises(ValueError, match="v_heads"):
         api.gated_delta_rule(**{**inputs, "value": inputs["value"][:, :, :3]})
     with pytest.raises(ValueError, match="log_decay.shape"):
@@ -277,199 +298,99 @@ def test_default_implementation_and_errors():
         api.gated_delta_rule_step(**token, state=inputs["initial_state"][:, :2])
 
 
-def test_pallas_fused_output_variant():
-    """The state pass that also writes the output (no chunk states in memory), on packed bf16 sequences."""
+def triton(inputs, **kwargs):
+    """`chunk.gated_delta_rule_pallas` with the Triton state pass (interpreter off GPU)."""
+    return chunk.gated_delta_rule_pallas(**inputs, backend="triton", **kwargs)
+
+
+def test_pallas_packed_bf16_narrow_value_blocks():
+    """The state pass writing the output of packed bf16 sequences, 16 value columns per program."""
     seqlens = (CHUNK + 3, 0, 2 * CHUNK)
     inputs = workloads.make_inputs(SMALL, dtype=jnp.bfloat16, seed=4, seqlens=seqlens)
-    fused = dataclasses.replace(pallas_triton.BlockSizes.get_default(), fuse_output=True, state_block_v=16)
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=fused)
+    got = triton(inputs, chunk_size=CHUNK, config=config.Config(state_block_v=16))
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, jnp.bfloat16)
 
 
-def test_pallas_segmented_state_pass():
-    """Sequence split into segments (parallel end states + transitions, then a combine) == the reference."""
-    shapes = dataclasses.replace(SMALL, batch=2, key_dim=32)
-    inputs = workloads.make_inputs(shapes, seq=4 * CHUNK + 3, dtype=jnp.float32, seed=6)
-    split = dataclasses.replace(pallas_triton.BlockSizes.get_default(), segments=3, state_block_v=16)
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=CHUNK, block_sizes=split)
-    for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
-        assert_close(name, g, w, jnp.float32)
-
-
-# Pallas options besides the defaults: (case id, BlockSizes overrides, dtype, chunk_size, seq, seqlens, batch).
+# Pallas options besides the defaults: (case id, Config overrides, dtype, chunk_size, seq, seqlens, batch).
 VARIANTS = [
-    ("sub-blocks-prepare", {"prepare_kernel": "sub_blocks"}, jnp.float32, CHUNK, 2 * CHUNK + 5, None, 1),
-    ("sub-blocks-prepare-c64-bf16", {"prepare_kernel": "sub_blocks"}, jnp.bfloat16, 64, 150, None, 1),
-    (
-        "sub-blocks-fused-packed",
-        {"prepare_kernel": "sub_blocks", "fuse_output": True, "state_block_v": 16},
-        jnp.float32,
-        CHUNK,
-        None,
-        (CHUNK + 3, 0, 2 * CHUNK),
-        1,
-    ),
-    ("dense-prepare-c64-f32", {"prepare_kernel": "dense"}, jnp.float32, 64, 150, None, 1),
-    ("dense-prepare-c32-tf32-inverse", {"inverse_bf16": False}, jnp.bfloat16, 32, 150, None, 1),
-    ("whole-tile-inverse-f32", {"inverse_slabs": False}, jnp.float32, 64, 150, None, 2),
-    ("whole-tile-inverse-packed-in-place", {"inverse_slabs": False}, jnp.bfloat16, 64, None, (67, 0, 130), 1),
+    ("dense-prepare-c64-f32", {}, jnp.float32, 64, 150, None, 1),
     ("inverse-slabs-c32-w-u-bf16", {"wy_in_state": False}, jnp.bfloat16, 32, 150, None, 1),
     ("inverse-slabs-c128-f32", {}, jnp.float32, 128, 300, None, 1),
     ("inverse-slabs-packed-in-place", {}, jnp.bfloat16, 64, None, (67, 0, 130), 1),
-    (
-        "sub-blocks-prepare-c64-solve32",
-        {"prepare_kernel": "sub_blocks", "solve_block": 32},
-        jnp.float32,
-        64,
-        100,
-        None,
-        1,
-    ),
-    (
-        "dense-fused-packed",
-        {"prepare_kernel": "dense", "fuse_output": True, "state_block_v": 16},
-        jnp.bfloat16,
-        CHUNK,
-        None,
-        (CHUNK + 3, 0, 2 * CHUNK),
-        1,
-    ),
-    (
-        "dense-segments-pallas-combine",
-        {"prepare_kernel": "dense", "segments": 3, "segment_combine": "pallas", "state_block_v": 16},
-        jnp.float32,
-        CHUNK,
-        4 * CHUNK + 3,
-        None,
-        2,
-    ),
-    (
-        "prefetch-packed",
-        {"state_prefetch": True, "prepare_kernel": "dense"},
-        jnp.float32,
-        CHUNK,
-        None,
-        (5, 2 * CHUNK + 3, 0, CHUNK),
-        1,
-    ),
-    (
-        "prefetch-fused-segments",
-        {"state_prefetch": True, "fuse_output": True, "segments": 2, "segment_combine": "pallas"},
-        jnp.float32,
-        CHUNK,
-        5 * CHUNK + 1,
-        None,
-        2,
-    ),
-    (
-        "packed-segments",
-        {"segments": 3, "segment_combine": "pallas", "prepare_kernel": "dense"},
-        jnp.float32,
-        CHUNK,
-        None,
-        (5, 2 * CHUNK + 3, 0, CHUNK, 3 * CHUNK + 2),
-        1,
-    ),
-    (
-        "packed-segments-xla-combine-prefetch-fused",
-        {"segments": 2, "state_prefetch": True, "fuse_output": True, "state_block_v": 16},
-        jnp.bfloat16,
-        CHUNK,
-        None,
-        (CHUNK + 3, 0, 2 * CHUNK, 7),
-        1,
-    ),
-    (
-        "tiles-scaled-before-products-packed",
-        {"scale_products": False, "state_block_v": 16},
-        jnp.bfloat16,
-        CHUNK,
-        None,
-        (CHUNK + 3, 0, 2 * CHUNK),
-        1,
-    ),
-    ("tiles-scaled-before-products-f32", {"scale_products": False}, jnp.float32, 64, 150, None, 2),
-    # W and U written by the prepare (the default before 2026-11-24; the default walk now forms them from T)
+    ("dense-fused-packed", {"state_block_v": 16}, jnp.bfloat16, CHUNK, None, (CHUNK + 3, 0, 2 * CHUNK), 1),
+    # W and U written by the prepare (the walk forms them from T by default on chunk-aligned inputs)
     ("w-u-from-prepare-f32", {"wy_in_state": False}, jnp.float32, 64, 150, None, 2),
     ("w-u-from-prepare-bf16-grouped", {"wy_in_state": False}, jnp.bfloat16, CHUNK, 2 * CHUNK + 5, None, 1),
-    ("wy-in-state-bf16-grouped", {"wy_in_state": True, "state_block_v": 8}, jnp.bfloat16, CHUNK, 2 * CHUNK + 5,
-     None, 1),
+    (
+        "wy-in-state-bf16-grouped",
+        {"wy_in_state": True, "state_block_v": 8},
+        jnp.bfloat16,
+        CHUNK,
+        2 * CHUNK + 5,
+        None,
+        1,
+    ),
     # packed: q, k and v copied chunk-aligned by the prepare (in place), the output written in place
     ("wy-in-state-packed", {"wy_in_state": True}, jnp.float32, CHUNK, None, (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
     # chunks per prepare program (capped at num_chunks // 16): 50 chunks -> 3 per program, 17 programs, the
     # last clamped to the last chunk; packed, 37 chunks -> 2 per program
     ("prepare-chunks-3", {"prepare_chunks": 8}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
-    ("prepare-chunks-3-w-u-bf16", {"prepare_chunks": 3, "wy_in_state": False}, jnp.bfloat16, CHUNK,
-     50 * CHUNK - 3, None, 1),
-    ("prepare-chunks-2-packed", {"prepare_chunks": 8}, jnp.float32, CHUNK, None,
-     (20 * CHUNK + 3, 0, 15 * CHUNK, 7), 1),
-    # packed, 50 chunks -> 3 per program: offsets and lengths read once per program (a span of 4; the
-    # default), or inside the loop over chunks
-    ("prepare-prefetch-rows-packed", {"prepare_chunks": 8}, jnp.float32, CHUNK, None,
-     (30 * CHUNK + 3, 0, 18 * CHUNK, 7), 1),
-    ("prepare-rows-read-in-loop-packed", {"prepare_prefetch_rows": False}, jnp.float32, CHUNK, None,
-     (30 * CHUNK + 3, 0, 18 * CHUNK, 7), 1),
-    ("prepare-chunk-blocks-fastest-packed", {"prepare_heads_fastest": False}, jnp.float32, CHUNK, None,
-     (30 * CHUNK + 3, 0, 18 * CHUNK, 7), 1),
-    ("prepare-one-chunk-per-program", {"prepare_chunks": 1}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
-    ("fold-t-into-p-f32", {"fold_t_into_p": True}, jnp.float32, 64, 150, None, 2),
-    ("fold-t-into-p-bf16-packed-t", {"fold_t_into_p": True, "wy_in_state": True}, jnp.bfloat16, CHUNK, None,
-     (CHUNK + 3, 0, 2 * CHUNK, 7), 1),
-    ("wy-in-state-unfused", {"wy_in_state": True, "fuse_output": False}, jnp.float32, CHUNK, 2 * CHUNK + 5,
-     None, 1),
     (
-        "segments-pallas-combine-fused-c64",
-        {"segments": 2, "segment_combine": "pallas", "fuse_output": True, "state_block_v": 16},
+        "prepare-chunks-3-w-u-bf16",
+        {"prepare_chunks": 3, "wy_in_state": False},
         jnp.bfloat16,
-        64,
-        200,
+        CHUNK,
+        50 * CHUNK - 3,
         None,
         1,
     ),
+    (
+        "prepare-chunks-2-packed",
+        {"prepare_chunks": 8},
+        jnp.float32,
+        CHUNK,
+        None,
+        (20 * CHUNK + 3, 0, 15 * CHUNK, 7),
+        1,
+    ),
+    # packed, 50 chunks -> 3 per program: offsets and lengths read once per program (a span of 4)
+    (
+        "prepare-prefetch-rows-packed",
+        {"prepare_chunks": 8},
+        jnp.float32,
+        CHUNK,
+        None,
+        (30 * CHUNK + 3, 0, 18 * CHUNK, 7),
+        1,
+    ),
+    ("prepare-one-chunk-per-program", {"prepare_chunks": 1}, jnp.float32, CHUNK, 50 * CHUNK - 3, None, 1),
 ]
 
 
 @pytest.mark.parametrize(
     "overrides,dtype,chunk_size,seq,seqlens,batch", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS]
 )
-def test_pallas_block_size_variants(overrides, dtype, chunk_size, seq, seqlens, batch):
-    """The kernel options besides the defaults (sub-block prepare, Pallas segment combine, fusion, segments)."""
-    shapes = dataclasses.replace(SMALL, batch=batch, key_dim=32 if "segments" in overrides else SMALL.key_dim)
+def test_pallas_config_variants(overrides, dtype, chunk_size, seq, seqlens, batch):
+    """The kernel options besides the defaults (W and U from the prepare, chunks per program, block
+    widths)."""
+    shapes = dataclasses.replace(SMALL, batch=batch)
     inputs = workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=8, seqlens=seqlens)
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), **overrides)
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=chunk_size, block_sizes=block_sizes)
+    got = triton(inputs, chunk_size=chunk_size, config=config.Config(**overrides))
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, dtype)
 
 
 def test_pallas_dense_prepare_extreme_gates():
-    """g = -20 / 0, beta 0 / 1 with the dense prepare, 64-token chunks and split, prefetched walks."""
+    """g = -20 / 0, beta 0 / 1 with 64-token chunks."""
     inputs = workloads.make_inputs(SMALL, seq=140, dtype=jnp.float32, seed=3)
     rng = np.random.default_rng(1)
     pick = rng.integers(0, 3, inputs["log_decay"].shape)
     inputs["log_decay"] = jnp.asarray(np.choose(pick, [-20.0, 0.0, -0.5]), jnp.float32)
     inputs["beta"] = jnp.asarray(np.choose(rng.integers(0, 3, pick.shape), [0.0, 1.0, 0.5]), jnp.float32)
-    block_sizes = dataclasses.replace(
-        pallas_triton.BlockSizes.get_default(),
-        prepare_kernel="dense",
-        segments=2,
-        segment_combine="pallas",
-        state_prefetch=True,
-    )
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=block_sizes)
+    got = triton(inputs, chunk_size=64)
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, jnp.float32)
-
-
-def test_packed_segments_refused_when_compiled():
-    """segments > 1 with cu_seqlens gave wrong outputs compiled on an H100: refused outside the interpreter."""
-    inputs = workloads.make_inputs(SMALL, seq=None, dtype=jnp.float32, seed=8, seqlens=(CHUNK, CHUNK))
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(), segments=2)
-    with pytest.raises(NotImplementedError, match="segments > 1 with cu_seqlens"):
-        pallas_triton.gated_delta_rule_pallas(
-            **inputs, chunk_size=CHUNK, block_sizes=block_sizes, interpret=False
-        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -477,12 +398,12 @@ def test_packed_as_padded_batch(dtype):
     """max_seqlen: packed sequences run as a padded batch (one walk each) == the reference, per sequence."""
     seqlens = (5, 2 * CHUNK + 3, 0, CHUNK, 1)
     inputs = workloads.make_inputs(SMALL, dtype=dtype, seed=11, seqlens=seqlens)
-    got = api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=max(seqlens), implementation="pallas")
+    got = api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=max(seqlens), implementation="triton")
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, dtype)
     # The bound is static and may exceed the longest sequence.
     loose = api.gated_delta_rule(
-        **inputs, chunk_size=CHUNK, max_seqlen=3 * CHUNK + 1, implementation="pallas"
+        **inputs, chunk_size=CHUNK, max_seqlen=3 * CHUNK + 1, implementation="triton"
     )
     for name, g, w in zip(("output", "final_state"), loose, got, strict=True):
         assert_close(name, g, w, dtype)
@@ -493,108 +414,74 @@ def test_packed_max_seqlen_too_small():
     inside jit, where the lengths are not known at trace time."""
     inputs = workloads.make_inputs(SMALL, dtype=jnp.float32, seed=11, seqlens=(5, 2 * CHUNK + 3))
     with pytest.raises(ValueError, match="max_seqlen=16 but cu_seqlens has a sequence of 35 tokens"):
-        api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas")
+        api.gated_delta_rule(**inputs, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="triton")
     run = jax.jit(
-        lambda x: api.gated_delta_rule(**x, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="pallas")
+        lambda x: api.gated_delta_rule(**x, chunk_size=CHUNK, max_seqlen=CHUNK, implementation="triton")
     )
     out, final = run(inputs)
     assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(final)).all()
 
 
 def correlated_inputs(dtype, key_cosine, seq=150):
-    """Keys at about `key_cosine` to each other, beta 1, almost no decay: (I + A) far from I in every chunk."""
+    """Keys at about `key_cosine` to each other, beta 1, almost no decay: (I + A) far from I in every
+    chunk."""
     shapes = dataclasses.replace(SMALL, key_dim=64, value_dim=16)
-    return workloads.hard_gates(workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=4, key_cosine=key_cosine))
+    return workloads.hard_gates(
+        workloads.make_inputs(shapes, seq=seq, dtype=dtype, seed=4, key_cosine=key_cosine)
+    )
 
 
-@pytest.mark.parametrize("prepare_kernel", ["dense", "dense_slabs", "sub_blocks", "chunked"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("key_cosine", [0.9, 0.99])
-def test_pallas_correlated_keys(prepare_kernel, key_cosine):
-    """Repeated-squaring inverses of 16-row blocks cancel powers of ~6 000 here (the dense prepare before
-    2026-11-23 gave relative error 0.76 at cosine 0.9 even in f32); the 4-row blocks stay exact. "chunked":
-    the pure-JAX implementation (a triangular solve) on the same inputs. "dense_slabs": the inverse by 16-row
-    slabs (`BlockSizes.inverse_slabs`)."""
+def test_pallas_correlated_keys(implementation, key_cosine):
+    """Repeated-squaring inverses of 16-row blocks cancel powers of ~6 000 here (relative error 0.76 at cosine
+    0.9 even in f32); the 4-row blocks inside 16-row slabs stay exact. "chunked": the pure-JAX implementation
+    (a triangular solve) on the same inputs."""
     inputs = correlated_inputs(jnp.float32, key_cosine)
-    if prepare_kernel == "chunked":
+    if implementation == "chunked":
         check(inputs, "chunked", jnp.float32, chunk_size=64)
         return
-    block_sizes = dataclasses.replace(pallas_triton.BlockSizes.get_default(),
-                                      prepare_kernel="sub_blocks" if prepare_kernel == "sub_blocks" else "dense",
-                                      inverse_slabs=prepare_kernel == "dense_slabs")
-    got = pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=block_sizes)
+    got = triton(inputs, chunk_size=64)
     for name, g, w in zip(("output", "final_state"), got, expected(inputs), strict=True):
         assert_close(name, g, w, jnp.float32)
 
 
-def tf32(x):
-    """x rounded to TF32 (10-bit mantissa, round half up in magnitude), as the GPU's f32 products see it."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def test_pallas_tf32_inverse_products(monkeypatch):
-    """bf16 inputs: on the GPU the triangular inverse's f32 products run in TF32. Emulated in the interpreter
-    (operands rounded to TF32), the error against the f32 reference stays that of the bf16 tiles."""
+def test_slab_inverse():
+    """bf16 inputs, keys at cosine 0.9 (the hard case, where bf16 factors exceed the usual bound): the inverse
+    by 16-row slabs with bf16 operands stays finite and within twice the bf16 tolerance of the f32 reference;
+    and it is the inverse (T (I + A) = I) of a random strictly lower A in f32."""
     inputs = correlated_inputs(jnp.bfloat16, 0.9)
-    want = expected(inputs)
-    f32_inverse = dataclasses.replace(pallas_triton.BlockSizes.get_default(), inverse_bf16=False)
-    run = functools.partial(
-        pallas_triton.gated_delta_rule_pallas.__wrapped__, chunk_size=64, block_sizes=f32_inverse
-    )
-    plain = run(**inputs)
-    dot = pallas_triton._dot
-
-    def tf32_dot(a, b, dims=pallas_triton._PLAIN, exact=False):
-        if not exact:
-            a, b = (tf32(x) if x.dtype == jnp.float32 else x for x in (a, b))
-        return dot(a, b, dims, exact)
-
-    monkeypatch.setattr(pallas_triton, "_dot", tf32_dot)
-    emulated = run(**inputs)  # traced anew (no jit cache)
-    for name, e, p, w in zip(("output", "final_state"), emulated, plain, want, strict=True):
-        e, p, w = (np.asarray(x, np.float32) for x in (e, p, w))
-        assert np.isfinite(e).all(), name
-        err_e, err_p = (np.abs(x - w).max() / np.abs(w).max() for x in (e, p))
-        assert err_e <= max(TOLERANCE[jnp.bfloat16], 1.25 * err_p), (name, err_e, err_p)
-
-
-def test_slab_inverse_in_bf16_as_close_as_the_whole_tile_inverse():
-    """bf16 inputs, keys at cosine 0.9 (the hard case): the inverse by 16-row slabs with bf16 operands
-    (`inverse_slabs`) is as close to the f32 reference as the default whole-tile inverse; and it is the
-    inverse (T (I + A) = I) of a random strictly lower A in f32."""
-    inputs = correlated_inputs(jnp.bfloat16, 0.9)
-    want = expected(inputs)
-    default = pallas_triton.BlockSizes.get_default()
-    runs = [pallas_triton.gated_delta_rule_pallas(**inputs, chunk_size=64, block_sizes=dataclasses.replace(
-        default, inverse_slabs=slabs)) for slabs in (False, True)]
-    for i, name in enumerate(("output", "final_state")):
-        w = np.asarray(want[i], np.float32)
-        err_whole, err_slabs = (np.abs(np.asarray(r[i], np.float32) - w).max() / np.abs(w).max() for r in runs)
-        assert np.isfinite(np.asarray(runs[1][i], np.float32)).all(), name
-        assert err_slabs <= max(TOLERANCE[jnp.bfloat16], 1.25 * err_whole), (name, err_slabs, err_whole)
+    for name, g, w in zip(
+        ("output", "final_state"), triton(inputs, chunk_size=64), expected(inputs), strict=True
+    ):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - w).max() / np.abs(w).max() <= 2 * TOLERANCE[jnp.bfloat16], name
     a = np.tril(np.random.default_rng(0).normal(size=(64, 64)), -1).astype(np.float32) * 0.3
-    t = np.concatenate(pallas_triton._slab_inverse(jnp.asarray(a), exact=True), axis=0)
+    t = np.concatenate(prepare.slab_inverse(jnp.asarray(a), exact=True), axis=0)
     np.testing.assert_allclose(t @ (np.eye(64) + a), np.eye(64), atol=1e-4)
 
 
 def test_state_stages_fit_the_device_shared_memory():
     # The default 3 pipeline stages of bf16 tiles (W, K, Q [64, 128] and P [64, 64] per stage: 168 KiB) fit an
     # H100 (227 KiB); an A100 (163 KiB) gets 2 stages, a 99 KiB Ada card 1, f32 tiles on an H100 2. No limit
-    # (the interpreter) and explicit BlockSizes are left as they are.
-    default = pallas_triton.BlockSizes.get_default()
+    # (the interpreter) and explicit configs are left as they are.
+    default = config.Config()
     sizes = {"chunk_size": 64, "key_dim": 128, "itemsize": 2}
-    assert pallas_triton.state_pass_shared_memory(default, **sizes) == 3 * 56 * 1024
-    stages = {limit: pallas_triton.fit_shared_memory(default, limit, **sizes).state_stages
-              for limit in (232448, 166912, 101376, None)}
+    assert config.state_pass_shared_memory(default, **sizes) == 3 * 56 * 1024
+    stages = {
+        limit: config.fit_shared_memory(default, limit, **sizes).state_stages
+        for limit in (232448, 166912, 101376, None)
+    }
     assert stages == {232448: default.state_stages, 166912: 2, 101376: 1, None: default.state_stages}
-    f32 = pallas_triton.fit_shared_memory(default, 232448, chunk_size=64, key_dim=128, itemsize=4)
+    f32 = config.fit_shared_memory(default, 232448, chunk_size=64, key_dim=128, itemsize=4)
     assert f32.state_stages == 2
     # T in place of W, K counted twice (64 KiB a stage): 3 stages on an H100, 2 on an A100, 1 on Ada
     wy = dataclasses.replace(default, wy_in_state=True)
-    assert pallas_triton.state_pass_shared_memory(wy, **sizes) == 3 * 64 * 1024
-    wy_stages = {limit: pallas_triton.fit_shared_memory(wy, limit, **sizes).state_stages
-                 for limit in (232448, 166912, 101376)}
+    assert config.state_pass_shared_memory(wy, **sizes) == 3 * 64 * 1024
+    wy_stages = {
+        limit: config.fit_shared_memory(wy, limit, **sizes).state_stages for limit in (232448, 166912, 101376)
+    }
     assert wy_stages == {232448: 3, 166912: 2, 101376: 1}
 
 
@@ -602,7 +489,7 @@ def test_prepare_chunks_per_program_fill_the_last_wave():
     """Auto (None): 8..24 chunks per dense prepare program, fitted so that the programs run in whole waves
     (132 SMs x 6 programs = 792 at once); capped at num_chunks // 16; 8 for pipelined pieces; explicit values
     kept (capped)."""
-    per_program = pallas_triton.prepare_chunks_per_program
+    per_program = prepare.prepare_chunks_per_program
     assert per_program(None, 1024, 32, sm_count=132) == 14  # packed 8 x 8192: 2 368 programs, 2.99 waves
     assert per_program(None, 256, 32, sm_count=132) == 11  # 768 programs: one wave
     assert per_program(None, 64, 32, sm_count=132) == 4  # num_chunks // 16
@@ -611,7 +498,9 @@ def test_prepare_chunks_per_program_fill_the_last_wave():
     for num_chunks in (128, 300, 1024, 5000):
         for rows in (1, 8, 32, 64):
             cap = min(24, num_chunks // 16)
-            steps = {c: -(-rows * -(-num_chunks // c) // 792) * c for c in range(8, cap + 1)}  # waves x chunks
+            steps = {
+                c: -(-rows * -(-num_chunks // c) // 792) * c for c in range(8, cap + 1)
+            }  # waves x chunks
             chosen = per_program(None, num_chunks, rows, sm_count=132)
             assert chosen == min(steps, key=lambda c: (steps[c], c))
     with pytest.raises(ValueError, match="prepare_chunks=0 must be >= 1"):
@@ -621,13 +510,13 @@ def test_prepare_chunks_per_program_fill_the_last_wave():
 def test_wy_in_state_auto_default():
     """The default (wy_in_state=None) forms W h and U in the state pass from T on chunk-aligned inputs, and
     takes W and U from the prepare for packed sequences read in place (bit for bit the explicit choices)."""
-    default = pallas_triton.BlockSizes.get_default()
+    default = config.Config()
     assert default.wy_in_state is None
     for seqlens, auto_is in ((None, True), ((CHUNK + 3, 0, 2 * CHUNK), False)):
         inputs = workloads.make_inputs(SMALL, seq=2 * CHUNK + 5, dtype=jnp.bfloat16, seed=3, seqlens=seqlens)
-        run = functools.partial(pallas_triton.gated_delta_rule_pallas, **inputs, chunk_size=CHUNK)
-        auto, explicit = run(), run(block_sizes=dataclasses.replace(default, wy_in_state=auto_is))
-        other = run(block_sizes=dataclasses.replace(default, wy_in_state=not auto_is))
+        run = functools.partial(triton, inputs, chunk_size=CHUNK)
+        auto, explicit = run(), run(config=dataclasses.replace(default, wy_in_state=auto_is))
+        other = run(config=dataclasses.replace(default, wy_in_state=not auto_is))
         for a, e, o in zip(auto, explicit, other, strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
             assert np.isfinite(np.asarray(o, np.float32)).all()

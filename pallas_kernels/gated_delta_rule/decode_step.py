@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import _common
+from pallas_kernels.gated_delta_rule import common
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, group, scale, block_v):
@@ -38,8 +38,9 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret"))
-def gated_delta_rule_step_pallas(query, key, value, log_decay, beta, state, *, scale=None, block_v=32,
-                                 interpret=None):
+def gated_delta_rule_step_triton(
+    query, key, value, log_decay, beta, state, *, scale=None, block_v=32, interpret=None
+):
     """One decode step of the gated delta rule, fused in one Pallas (Triton) kernel.
 
     Args:
@@ -59,7 +60,7 @@ def gated_delta_rule_step_pallas(query, key, value, log_decay, beta, state, *, s
     Raises:
       ValueError: shapes that disagree, or key_dim / value_dim / block_v that are not powers of two.
     """
-    _common.check_step_shapes(query, key, value, log_decay, beta, state)
+    common.check_step_shapes(query, key, value, log_decay, beta, state)
     batch, k_heads, key_dim = key.shape
     _, v_heads, value_dim = value.shape
     block_v = min(block_v, value_dim)

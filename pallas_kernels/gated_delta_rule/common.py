@@ -1,15 +1,59 @@
-"""Shape checks and the chunk-aligned layout shared by the chunked implementations (pure JAX and Pallas)."""
+"""What the stages of the chunked gated delta rule share: shape checks, the chunk-aligned layout of packed
+sequences, and the tile helpers of the Triton kernels."""
 
 import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-# jnp.searchsorted's method for token / chunk -> sequence of packed inputs. Its default, "scan", runs as an XLA
-# while loop on the GPU (the grouped matmul's schedule took 0.26 ms that way for 257 groups, against ~0.06 ms
-# unrolled, H100 2026-11-25); "scan_unrolled" makes the same O(n log num_seqs) comparisons with no loop.
+# jnp.searchsorted's method for token / chunk -> sequence of packed inputs: its default, "scan", runs as an
+# XLA while loop on the GPU; "scan_unrolled" makes the same O(n log num_seqs) comparisons with no loop.
 SEARCH = "scan_unrolled"
+
+PLAIN = (((1,), (0,)), ((), ()))  # dot_general dims for a b
+TRANS_A = (((0,), (0,)), ((), ()))  # dot_general dims for a^T b
+TRANS_B = (((1,), (1,)), ((), ()))  # dot_general dims for a b^T
+
+
+def dot(a, b, dims=PLAIN, exact=False):
+    """2-D product accumulated in f32. exact=True (f32 inputs) keeps f32 operands in IEEE f32; otherwise f32
+    operands run as TF32 (Triton's default). bf16 operands are unaffected."""
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def token_rows(n, chunk_size, src_ref, len_ref, in_place, src_len=None):
+    """Rows of chunk n in the token-ordered arrays (q, k, v, the output): (pl.ds, row mask or None).
+    In place (packed sequences read where they lie): from the chunk's first packed token, the rows past the
+    chunk's length (the next sequence, or past the array's end) masked off. src_len: the chunk's (first
+    token, length) already in registers, else read from src_ref, len_ref."""
+    if not in_place:
+        return pl.ds(n * chunk_size, chunk_size), None
+    src, length = src_len if src_len is not None else (src_ref[n], len_ref[n])
+    mask = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) < length
+    return pl.ds(src, chunk_size), mask
+
+
+def load_rows(ref, idx, mask, shape):
+    """The [rows, cols] tile ref[idx]; rows off `mask` read as zeros and are never accessed."""
+    if mask is None:
+        return ref[idx]
+    return plgpu.load(ref.at[idx], mask=jnp.broadcast_to(mask[:, None], shape), other=0)
+
+
+def store_rows(ref, idx, value, mask):
+    """ref[idx] = value ([rows, cols]), rows off `mask` left untouched."""
+    if mask is None:
+        ref[idx] = value
+    else:
+        plgpu.store(ref.at[idx], value, mask=jnp.broadcast_to(mask[:, None], value.shape))
 
 
 def check_shapes(query, key, value, log_decay, beta, initial_state, cu_seqlens):
@@ -133,7 +177,14 @@ def packed_layout(cu_seqlens, seq: int, chunk_size: int) -> PackedLayout:
     chunk_len = jnp.clip(lengths[chunk_seq] - offset_in_seq * chunk_size, 0, chunk_size).astype(jnp.int32)
     chunk_src = jnp.where(chunk_len > 0, cu[chunk_seq] + offset_in_seq * chunk_size, 0).astype(jnp.int32)
     return PackedLayout(
-        gather, valid, scatter.astype(jnp.int32), chunk_seq, chunk_first, chunk_last, chunk_src, chunk_len,
+        gather,
+        valid,
+        scatter.astype(jnp.int32),
+        chunk_seq,
+        chunk_first,
+        chunk_last,
+        chunk_src,
+        chunk_len,
         chunk_start,
     )
 
@@ -146,8 +197,9 @@ def token_sequences(cu, token):
 
 
 class GridRanges(NamedTuple):
-    """Packed sequences on the packed array's own chunk grid (chunk n = tokens [n c, n c + c), a chunk may hold
-    the end of one sequence and the start of the next): per token slot t < padded (padded a multiple of c)."""
+    """Packed sequences on the packed array's own chunk grid (chunk n = tokens [n c, n c + c), a chunk may
+    hold the end of one sequence and the start of the next): per token slot t < padded (padded a multiple of
+    c)."""
 
     first: jax.Array  # int32 [padded]: the first token of t's sequence in t's chunk (t >= seq: the chunk's)
     last: jax.Array  # int32 [padded]: the last token of t's sequence in t's chunk (t >= seq: t)
@@ -205,14 +257,14 @@ def packed_to_batch(arrays, cu_seqlens, max_len: int):
     sequence's. Returns (arrays, overflow): overflow is a bool scalar, True when a sequence is longer than
     max_len (its tail would be dropped)."""
     cu = jnp.asarray(cu_seqlens, jnp.int32)
-    lengths = cu[1:] - cu[:-1]                                        # [num_seqs]
+    lengths = cu[1:] - cu[:-1]  # [num_seqs]
     pos = jnp.arange(max_len, dtype=jnp.int32)
-    valid = pos[None, :] < lengths[:, None]                           # [num_seqs, max_len]
+    valid = pos[None, :] < lengths[:, None]  # [num_seqs, max_len]
     seq = arrays[0].shape[1]
     src = jnp.clip(cu[:-1, None] + pos[None, :], 0, max(seq - 1, 0))
 
     def gather(x):
-        y = jnp.take(x[0], src, axis=0)                                # [num_seqs, max_len, ...]
+        y = jnp.take(x[0], src, axis=0)  # [num_seqs, max_len, ...]
         return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), y, jnp.zeros((), x.dtype))
 
     return tuple(map(gather, arrays)), jnp.any(lengths > max_len)
