@@ -25,7 +25,7 @@ TABLES = pathlib.Path(__file__).parent
 
 
 def device_slug(device_kind: str) -> str:
-    """File name stem of a device kind: "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3"."""
+    """File name stem of a device kind: "NVIDIA A100-SXM4-80GB" -> "nvidia_a100_sxm4_80gb"."""
     return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
 
 
