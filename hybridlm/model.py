@@ -193,7 +193,7 @@ def quantize_experts(w: jax.Array, expert_format: str):
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
 def random_param_jax(name: str, key: jax.Array, shape: tuple[int, ...], vdtype) -> jax.Array:
-    """One random parameter `name` of `shape` drawn on the device from `key`, as `init_random` draws it there."""
+    """One random parameter `name` of `shape` drawn on the device from `key`, as `init_random` draws it."""
     def draw(kind, shape):
         return jax.random.normal(key, shape) if kind == "normal" else jax.random.uniform(key, shape)
     return _random_param(name, draw, shape, jnp).astype(vdtype)
