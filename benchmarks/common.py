@@ -60,7 +60,7 @@ class Recorder:
             "name": self.name,
             "workload": workload,
             "implementation": implementation,
-            "figures": {k: _round(v) for k, v in (figures or {}).items()},
+            "figures": {k: _round(v) for k, v in (figures or {}).items() if v is not None},
             **fields,
             **self.header(),
         }
