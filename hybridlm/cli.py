@@ -11,29 +11,39 @@ import json
 import os
 import sys
 
-# `generate` keeps one pinned host buffer a layer from this many new tokens on (unless --host-parts says otherwise).
-# Measured on an H100 (JAX 0.11.2, Qwen3.6-35B-A3B shape, 4-bit experts, 12 GiB, `static`, 2026-11-27,
-# docs/offload.md), one part against four in the same process: a decode step 4.2-5.2 ms shorter (88.4 against
-# 60.6-64.4 tokens/s); the prefill 28-63 ms longer at 512-2 048 tokens, 180-232 ms at 8 192 (chunks of 2 048) and
-# 64 ms at 32 768 (one chunk). So one part pays from ~6-55 new tokens.
+# `generate` keeps one pinned host buffer a layer from this many new tokens on (unless --host-parts says
+# otherwise): one buffer makes each decode step faster and the prefill slower, which pays back over this many
+# steps.
 ONE_HOST_PART_FROM_TOKENS = 64
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("prefill", "ingest a prompt; report TTFT, tokens/s and per-phase times"),
-                        ("generate", "prefill, then decode new tokens")):
+    for name, help_ in (
+        ("prefill", "ingest a prompt; report TTFT and tokens/s (per phase with --profile)"),
+        ("generate", "prefill, then decode new tokens"),
+    ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--model", metavar="PATH", help="HF checkpoint directory or .gguf file")
-        s.add_argument("--preset", default=None, help="named architecture (with --random-weights); default tiny")
+        s.add_argument(
+            "--preset", default=None, help="named architecture (with --random-weights); default tiny"
+        )
         s.add_argument("--random-weights", action="store_true", help="random weights for --preset")
         s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
-        s.add_argument("--expert-format", choices=("int8", "int4"), default=None,
-                       help="store routed experts quantized (int8 / 4-bit): random weights, or an HF checkpoint "
-                            "directory's experts as they load")
-        s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                       help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+        s.add_argument(
+            "--expert-format",
+            choices=("int8", "int4"),
+            default=None,
+            help="store routed experts quantized (int8 / 4-bit): random weights, or an HF checkpoint "
+            "directory's experts as they load",
+        )
+        s.add_argument(
+            "--dtype",
+            choices=("float32", "bfloat16"),
+            default=None,
+            help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
+        )
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
         s.add_argument("--prompt", help="prompt text (instead of --prompt-file)")
         s.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk size in tokens")
@@ -41,30 +51,61 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
-        s.add_argument("--no-profile", action="store_true", help="skip the per-phase timing pass")
-        s.add_argument("--expert-budget", metavar="BYTES", default=None,
-                       help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
-                            "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)")
-        s.add_argument("--mixed-formats", choices=("widen", "smallest", "refuse"), default="widen",
-                       help="with --expert-budget, for a model whose layers store experts in different formats "
-                            "(a Q4_K_M GGUF's Q6_K downs): widen into one format that holds each exactly (more "
-                            "bytes), requantize into the smallest (not exact), or refuse")
-        s.add_argument("--cache-policy", choices=("lru", "slru", "lfu", "static", "stream"), default="slru",
-                       help="expert cache eviction policy (with --expert-budget)")
-        s.add_argument("--prefetch", choices=("auto", "router", "layer", "none"), default="auto",
-                       help="expert prefetch (with --expert-budget)")
-        s.add_argument("--host-parts", type=int, default=None, metavar="N",
-                       help="pinned host buffers a layer (with --expert-budget): 4 spreads a layer's copy over the "
-                            "prefill's programs, 1 lets decode copy experts with no control flow (H100, 4-bit, "
-                            "12 GiB: decode 87-88 against 61-71 tokens/s, prefill 9-30%% slower). Default: 1 for "
-                            f"generate with --max-new-tokens >= {ONE_HOST_PART_FROM_TOKENS}, else 4")
+        if name == "prefill":
+            s.add_argument(
+                "--warmup",
+                action="store_true",
+                help="one untimed prefill first, so that the timed one excludes compilation",
+            )
+            s.add_argument(
+                "--profile",
+                action="store_true",
+                help="also one pass synchronised after every phase: seconds per phase",
+            )
+        s.add_argument(
+            "--expert-budget",
+            metavar="BYTES",
+            default=None,
+            help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
+            "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)",
+        )
+        s.add_argument(
+            "--mixed-formats",
+            choices=("widen", "smallest", "refuse"),
+            default="widen",
+            help="with --expert-budget, for a model whose layers store experts in different formats "
+            "(a Q4_K_M GGUF's Q6_K downs): widen into one format that holds each exactly (more "
+            "bytes), requantize into the smallest (not exact), or refuse",
+        )
+        s.add_argument(
+            "--cache-policy",
+            choices=("lru", "slru", "lfu", "static", "stream"),
+            default="slru",
+            help="expert cache eviction policy (with --expert-budget)",
+        )
+        s.add_argument(
+            "--prefetch",
+            choices=("auto", "router", "layer", "none"),
+            default="auto",
+            help="expert prefetch (with --expert-budget)",
+        )
+        s.add_argument(
+            "--host-parts",
+            type=int,
+            default=None,
+            metavar="N",
+            help="pinned host buffers a layer (with --expert-budget): several spread a layer's copy "
+            "over the prefill's programs, 1 lets decode copy experts with no control flow (faster "
+            "decode, slower prefill). Default: 1 for generate with --max-new-tokens >= "
+            f"{ONE_HOST_PART_FROM_TOKENS}, else the runner's",
+        )
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
 def host_parts_for(command: str, max_new_tokens: int, host_parts: int | None) -> int | None:
-    """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 for a `generate`
-    of at least ONE_HOST_PART_FROM_TOKENS new tokens, else None (the runner's default, HOST_PARTS)."""
+    """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 for a
+    `generate` of at least ONE_HOST_PART_FROM_TOKENS new tokens, else None (the runner's default)."""
     if host_parts is not None:
         return host_parts
     return 1 if command == "generate" and max_new_tokens >= ONE_HOST_PART_FROM_TOKENS else None
@@ -79,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Validate cheap things before importing JAX.
     from hybridlm.config import PRESETS
+
     if args.model and (args.preset or args.random_weights):
         return _fail("--model cannot be combined with --preset/--random-weights")
     if args.model and not os.path.exists(args.model):
         return _fail(f"model path not found: {args.model}")
     if args.model and args.expert_format and not os.path.isdir(args.model):
-        return _fail("--expert-format applies to HF checkpoint directories; a GGUF file keeps its own quantization")
+        return _fail(
+            "--expert-format applies to HF checkpoint directories; a GGUF file keeps its own quantization"
+        )
     if args.preset and args.preset not in PRESETS:
         return _fail(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     if args.prompt_file and not os.path.isfile(args.prompt_file):
@@ -113,18 +157,27 @@ def main(argv: list[str] | None = None) -> int:
     host_experts = None
     try:
         if args.model and args.expert_budget is not None:
-            # experts straight into pinned host memory (GGUF: 4- and 8-bit kept): the device never holds them all
+            # experts straight into pinned host memory (GGUF: 4-, 8-bit kept): the device never holds them all
             from hybridlm.offload import load_offloaded
-            from hybridlm.offload.scheduler import HOST_PARTS
-            model, host_experts = load_offloaded(args.model, dtype=None if args.dtype is None else dtype,
-                                                 expert_format=args.expert_format,
-                                                 parts=HOST_PARTS if host_parts is None else host_parts,
-                                                 mixed_formats=args.mixed_formats)
+
+            parts = {} if host_parts is None else {"parts": host_parts}  # None: the loader's default
+            model, host_experts = load_offloaded(
+                args.model,
+                dtype=None if args.dtype is None else dtype,
+                expert_format=args.expert_format,
+                mixed_formats=args.mixed_formats,
+                **parts,
+            )
             source = args.model
-        elif args.model:   # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
-            model = hybridlm.load(args.model, dtype=None if args.dtype is None else dtype,
-                                  expert_format=args.expert_format,
-                                  keep_quantized=None if os.path.isdir(args.model) else "experts")
+        elif (
+            args.model
+        ):  # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
+            model = hybridlm.load(
+                args.model,
+                dtype=None if args.dtype is None else dtype,
+                expert_format=args.expert_format,
+                keep_quantized=None if os.path.isdir(args.model) else "experts",
+            )
             source = args.model
         else:
             config = hybridlm.get_config(args.preset or "tiny")
@@ -133,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = None
         if args.model and args.model.endswith(".gguf"):  # the file's own vocabulary, when it has one
             from hybridlm.checkpoints.gguf import load_gguf_tokenizer
+
             tokenizer = load_gguf_tokenizer(args.model)
         tokenizer = tokenizer or Tokenizer()
         if args.prompt is not None:
@@ -146,42 +200,66 @@ def main(argv: list[str] | None = None) -> int:
         if not ids:
             return _fail("the prompt is empty")
         if max(ids) >= model.config.vocab_size:
-            return _fail(f"the prompt has token ids up to {max(ids)} but the model's vocabulary has "
-                         f"{model.config.vocab_size} entries (a different tokenizer?)")
+            return _fail(
+                f"the prompt has token ids up to {max(ids)} but the model's vocabulary has "
+                f"{model.config.vocab_size} entries (a different tokenizer?)"
+            )
     except (ValueError, KeyError, FileNotFoundError) as e:
         return _fail(str(e).strip("'\""))
 
     if args.expert_budget is not None:
         from hybridlm.offload import OffloadedRunner
+
         try:
-            runner = OffloadedRunner(model, expert_budget=args.expert_budget, cache_policy=args.cache_policy,
-                                     prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)),
-                                     host_experts=host_experts, host_parts=None if host_experts else host_parts,
-                                     mixed_formats=args.mixed_formats)
+            runner = OffloadedRunner(
+                model,
+                expert_budget=args.expert_budget,
+                cache_policy=args.cache_policy,
+                prefetch=args.prefetch,
+                chunk_size=min(args.chunk_size, len(ids)),
+                host_experts=host_experts,
+                host_parts=None if host_experts else host_parts,
+                mixed_formats=args.mixed_formats,
+            )
         except ValueError as e:
             return _fail(str(e))
     else:
         runner = hybridlm.LayerwiseRunner(model)
-    report = {"command": args.command, "model": source, "device": str(jax.devices()[0].device_kind),
-              "jax_version": jax.__version__, "dtype": jnp.dtype(model.dtype).name}
+    report = {
+        "command": args.command,
+        "model": source,
+        "device": str(jax.devices()[0].device_kind),
+        "jax_version": jax.__version__,
+        "dtype": jnp.dtype(model.dtype).name,
+    }
     if args.command == "prefill":
-        # First call compiles; the second measures. Then one profiled pass for per-phase times.
-        hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+        # One timed pass; with --warmup an untimed one first (compilation), with --profile a phase pass after.
+        if args.warmup:
+            hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
         result = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
         report.update(result.summary())
-        report["compile_excluded"] = True
+        report["compile_excluded"] = args.warmup
+        report["profiled"] = args.profile
         if args.expert_budget is not None:
             report["offload"] = runner.stats()
-        if not args.no_profile:
-            profiled = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, profile=True,
-                                        max_new_tokens=args.max_new_tokens)
+        if args.profile:
+            profiled = hybridlm.prefill(
+                runner, ids, chunk_size=args.chunk_size, profile=True, max_new_tokens=args.max_new_tokens
+            )
             report["phase_seconds"] = profiled.summary()["phase_seconds"]
         top = int(jnp.argmax(result.logits[0]))
         report["next_token"] = {"id": top, "text": tokenizer.decode([top])}
     else:
-        gen = hybridlm.generate(runner, ids, max_new_tokens=max(args.max_new_tokens, 1),
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                chunk_size=args.chunk_size)
+        gen = hybridlm.generate(
+            runner,
+            ids,
+            max_new_tokens=max(args.max_new_tokens, 1),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            chunk_size=args.chunk_size,
+        )
         report.update(gen.prefill.summary())
         report["compile_excluded"] = False
         report["new_tokens"] = gen.tokens[0].tolist()
@@ -199,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 def _print_report(r: dict) -> None:
     print(f"model          {r['model']}  [{r['dtype']}, {r['device']}, JAX {r['jax_version']}]")
     print(f"prompt tokens  {r['prompt_tokens']}  in {r['chunks']} chunk(s) of {r['chunk_size']}")
-    note = "" if r["compile_excluded"] else " (includes compilation)"
-    print(f"TTFT           {r['ttft_s']:.3f} s{note}")
+    note = "after warm-up" if r["compile_excluded"] else "includes compilation"
+    print(f"TTFT ({note}) {r['ttft_s']:.3f} s")
     print(f"prefill        {r['prefill_tokens_per_s']:.1f} tokens/s")
     if "phase_seconds" in r:
         total = sum(r["phase_seconds"].values()) or 1.0
@@ -219,25 +297,35 @@ def _print_report(r: dict) -> None:
 def _print_offload(o: dict) -> None:
     pool = o["pool"]
     from hybridlm.offload.expert_cache import format_bytes
-    print(f"expert offload budget {format_bytes(pool['budget_bytes'])}, {pool['slots']} slots of "
-          f"{pool['expert_bytes']} B (+{pool['staging_slots']} staging), policy {pool['policy']}, "
-          f"prefetch {pool['prefetch']}, {pool['host_parts']} host buffer(s) a layer; experts stored as "
-          f"{pool['expert_format']}")
+
+    print(
+        f"expert offload budget {format_bytes(pool['budget_bytes'])}, {pool['slots']} slots of "
+        f"{pool['expert_bytes']} B (+{pool['staging_slots']} staging), policy {pool['policy']}, "
+        f"prefetch {pool['prefetch']}, {pool['host_parts']} host buffer(s) a layer; experts stored as "
+        f"{pool['expert_format']}"
+    )
     for kind in ("prefill", "decode"):
         s = o[kind]
         if not s["chunks"]:
             continue
         # device-paged decode steps are never waited for, so they have no wall time of their own
         rate = f"{s['achieved_gbps']:.2f} GB/s" if s["wall_s"] > 0 else "GB/s untimed"
-        print(f"  {kind:8s} lookups {s['lookups']}  hits {s['hits']}  misses {s['misses']}  hit rate "
-              f"{100 * s['hit_rate']:.1f}%  H2D {s['bytes_h2d'] / 1e9:.3f} GB  {rate}  "
-              f"stall {s['stall_s'] * 1e3:.1f} ms  evictions {s['evictions']}  prefetched {s['prefetched']} "
-              f"(used {s['prefetch_used']})")
+        print(
+            f"  {kind:8s} lookups {s['lookups']}  hits {s['hits']}  misses {s['misses']}  hit rate "
+            f"{100 * s['hit_rate']:.1f}%  H2D {s['bytes_h2d'] / 1e9:.3f} GB  {rate}  "
+            f"stall {s['stall_s'] * 1e3:.1f} ms  evictions {s['evictions']}  prefetched {s['prefetched']} "
+            f"(used {s['prefetch_used']})"
+        )
     layers = o["prefill"].get("per_layer", [])
     if layers:
         print("  per layer (prefill): hit rate % / H2D MB / stall ms")
-        print("   " + "  ".join(f"{i}:{100 * s['hit_rate']:.0f}/{s['bytes_h2d'] / 1e6:.1f}/{s['stall_s'] * 1e3:.1f}"
-                                 for i, s in enumerate(layers)))
+        print(
+            "   "
+            + "  ".join(
+                f"{i}:{100 * s['hit_rate']:.0f}/{s['bytes_h2d'] / 1e6:.1f}/{s['stall_s'] * 1e3:.1f}"
+                for i, s in enumerate(layers)
+            )
+        )
 
 
 if __name__ == "__main__":
