@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
+        # accepted so that older command lines still parse: profiling is off unless --profile asks for it
+        s.add_argument("--no-profile", action="store_true", help=argparse.SUPPRESS)
         if name == "prefill":
             s.add_argument(
                 "--warmup",
@@ -116,97 +118,70 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    # Validate cheap things before importing JAX.
+class UsageError(Exception):
+    """A problem with the command line or its inputs, printed as one line with exit status 2."""
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Cheap checks before JAX is imported.
+
+    Raises:
+      UsageError: options that cannot go together, or paths and values that cannot work.
+    """
     from hybridlm.config import PRESETS
 
     if args.model and (args.preset or args.random_weights):
-        return _fail("--model cannot be combined with --preset/--random-weights")
+        raise UsageError("--model cannot be combined with --preset/--random-weights")
     if args.model and not os.path.exists(args.model):
-        return _fail(f"model path not found: {args.model}")
+        raise UsageError(f"model path not found: {args.model}")
     if args.model and args.expert_format and not os.path.isdir(args.model):
-        return _fail(
+        raise UsageError(
             "--expert-format applies to HF checkpoint directories; a GGUF file keeps its own quantization"
         )
     if args.preset and args.preset not in PRESETS:
-        return _fail(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
+        raise UsageError(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     if args.prompt_file and not os.path.isfile(args.prompt_file):
-        return _fail(f"prompt file not found: {args.prompt_file}")
+        raise UsageError(f"prompt file not found: {args.prompt_file}")
     if args.chunk_size <= 0:
-        return _fail(f"--chunk-size must be positive, got {args.chunk_size}")
+        raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
     if args.max_new_tokens < 0:
-        return _fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        check_arguments(args)  # before importing JAX
+        report = _run(args)
+    except UsageError as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
 
     import hybridlm
     from hybridlm.engine.sampling import check_sampling
-    from hybridlm.tokenizer import Tokenizer, default_prompt
 
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
-        return _fail(f"--{str(e).replace('_', '-', 1)}")
-
+        raise UsageError(f"--{str(e).replace('_', '-', 1)}") from None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     host_parts = host_parts_for(args.command, args.max_new_tokens, args.host_parts)
-    host_experts = None
     try:
-        if args.model and args.expert_budget is not None:
-            # experts straight into pinned host memory (GGUF: 4-, 8-bit kept): the device never holds them all
-            from hybridlm.offload import load_offloaded
-
-            parts = {} if host_parts is None else {"parts": host_parts}  # None: the loader's default
-            model, host_experts = load_offloaded(
-                args.model,
-                dtype=None if args.dtype is None else dtype,
-                expert_format=args.expert_format,
-                mixed_formats=args.mixed_formats,
-                **parts,
-            )
-            source = args.model
-        elif (
-            args.model
-        ):  # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
-            model = hybridlm.load(
-                args.model,
-                dtype=None if args.dtype is None else dtype,
-                expert_format=args.expert_format,
-                keep_quantized=None if os.path.isdir(args.model) else "experts",
-            )
-            source = args.model
-        else:
-            config = hybridlm.get_config(args.preset or "tiny")
-            model = hybridlm.init_random(config, args.seed, dtype=dtype, expert_format=args.expert_format)
-            source = f"{config.name} (random weights, seed {args.seed})"
-        tokenizer = None
-        if args.model and args.model.endswith(".gguf"):  # the file's own vocabulary, when it has one
-            from hybridlm.checkpoints.gguf import load_gguf_tokenizer
-
-            tokenizer = load_gguf_tokenizer(args.model)
-        tokenizer = tokenizer or Tokenizer()
-        if args.prompt is not None:
-            text = args.prompt
-        elif args.prompt_file:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        else:
-            text = default_prompt()
-        ids = tokenizer.encode(text)
-        if not ids:
-            return _fail("the prompt is empty")
-        if max(ids) >= model.config.vocab_size:
-            return _fail(
-                f"the prompt has token ids up to {max(ids)} but the model's vocabulary has "
-                f"{model.config.vocab_size} entries (a different tokenizer?)"
-            )
+        model, host_experts, source = _load_model(args, dtype, host_parts)
+        tokenizer, ids = _prompt(args, model.config.vocab_size)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        return _fail(str(e).strip("'\""))
-
+        raise UsageError(str(e).strip("'\"")) from None
     if args.expert_budget is not None:
         from hybridlm.offload import OffloadedRunner
 
@@ -222,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 mixed_formats=args.mixed_formats,
             )
         except ValueError as e:
-            return _fail(str(e))
+            raise UsageError(str(e)) from None
     else:
         runner = hybridlm.LayerwiseRunner(model)
     report = {
@@ -232,46 +207,121 @@ def main(argv: list[str] | None = None) -> int:
         "jax_version": jax.__version__,
         "dtype": jnp.dtype(model.dtype).name,
     }
-    if args.command == "prefill":
-        # One timed pass; with --warmup an untimed one first (compilation), with --profile a phase pass after.
-        if args.warmup:
-            hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
-        result = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
-        report.update(result.summary())
-        report["compile_excluded"] = args.warmup
-        report["profiled"] = args.profile
-        if args.expert_budget is not None:
-            report["offload"] = runner.stats()
-        if args.profile:
-            profiled = hybridlm.prefill(
-                runner, ids, chunk_size=args.chunk_size, profile=True, max_new_tokens=args.max_new_tokens
-            )
-            report["phase_seconds"] = profiled.summary()["phase_seconds"]
-        top = int(jnp.argmax(result.logits[0]))
-        report["next_token"] = {"id": top, "text": tokenizer.decode([top])}
-    else:
-        gen = hybridlm.generate(
-            runner,
-            ids,
-            max_new_tokens=max(args.max_new_tokens, 1),
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            chunk_size=args.chunk_size,
+    report.update(
+        _prefill_report(args, runner, ids, tokenizer)
+        if args.command == "prefill"
+        else _generate_report(args, runner, ids, tokenizer)
+    )
+    return report
+
+
+def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
+    """(model, host experts or None, a description of where the weights come from)."""
+    import hybridlm
+
+    if args.model and args.expert_budget is not None:
+        # experts straight into pinned host memory (GGUF: 4-, 8-bit kept): the device never holds them all
+        from hybridlm.offload import load_offloaded
+
+        parts = {} if host_parts is None else {"parts": host_parts}  # None: the loader's default
+        model, host_experts = load_offloaded(
+            args.model,
+            dtype=None if args.dtype is None else dtype,
+            expert_format=args.expert_format,
+            mixed_formats=args.mixed_formats,
+            **parts,
         )
-        report.update(gen.prefill.summary())
-        report["compile_excluded"] = False
-        report["new_tokens"] = gen.tokens[0].tolist()
-        report["text"] = tokenizer.decode(gen.tokens[0])
-        report["decode_tokens_per_s"] = gen.decode_tokens_per_s
-        if args.expert_budget is not None:
-            report["offload"] = runner.stats()
-    if args.json:
-        print(json.dumps(report))
+        return model, host_experts, args.model
+    if args.model:  # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
+        model = hybridlm.load(
+            args.model,
+            dtype=None if args.dtype is None else dtype,
+            expert_format=args.expert_format,
+            keep_quantized=None if os.path.isdir(args.model) else "experts",
+        )
+        return model, None, args.model
+    config = hybridlm.get_config(args.preset or "tiny")
+    model = hybridlm.init_random(config, args.seed, dtype=dtype, expert_format=args.expert_format)
+    return model, None, f"{config.name} (random weights, seed {args.seed})"
+
+
+def _prompt(args: argparse.Namespace, vocab_size: int):
+    """(tokenizer, prompt token ids): the GGUF file's own vocabulary where it has one, else Qwen's.
+
+    Raises:
+      UsageError: an empty prompt, or token ids the model's vocabulary does not have.
+    """
+    from hybridlm.tokenizer import Tokenizer, default_prompt
+
+    tokenizer = None
+    if args.model and args.model.endswith(".gguf"):
+        from hybridlm.checkpoints.gguf import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(args.model)
+    tokenizer = tokenizer or Tokenizer()
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
     else:
-        _print_report(report)
-    return 0
+        text = default_prompt()
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise UsageError("the prompt is empty")
+    if max(ids) >= vocab_size:
+        raise UsageError(
+            f"the prompt has token ids up to {max(ids)} but the model's vocabulary has {vocab_size} "
+            "entries (a different tokenizer?)"
+        )
+    return tokenizer, ids
+
+
+def _prefill_report(args: argparse.Namespace, runner, ids: list[int], tokenizer) -> dict:
+    """One timed prefill; --warmup runs an untimed one first (compilation), --profile a phase pass after."""
+    import jax.numpy as jnp
+
+    import hybridlm
+
+    if args.warmup:
+        hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+    result = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+    report = {**result.summary(), "compile_excluded": args.warmup, "profiled": args.profile}
+    if args.expert_budget is not None:  # the timed pass's statistics, before the profiled pass
+        report["offload"] = runner.stats()
+    if args.profile:
+        profiled = hybridlm.prefill(
+            runner, ids, chunk_size=args.chunk_size, profile=True, max_new_tokens=args.max_new_tokens
+        )
+        report["phase_seconds"] = profiled.summary()["phase_seconds"]
+    top = int(jnp.argmax(result.logits[0]))
+    report["next_token"] = {"id": top, "text": tokenizer.decode([top])}
+    return report
+
+
+def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer) -> dict:
+    import hybridlm
+
+    gen = hybridlm.generate(
+        runner,
+        ids,
+        max_new_tokens=max(args.max_new_tokens, 1),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk_size=args.chunk_size,
+    )
+    report = {
+        **gen.prefill.summary(),
+        "compile_excluded": False,
+        "new_tokens": gen.tokens[0].tolist(),
+        "text": tokenizer.decode(gen.tokens[0]),
+        "decode_tokens_per_s": gen.decode_tokens_per_s,
+    }
+    if args.expert_budget is not None:
+        report["offload"] = runner.stats()
+    return report
 
 
 def _print_report(r: dict) -> None:
