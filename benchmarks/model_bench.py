@@ -23,8 +23,8 @@ from benchmarks.common import Recorder
 from hybridlm.engine import sample
 
 
-def add_model_arguments(p: argparse.ArgumentParser, expert_formats: list[str]) -> None:
-    """Arguments shared by prefill, decode and offload: the model and the llama.cpp peer."""
+def add_model_arguments(p: argparse.ArgumentParser, expert_formats: list[str], llama: bool = True) -> None:
+    """Arguments shared by prefill, decode and offload: the model, and (`llama`) the llama.cpp peer."""
     p.add_argument("--preset", default="qwen3.6-35b-a3b", help="a name of hybridlm.PRESETS")
     p.add_argument(
         "--expert-format",
@@ -47,6 +47,8 @@ def add_model_arguments(p: argparse.ArgumentParser, expert_formats: list[str]) -
         help="one more run per configuration under jax.profiler.trace (perfetto trace under DIR/...), "
         "summarised in the record (device compute, copies, gaps, top kernels)",
     )
+    if not llama:
+        return
     p.add_argument(
         "--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, run beside ours"
     )

@@ -121,7 +121,7 @@ def measure_h2d_experts(host: HostExperts, experts=None, repeats: int = 3) -> fl
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    model_bench.add_model_arguments(p, ["int4"])
+    model_bench.add_model_arguments(p, ["int4"], llama=False)
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[32768])
     p.add_argument("--chunk-size", type=int, default=32768, help="prefill chunk size (tokens)")
     p.add_argument("--budget", nargs="+", default=["12GiB"], help="device expert budgets, e.g. 12GiB 24GiB")
