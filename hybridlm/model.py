@@ -151,7 +151,7 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert
             if on_cpu:
                 var.set_value(jnp.asarray(_random_param(name, rng, shape, np).astype(vdtype)))
             else:
-                var.set_value(_random_param_jax(name, jax.random.fold_in(key, i), shape, vdtype))
+                var.set_value(random_param_jax(name, jax.random.fold_in(key, i), shape, vdtype))
             if expert_format and name in EXPERT_PARAMS:
                 var.set_value(quantize_experts(var.get_value(), expert_format))
         flat.append((path, var))
@@ -192,7 +192,8 @@ def quantize_experts(w: jax.Array, expert_format: str):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _random_param_jax(name: str, key: jax.Array, shape: tuple[int, ...], vdtype) -> jax.Array:
+def random_param_jax(name: str, key: jax.Array, shape: tuple[int, ...], vdtype) -> jax.Array:
+    """One random parameter `name` of `shape` drawn on the device from `key`, as `init_random` draws it."""
     def draw(kind, shape):
         return jax.random.normal(key, shape) if kind == "normal" else jax.random.uniform(key, shape)
     return _random_param(name, draw, shape, jnp).astype(vdtype)

@@ -1,18 +1,15 @@
-"""Where the time of a traced prefill goes: device compute, host -> device copies, their overlap, idle gaps.
+"""Where the time of a traced run goes: device compute, host -> device copies, their overlap, idle gaps.
 
 Reads the perfetto trace (`perfetto_trace.json.gz`, Chrome trace-event JSON) that `jax.profiler.trace(...,
-create_perfetto_trace=True)` writes, e.g. from `benchmarks/offload.py --trace DIR`, and prints one JSON object
-per trace: the window from the first to the last device event (ms), per device thread (stream) its busy time
-(union of its events, ms) and event count, compute busy, copy busy (threads whose name says memcpy / H2D),
-the time both run at once, the idle time (neither), the compute stream's gaps longer than --gap-ms with the
-kernels on either side, and the host threads' busiest event names.
-
-    python benchmarks/trace_summary.py DIR [DIR ...] [--gap-ms 0.2] [--top 12]
+create_perfetto_trace=True)` writes (`python -m benchmarks prefill|decode|offload --trace DIR`): the window
+from the first to the last device event (ms), per device thread (stream) its busy time (union of its events,
+ms) and event count, compute busy, copy busy (threads whose name says MemcpyH2D), the time both run at once,
+the idle time (neither), the compute stream's gaps longer than `gap_ms` with the kernels on either side, the
+kernels with the most device time, and the host threads' busiest event names.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -65,7 +62,7 @@ def summarize(path: pathlib.Path, gap_ms: float = 0.2, top: int = 12) -> dict:
         by_thread[(e["pid"], e["tid"])].append(e)
     device_pids = {pid for pid, name in procs.items() if "/device:" in name}
 
-    def is_copy(name: str) -> bool:   # a host -> device copy stream, e.g. "Stream #75(MemcpyH2D)"
+    def is_copy(name: str) -> bool:  # a host -> device copy stream, e.g. "Stream #75(MemcpyH2D)"
         return "MemcpyH2D" in name and "Compute" not in name
 
     out: dict = {"trace": str(path)}
@@ -88,9 +85,16 @@ def summarize(path: pathlib.Path, gap_ms: float = 0.2, top: int = 12) -> dict:
         t0, t1 = device_all[0][0], device_all[-1][1]
         busy_any = _length(device_all)
         both = _intersection(compute, copy)
-        out.update({"window_ms": round(t1 - t0, 3), "streams": streams,
-                    "compute_busy_ms": round(_length(compute), 3), "copy_busy_ms": round(_length(copy), 3),
-                    "compute_and_copy_ms": round(both, 3), "idle_ms": round(t1 - t0 - busy_any, 3)})
+        out.update(
+            {
+                "window_ms": round(t1 - t0, 3),
+                "streams": streams,
+                "compute_busy_ms": round(_length(compute), 3),
+                "copy_busy_ms": round(_length(copy), 3),
+                "compute_and_copy_ms": round(both, 3),
+                "idle_ms": round(t1 - t0 - busy_any, 3),
+            }
+        )
         compute_events.sort(key=lambda e: e["ts"])
         gaps = []
         last_end, last_name = None, None
@@ -98,12 +102,22 @@ def summarize(path: pathlib.Path, gap_ms: float = 0.2, top: int = 12) -> dict:
             s, f = e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3
             if last_end is not None and s - last_end > gap_ms:
                 copying = _intersection([(last_end, s)], copy)
-                gaps.append({"ms": round(s - last_end, 3), "at_ms": round(last_end - t0, 3), "after": last_name,
-                             "before": e["name"], "copy_during_ms": round(copying, 3)})
+                gaps.append(
+                    {
+                        "ms": round(s - last_end, 3),
+                        "at_ms": round(last_end - t0, 3),
+                        "after": last_name,
+                        "before": e["name"],
+                        "copy_during_ms": round(copying, 3),
+                    }
+                )
             if last_end is None or f > last_end:
                 last_end, last_name = f, e["name"]
-        out["compute_gaps"] = {"count": len(gaps), "total_ms": round(sum(g["ms"] for g in gaps), 3),
-                               "largest": sorted(gaps, key=lambda g: -g["ms"])[:top]}
+        out["compute_gaps"] = {
+            "count": len(gaps),
+            "total_ms": round(sum(g["ms"] for g in gaps), 3),
+            "largest": sorted(gaps, key=lambda g: -g["ms"])[:top],
+        }
         names = collections.Counter()
         for e in compute_events:
             names[e["name"]] += e["dur"] / 1e3
@@ -117,26 +131,16 @@ def summarize(path: pathlib.Path, gap_ms: float = 0.2, top: int = 12) -> dict:
         for e in evs:
             names[e["name"]] += e["dur"] / 1e3
         host[f"{procs.get(key[0], key[0])} / {threads.get(key, key[1])}"] = {
-            "events": len(evs), "busy_ms": round(_length(iv), 3),
-            "top_ms": {k: round(v, 3) for k, v in names.most_common(top)}}
+            "events": len(evs),
+            "busy_ms": round(_length(iv), 3),
+            "top_ms": {k: round(v, 3) for k, v in names.most_common(top)},
+        }
     busiest = sorted(host.items(), key=lambda kv: -kv[1]["busy_ms"])[:4]
     out["host_threads"] = dict(busiest)
     return out
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("dirs", nargs="+", type=pathlib.Path,
-                   help="trace files, or directories searched for perfetto_trace.json.gz")
-    p.add_argument("--gap-ms", type=float, default=0.2, help="report compute-stream gaps longer than this (ms)")
-    p.add_argument("--top", type=int, default=12)
-    a = p.parse_args(argv)
-    files = [f for d in a.dirs for f in ([d] if d.is_file() else sorted(d.rglob("perfetto_trace.json.gz")))]
-    if not files:
-        raise SystemExit(f"no perfetto_trace.json.gz under {', '.join(map(str, a.dirs))}")
-    for f in files:
-        print(json.dumps(summarize(f, a.gap_ms, a.top)), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+def trace_files(directory: str | pathlib.Path) -> list[pathlib.Path]:
+    """The perfetto traces under `directory` (or `directory` itself if it is one), sorted."""
+    path = pathlib.Path(directory)
+    return [path] if path.is_file() else sorted(path.rglob("perfetto_trace.json.gz"))
