@@ -24,9 +24,9 @@ from benchmarks.common import Recorder
 # The kernels' implementation names known to the benchmarks (`gdn-step` times every one by default; the others
 # time "default", the api's choice for the device, unless --implementations names some).
 IMPLEMENTATIONS = {
-    "gdn": ("reference", "chunked", "pallas"),
-    "gdn-step": ("reference", "pallas"),
-    "gmm": ("reference", "pallas"),
+    "gdn": ("reference", "chunked", "triton", "mosaic"),
+    "gdn-step": ("reference", "triton"),
+    "gmm": ("reference", "triton", "gemv"),
 }
 
 
