@@ -80,6 +80,34 @@ def gated_delta_rule_chunked(
     g = g.reshape(batch, n, c, k_heads, group).transpose(0, 1, 3, 4, 2)  # [b, n, h, g, c]
     bt = bt.reshape(batch, n, c, k_heads, group).transpose(0, 1, 3, 4, 2)
 
+    w, u, qk, q_decayed, k_decayed, chunk_decay = _chunk_factors(q, k, v, g, bt)
+
+    state_shape = (num_states, k_heads, group, key_dim, value_dim)
+    init = (
+        jnp.zeros(state_shape, jnp.float32)
+        if initial_state is None
+        else f32(initial_state).reshape(state_shape)
+    )
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (w, u, k_decayed, chunk_decay))  # chunk-major
+    final_state, chunk_states, v_new = _walk_chunks(init, xs, layout)
+    chunk_states = jnp.moveaxis(chunk_states, 0, 1)  # [b, n, h, g, k, v]
+    v_new = jnp.moveaxis(v_new, 0, 1)  # [b, n, h, g, c, v]
+    out = _einsum("bnhgck,bnhgkv->bnhgcv", q_decayed, chunk_states) + _einsum(
+        "bnhgij,bnhgjv->bnhgiv", qk, v_new
+    )
+    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, n * c, v_heads, value_dim)
+    out = common.unpad_output(out, seq, layout)
+    return out.astype(value.dtype), final_state.reshape(num_states, v_heads, key_dim, value_dim)
+
+
+def _chunk_factors(q, k, v, g, bt):
+    """Intra-chunk WY factors, all chunks in parallel.
+
+    Args: q, k [b, n, h, c, k]; v [b, n, h, g, c, v]; g, bt [b, n, h, g, c] (f32; q already scaled).
+    Returns: w [b, n, h, g, c, k], u [b, n, h, g, c, v], the masked decayed Q K^T [b, n, h, g, i, j], Q and K
+    decayed to the chunk start and end [b, n, h, g, c, k], and the whole-chunk decay [b, n, h, g].
+    """
+    c, key_dim = k.shape[-2], k.shape[-1]
     gamma = jnp.cumsum(g, axis=-1)  # [b, n, h, g, c]
     lower = jnp.tril(jnp.ones((c, c), bool))
     diff = gamma[..., :, None] - gamma[..., None, :]  # [b, n, h, g, i, j]
@@ -99,24 +127,22 @@ def gated_delta_rule_chunked(
     qk = _einsum("bnhik,bnhjk->bnhij", q, k)[:, :, :, None] * decay_ij  # [b, n, h, g, i, j]
     q_decayed = q[:, :, :, None] * jnp.exp(gamma)[..., None]  # [b, n, h, g, c, k]
     k_decayed = k[:, :, :, None] * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # [b, n, h, g, c, k]
-    chunk_decay = jnp.exp(gamma[..., -1])  # [b, n, h, g]
+    return w, u, qk, q_decayed, k_decayed, jnp.exp(gamma[..., -1])
 
-    state_shape = (num_states, k_heads, group, key_dim, value_dim)
-    init = (
-        jnp.zeros(state_shape, jnp.float32)
-        if initial_state is None
-        else f32(initial_state).reshape(state_shape)
-    )
+
+def _walk_chunks(init, xs, layout):
+    """The sequential part: a lax.scan over chunks carrying the state [b, h, g, k, v] from `init`.
+
+    xs = (w, u, k_decayed, chunk_decay), chunk-major. With a packed `layout` the state restarts from the
+    sequence's initial state at its first chunk and is stored as its final state after its last.
+    Returns the final states, each chunk's start state [n, b, h, g, k, v] and V' [n, b, h, g, c, v].
+    """
 
     def advance(state, w_n, u_n, kd_n, decay_n):  # state [b, h, g, k, v]
         v_new = u_n - _einsum("bhgck,bhgkv->bhgcv", w_n, state)
         state_out = decay_n[..., None, None] * state + _einsum("bhgck,bhgcv->bhgkv", kd_n, v_new)
         return state_out, v_new
 
-    def chunk_major(x):
-        return jnp.moveaxis(x, 1, 0)
-
-    xs = tuple(map(chunk_major, (w, u, k_decayed, chunk_decay)))
     if layout is None:
 
         def step(state, x):
@@ -124,24 +150,17 @@ def gated_delta_rule_chunked(
             return state_out, (state, v_new)
 
         final_state, (chunk_states, v_new) = jax.lax.scan(step, init, xs)
-    else:
+        return final_state, chunk_states, v_new
 
-        def step(carry, x):
-            state, finals = carry  # [1, h, g, k, v], [s, ...]
-            x, sid, first, last = x
-            state = jnp.where(first, init[sid][None], state)
-            state_out, v_new = advance(state, *x)
-            finals = finals.at[sid].set(jnp.where(last, state_out[0], finals[sid]))
-            return (state_out, finals), (state, v_new)
+    def step_packed(carry, x):
+        state, finals = carry  # [1, h, g, k, v], [s, ...]
+        x, sid, first, last = x
+        state = jnp.where(first, init[sid][None], state)
+        state_out, v_new = advance(state, *x)
+        finals = finals.at[sid].set(jnp.where(last, state_out[0], finals[sid]))
+        return (state_out, finals), (state, v_new)
 
-        carry0 = (jnp.zeros((1,) + state_shape[1:], jnp.float32), init)
-        xs = (xs, layout.chunk_seq, layout.chunk_first, layout.chunk_last)
-        (_, final_state), (chunk_states, v_new) = jax.lax.scan(step, carry0, xs)
-    chunk_states = jnp.moveaxis(chunk_states, 0, 1)  # [b, n, h, g, k, v]
-    v_new = jnp.moveaxis(v_new, 0, 1)  # [b, n, h, g, c, v]
-    out = _einsum("bnhgck,bnhgkv->bnhgcv", q_decayed, chunk_states) + _einsum(
-        "bnhgij,bnhgjv->bnhgiv", qk, v_new
-    )
-    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, n * c, v_heads, value_dim)
-    out = common.unpad_output(out, seq, layout)
-    return out.astype(value.dtype), final_state.reshape(num_states, v_heads, key_dim, value_dim)
+    carry0 = (jnp.zeros((1,) + init.shape[1:], jnp.float32), init)
+    xs = (xs, layout.chunk_seq, layout.chunk_first, layout.chunk_last)
+    (_, final_state), (chunk_states, v_new) = jax.lax.scan(step_packed, carry0, xs)
+    return final_state, chunk_states, v_new
