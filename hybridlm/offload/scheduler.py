@@ -50,17 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridlm.engine.runner import (
-    LayerwiseRunner,
-    PhaseTimer,
-    StaticGraph,
-    _embed,
-    _experts,
-    _mix,
-    _route,
-    check_decode_inputs,
-    flat_layer,
-)
+from hybridlm.engine.phases import StaticGraph, flat_layer
+from hybridlm.engine.phases import embed as _embed
+from hybridlm.engine.phases import experts as _experts
+from hybridlm.engine.phases import mix as _mix
+from hybridlm.engine.phases import route as _route
+from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, check_decode_inputs
 from hybridlm.model import EXPERT_PARAMS, HybridLM, head_logits
 from hybridlm.offload.expert_cache import (
     POLICIES,

@@ -193,7 +193,7 @@ def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
     """Experts placed by jax.device_put (committed), the rest not, as benchmarks/offload.py builds its model: the
     runner commits its weights and the states, so a second prefill chunk and the decode steps after the first
     compile nothing (they compiled again inside the decode loop before, ~10 s at full size)."""
-    from hybridlm.engine import runner as runner_lib
+    from hybridlm.engine import phases
 
     model = hybridlm.init_random(hybridlm.get_config("tiny"), seed=1)
     for layer in model.layers:
@@ -201,16 +201,16 @@ def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
             var.set_value(jax.device_put(var.get_value(), jax.devices()[0]))
     runner = hybridlm.LayerwiseRunner(model)
     ids = np.random.default_rng(3).integers(0, 248_320, (1, 48)).astype(np.int32)
-    mix_before = runner_lib._mix._cache_size()
+    mix_before = phases.mix._cache_size()
     result = hybridlm.prefill(runner, ids, chunk_size=24, max_new_tokens=4)      # two chunks of an unused size
-    assert runner_lib._mix._cache_size() - mix_before == 2                       # one per layer type
+    assert phases.mix._cache_size() - mix_before == 2                       # one per layer type
     states, logits = result.states, result.logits
     for pos in range(48, 51):
         logits, states = runner.decode_step(jnp.argmax(logits, -1).astype(jnp.int32), states, pos)
         if pos == 48:
-            decode_programs = runner_lib._decode._cache_size()
+            decode_programs = phases.decode._cache_size()
     assert_finite(logits)
-    assert runner_lib._decode._cache_size() == decode_programs
+    assert phases.decode._cache_size() == decode_programs
 
 
 def test_runners_share_layer_graphs_and_pass_flat_weights(tiny_model, tiny_runner):
