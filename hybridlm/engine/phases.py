@@ -1,9 +1,10 @@
-"""The jitted per-layer phases of a chunk (embed, mixer, router, experts, head) and the one-program decode step.
+"""The jitted per-layer phases of a chunk (embed, mixer, router, experts, head) and the one-program decode
+step.
 
-Each phase is one jitted function of (layer graph, layer weights, activations, state). All Gated DeltaNet layers
-share one graph, so each phase compiles once per layer type and chunk shape however deep the model is.
-`LayerwiseRunner` calls them in a loop over layers; the offload runner calls the same functions and pages expert
-weights between them.
+Each phase is one jitted function of (layer graph, layer weights, activations, state). All Gated DeltaNet
+layers share one graph, so each phase compiles once per layer type and chunk shape however deep the model is.
+`LayerwiseRunner` calls them in a loop over layers; the offload runner calls the same functions and pages
+expert weights between them.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from flax import nnx
 
 
 class StaticGraph:
-    """An nnx `GraphDef` (and the treedef of its weights) as a static jit argument whose hash is computed once.
+    """An nnx `GraphDef` (and the treedef of its weights) as a static jit argument whose hash is computed
+    once.
 
-    jit hashes its static arguments on every call, and a GraphDef hashes its whole node list each time, which adds
-    host time to every layer-phase call. One `StaticGraph` per distinct graph lets layers of one type pass the
-    same object, so that jit's key comparison stops at identity. With `treedef` (the layer runner's form,
-    `flat_layer`) the weights travel as a flat tuple of arrays, which jit flattens in C++, rather than as an nnx
-    `State`, whose Variables flatten through Python.
+    jit hashes its static arguments on every call, and a GraphDef hashes its whole node list each time, which
+    adds host time to every layer-phase call. One `StaticGraph` per distinct graph lets layers of one type
+    pass the same object, so that jit's key comparison stops at identity. With `treedef` (the layer runner's
+    form, `flat_layer`) the weights travel as a flat tuple of arrays, which jit flattens in C++, rather than
+    as an nnx `State`, whose Variables flatten through Python.
     """
 
     __slots__ = ("_hash", "graphdef", "treedef")
@@ -44,8 +46,8 @@ class StaticGraph:
         )
 
     def merge(self, params):
-        """The module: `nnx.merge(graphdef, params)`; `params` is an nnx State, or the flat tuple of its leaves
-        when the graph has a treedef."""
+        """The module: `nnx.merge(graphdef, params)`; `params` is an nnx State, or the flat tuple of its
+        leaves when the graph has a treedef."""
         if self.treedef is not None and isinstance(params, (list, tuple)):
             params = self.params(params)
         return nnx.merge(self.graphdef, params)
@@ -56,13 +58,14 @@ class StaticGraph:
 
 
 # Every runner's StaticGraphs, one per (graph, weight structure): layers of one type, in this runner or in any
-# later one, pass the same object, so that jit's cache lookup stops at identity instead of comparing GraphDefs.
+# later one, pass the same object, so that jit's cache lookup stops at identity instead of comparing
+# GraphDefs.
 _GRAPHS: dict = {}
 
 
 def flat_layer(graphdef, params) -> tuple[StaticGraph, tuple]:
-    """(graph, weights as a flat tuple of leaves) of one layer, the graph shared by every layer of the same graph
-    and weight structure."""
+    """(graph, weights as a flat tuple of leaves) of one layer, the graph shared by every layer of the same
+    graph and weight structure."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     key = (graphdef, treedef)
     if key not in _GRAPHS:
@@ -72,7 +75,8 @@ def flat_layer(graphdef, params) -> tuple[StaticGraph, tuple]:
 
 @functools.partial(jax.jit, static_argnums=0)
 def mix(graph: StaticGraph, params, x, state, start, num_valid):
-    """The layer's token mixer (Gated DeltaNet or attention) and residual: x [batch, seq, hidden] -> (x, state)."""
+    """The layer's token mixer (Gated DeltaNet or attention) and residual: x [batch, seq, hidden] -> (x,
+    state)."""
     layer = graph.merge(params)
     return layer.mix(x, state, start, num_valid)
 
@@ -91,8 +95,8 @@ def route(graph: StaticGraph, params, h):
 def experts(graph: StaticGraph, params, h, u, weights, ids, num_valid, expert_weights=None):
     """The layer's routed experts on h (post-mixer residual) [batch, seq, hidden].
 
-    `expert_weights` = (gate_up, down) replaces the layer's own expert weights (the offload runner passes weights
-    held outside the layer).
+    `expert_weights` = (gate_up, down) replaces the layer's own expert weights (the offload runner passes
+    weights held outside the layer).
     """
     layer = graph.merge(params)
     if expert_weights is not None:

@@ -1,10 +1,10 @@
 """Layer-by-layer jitted execution of the model over one chunk of tokens, and the one-program decode step.
 
-The phases of a layer (mixer, router, experts) are the jitted functions of `hybridlm.engine.phases`; the Python
-loop over layers only enqueues work (no host sync) unless per-phase timing is asked for. The same seams let the
-offload runner page expert weights between layers.
-A decode step (one token per sequence) is short enough on the device that ~120 such calls would bound it on the
-host, so `LayerwiseRunner.decode_step` runs every layer and the head in one program instead.
+The phases of a layer (mixer, router, experts) are the jitted functions of `hybridlm.engine.phases`; the
+Python loop over layers only enqueues work (no host sync) unless per-phase timing is asked for. The same seams
+let the offload runner page expert weights between layers.
+A decode step (one token per sequence) is short enough on the device that ~120 such calls would bound it on
+the host, so `LayerwiseRunner.decode_step` runs every layer and the head in one program instead.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
 def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], position) -> None:
     """Refuses a decode step whose tokens are not one per sequence of the states, whose position falls outside
     the KV cache (below 0, or at or past its capacity: a write there would be clamped onto the last slot, a
-    silently wrong answer), or whose token ids fall outside [0, vocab_size) (the embedding gather would clamp them
-    too). Shapes are always checked; values only where given on the host (Python / numpy): values held on the
-    device are not read back (that would make the host wait for them).
+    silently wrong answer), or whose token ids fall outside [0, vocab_size) (the embedding gather would clamp
+    them too). Shapes are always checked; values only where given on the host (Python / numpy): values held on
+    the device are not read back (that would make the host wait for them).
 
     Raises:
       ValueError: naming the tokens' shape and the states' batch, the position and the capacity and how to
@@ -80,10 +80,10 @@ def commit(tree):
     """`tree` with its uncommitted device arrays committed where they lie (an alias: no copy, same buffers).
 
     jit compiles a program once per kind of input, and an uncommitted array (made without a placement, e.g. by
-    jnp.zeros) is another kind than a committed one (placed by `jax.device_put`, or computed from one). A model
-    with both (experts placed by a benchmark, the rest not) would give decode states of both kinds and compile the
-    one-program step twice, the second time inside the decode loop. Committing the weights makes every program
-    output committed. Arrays in host memory are left as they are."""
+    jnp.zeros) is another kind than a committed one (placed by `jax.device_put`, or computed from one). A
+    model with both (experts placed by a benchmark, the rest not) would give decode states of both kinds and
+    compile the one-program step twice, the second time inside the decode loop. Committing the weights makes
+    every program output committed. Arrays in host memory are left as they are."""
 
     def one(x):
         if isinstance(x, jax.Array) and not x.committed and x.sharding.memory_kind in (None, "device"):
@@ -97,8 +97,8 @@ class LayerwiseRunner:
     """Runs `HybridLM` one chunk at a time through per-layer jitted phases.
 
     Args:
-      model: the model; its weights are split once into per-layer pytrees and committed where they lie (no copy,
-        see `commit`).
+      model: the model; its weights are split once into per-layer pytrees and committed where they lie (no
+        copy, see `commit`).
     """
 
     def __init__(self, model: HybridLM):
@@ -112,8 +112,8 @@ class LayerwiseRunner:
             for g, p in (nnx.split(layer) for layer in committed.layers)
         ]
         self.embed_table = committed.embed[...]
-        # the head's pieces for programs that run it without the whole model (the offload runner's decode step):
-        # (graph, flat weights) of the final norm, and lm_head (None when tied to the embedding)
+        # the head's pieces for programs that run it without the whole model (the offload runner's decode
+        # step): (graph, flat weights) of the final norm, and lm_head (None when tied to the embedding)
         self.final_norm = flat_layer(*nnx.split(committed.final_norm))
         self.lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
         self.whole = (StaticGraph(graphdef), params)
@@ -125,8 +125,8 @@ class LayerwiseRunner:
         return treedef, leaves
 
     def on_prefill_start(self, num_chunks: int = 1) -> None:
-        """Hook called by `prefill` before the first of its `num_chunks` chunks (no-op; the offload runner resets
-        its statistics and prefetches across chunk boundaries when more chunks follow)."""
+        """Hook called by `prefill` before the first of its `num_chunks` chunks (no-op; the offload runner
+        resets its statistics and prefetches across chunk boundaries when more chunks follow)."""
 
     def head_logits(self, x_last: jax.Array) -> jax.Array:
         """Final norm + lm head: [batch, hidden] -> [batch, vocab] float32."""
@@ -141,8 +141,8 @@ class LayerwiseRunner:
           tokens: [batch] int32, one token per sequence.
           states: per-layer states holding positions [0, position) (donated: do not reuse them). Uncommitted
             tokens or states are committed first (`commit`), so that every step runs one compiled program.
-          position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one compilation
-            serves every step).
+          position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one
+            compilation serves every step).
 
         Returns:
           logits [batch, vocab] float32 for the next position, and the new states.
@@ -153,12 +153,13 @@ class LayerwiseRunner:
         """
         check_decode_inputs(self.config.vocab_size, tokens, states, position)
         treedef, leaves = self._flat_weights
-        return phases.decode(self.whole[0], treedef, leaves, *self._step_inputs(tokens, states, position))
+        return phases.decode(self.whole[0], treedef, leaves, *self.step_inputs(tokens, states, position))
 
     @staticmethod
-    def _step_inputs(tokens, states, position) -> tuple:
-        """(tokens int32, states, position) as a one-program decode step takes them: tokens and states committed
-        (one kind of input every step: one compilation) and a Python position as an int32 scalar (not static)."""
+    def step_inputs(tokens, states, position) -> tuple:
+        """(tokens int32, states, position) as a one-program decode step takes them: tokens and states
+        committed (one kind of input every step: one compilation) and a Python position as an int32 scalar
+        (not static)."""
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
             tokens = jnp.asarray(tokens, jnp.int32)  # (a no-op asarray still costs a dispatch)
         if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
@@ -200,7 +201,9 @@ class LayerwiseRunner:
         num_valid = jnp.asarray(num_valid, jnp.int32)
         x = timer("embed", phases.embed, self.embed_table, ids)
         new_states = []
-        for (graph, params), state, layer_type in zip(self.layers, states, self.config.layer_types):
+        for (graph, params), state, layer_type in zip(
+            self.layers, states, self.config.layer_types, strict=False
+        ):
             phase = "gdn" if layer_type == "linear_attention" else "attention"
             x, state = timer(phase, phases.mix, graph, params, x, state, start, num_valid)
             new_states.append(state)
