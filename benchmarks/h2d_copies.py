@@ -37,7 +37,7 @@ from bench_io import run_header, write_json
 
 from hybridlm.offload import HostExperts
 from hybridlm.offload.expert_cache import ExpertLayout
-from hybridlm.offload.scheduler import device_sharding, pinned_host_sharding
+from hybridlm.offload.host import device_sharding, pinned_host_sharding
 
 
 def median_s(fn, repeats: int) -> float:

@@ -37,8 +37,14 @@ from flax import nnx
 
 import hybridlm
 from hybridlm.model import EXPERT_PARAMS, HybridLM, _random_param_jax
-from hybridlm.offload import HostExperts, OffloadedRunner, measure_h2d_gbps, parse_bytes
-from hybridlm.offload.scheduler import HOST_PARTS
+from hybridlm.offload import (
+    HostExperts,
+    OffloadConfig,
+    OffloadedRunner,
+    default_host_parts,
+    measure_h2d_gbps,
+    parse_bytes,
+)
 from pallas_kernels.quantized import quantize_int4, quantize_int8
 
 
@@ -68,7 +74,7 @@ def _random_experts(key, num_experts, hidden, ffn, dtype):
 _random_experts = jax.jit(_random_experts, static_argnums=(1, 2, 3, 4))
 
 
-def build_host_experts(config, expert_format: str, dtype, seed: int = 0, parts: int = HOST_PARTS) -> HostExperts:
+def build_host_experts(config, expert_format: str, dtype, seed: int = 0, parts: int | None = None) -> HostExperts:
     """Random experts drawn on the device one layer at a time, quantized, packed into pinned host memory as
     `parts` buffers a layer."""
     moe = config.moe
@@ -151,7 +157,7 @@ def main(argv=None):
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--budgets", nargs="+", default=["12GiB", "24GiB"])
     p.add_argument("--policies", nargs="+", default=["static", "slru", "lru", "lfu", "stream"])
-    p.add_argument("--host-parts", type=int, nargs="+", default=[HOST_PARTS],
+    p.add_argument("--host-parts", type=int, nargs="+", default=[default_host_parts()],
                    help="pinned buffers a layer (HostExperts parts), each value a configuration in turn")
     p.add_argument("--prefetch", default="auto", choices=("auto", "router", "layer", "none"))
     p.add_argument("--prefetch-depth", type=int, default=2, help="layers streamed ahead (whole-layer mode)")
@@ -238,9 +244,9 @@ def main(argv=None):
                     emit({**fmt_info, "mode": "offload", "budget": budget, "policy": policy, "skipped": "time"})
                     continue
                 try:
-                    runner = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, prefetch=a.prefetch,
-                                             prefetch_depth=a.prefetch_depth, host_experts=host,
-                                             chunk_size=a.chunk_size)
+                    offload_config = OffloadConfig(expert_budget=budget, cache_policy=policy, prefetch=a.prefetch,
+                                                   prefetch_depth=a.prefetch_depth, chunk_size=a.chunk_size)
+                    runner = OffloadedRunner(model, offload_config, host_experts=host)
                     for row in run_prompts(runner, prompts, warmup, a.chunk_size, True, a.profile):
                         floor_s = row["bytes_h2d"] / (floor_gbps * 1e9)
                         bound = max(floor_s, resident.get(row["prompt_tokens"], 0.0))

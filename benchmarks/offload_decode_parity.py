@@ -22,8 +22,7 @@ import numpy as np
 from bench_io import preset_config, run_header, write_json
 
 import hybridlm
-from hybridlm.offload import HostExperts, OffloadedRunner
-from hybridlm.offload.scheduler import HOST_PARTS
+from hybridlm.offload import HostExperts, OffloadConfig, OffloadedRunner, default_host_parts
 
 
 def decode_logits(runner, pre, tokens: list, position: int) -> list[np.ndarray]:
@@ -45,7 +44,8 @@ def main(argv=None):
     p.add_argument("--decode-paging", nargs="+", choices=("device", "host"), default=["device", "host"])
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--host-parts", type=int, default=HOST_PARTS, help="pinned buffers a layer (HostExperts parts)")
+    p.add_argument("--host-parts", type=int, default=default_host_parts(),
+                   help="pinned buffers a layer (HostExperts parts)")
     p.add_argument("--num-layers", type=int, default=None, help="override the depth (smoke tests)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -68,8 +68,8 @@ def main(argv=None):
         logits, states = base.decode_step(tokens[-1], states, a.prompt_tokens + i)
         reference.append(np.asarray(logits))
     for policy, paging in [(policy, paging) for policy in a.policies for paging in a.decode_paging]:
-        runner = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, host_experts=host,
-                                 decode_paging=paging)
+        runner = OffloadedRunner(model, OffloadConfig(expert_budget=budget, cache_policy=policy, decode_paging=paging),
+                                 host_experts=host)
         got = decode_logits(runner, hybridlm.prefill(runner, ids, chunk_size=a.prompt_tokens,
                                                      max_new_tokens=a.steps), tokens, a.prompt_tokens)
         diffs = [float(np.abs(g - r).max()) for g, r in zip(got, reference)]

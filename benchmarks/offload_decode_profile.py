@@ -29,8 +29,7 @@ from bench_io import run_header, write_json
 from offload import build_host_experts, build_trunk, decode_row
 
 import hybridlm
-from hybridlm.offload import OffloadedRunner
-from hybridlm.offload.scheduler import HOST_PARTS
+from hybridlm.offload import OffloadConfig, OffloadedRunner, default_host_parts
 
 
 def top_functions(profile: cProfile.Profile, count: int) -> list[str]:
@@ -52,7 +51,8 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=32, help="timed steps (the profiled run takes a quarter)")
     p.add_argument("--decode-paging", nargs="+", choices=("device", "host"), default=["device"],
                    help="OffloadedRunner decode_paging values to run in turn (an A/B in one process)")
-    p.add_argument("--host-parts", type=int, default=HOST_PARTS, help="pinned buffers a layer (HostExperts parts)")
+    p.add_argument("--host-parts", type=int, default=default_host_parts(),
+                   help="pinned buffers a layer (HostExperts parts)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled generate")
     p.add_argument("--top", type=int, default=25, help="functions listed per profile")
     p.add_argument("--out", default=None)
@@ -68,8 +68,9 @@ def main(argv=None):
     doc["build_s"] = round(time.perf_counter() - t, 1)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, a.prompt_tokens)).astype(np.int32)
     for policy, paging in [(policy, paging) for policy in a.policies for paging in a.decode_paging]:
-        runner = OffloadedRunner(model, expert_budget=a.budget, cache_policy=policy, host_experts=host,
-                                 chunk_size=a.prompt_tokens, decode_paging=paging)
+        offload_config = OffloadConfig(expert_budget=a.budget, cache_policy=policy, chunk_size=a.prompt_tokens,
+                                       decode_paging=paging)
+        runner = OffloadedRunner(model, offload_config, host_experts=host)
         timed = decode_row(runner, ids, a.decode_tokens + 1, True)      # a compiling call, then the timed one
         s = runner.stats(per_layer=False)["decode"]
         row = {"policy": policy, "decode_paging": paging, "decode_tokens_per_s": timed["decode_tokens_per_s"],

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import hybridlm
-from hybridlm.offload import HostExperts, OffloadedRunner, measure_h2d_gbps
+from hybridlm.offload import HostExperts, OffloadConfig, OffloadedRunner, measure_h2d_gbps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +73,9 @@ def run(exp: OffloadSweep, results_dir: str = "results") -> list[dict]:
     t_start = time.perf_counter()
     for policy in exp.policies:
         for prefetch in exp.prefetch:
-            runner = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, prefetch=prefetch,
-                                     whole_layer=WHOLE_LAYER[prefetch], host_experts=host)
+            offload_config = OffloadConfig(expert_budget=budget, cache_policy=policy, prefetch=prefetch,
+                                           whole_layer=WHOLE_LAYER[prefetch])
+            runner = OffloadedRunner(model, offload_config, host_experts=host)
             for chunk in exp.chunk_sizes:
                 key = {"policy": policy, "prefetch": prefetch, "chunk_size": chunk,
                        "whole_layer": runner.uses_whole_layer(chunk)}

@@ -115,10 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model and args.expert_budget is not None:
             # experts straight into pinned host memory (GGUF: 4- and 8-bit kept): the device never holds them all
             from hybridlm.offload import load_offloaded
-            from hybridlm.offload.scheduler import HOST_PARTS
             model, host_experts = load_offloaded(args.model, dtype=None if args.dtype is None else dtype,
-                                                 expert_format=args.expert_format,
-                                                 parts=HOST_PARTS if host_parts is None else host_parts,
+                                                 expert_format=args.expert_format, parts=host_parts,
                                                  mixed_formats=args.mixed_formats)
             source = args.model
         elif args.model:   # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
@@ -152,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e).strip("'\""))
 
     if args.expert_budget is not None:
-        from hybridlm.offload import OffloadedRunner
+        from hybridlm.offload import OffloadConfig, OffloadedRunner
         try:
-            runner = OffloadedRunner(model, expert_budget=args.expert_budget, cache_policy=args.cache_policy,
-                                     prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)),
-                                     host_experts=host_experts, host_parts=None if host_experts else host_parts,
-                                     mixed_formats=args.mixed_formats)
+            config = OffloadConfig(expert_budget=args.expert_budget, cache_policy=args.cache_policy,
+                                   prefetch=args.prefetch, chunk_size=min(args.chunk_size, len(ids)),
+                                   host_parts=None if host_experts else host_parts, mixed_formats=args.mixed_formats)
+            runner = OffloadedRunner(model, config, host_experts=host_experts)
         except ValueError as e:
             return _fail(str(e))
     else:
