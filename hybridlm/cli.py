@@ -11,13 +11,6 @@ import json
 import os
 import sys
 
-# `generate` keeps one pinned host buffer a layer from this many new tokens on (unless --host-parts says otherwise).
-# Measured on an H100 (JAX 0.11.2, Qwen3.6-35B-A3B shape, 4-bit experts, 12 GiB, `static`, 2026-11-27,
-# docs/offload.md), one part against four in the same process: a decode step 4.2-5.2 ms shorter (88.4 against
-# 60.6-64.4 tokens/s); the prefill 28-63 ms longer at 512-2 048 tokens, 180-232 ms at 8 192 (chunks of 2 048) and
-# 64 ms at 32 768 (one chunk). So one part pays from ~6-55 new tokens.
-ONE_HOST_PART_FROM_TOKENS = 64
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
@@ -57,17 +50,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="pinned host buffers a layer (with --expert-budget): 4 spreads a layer's copy over the "
                             "prefill's programs, 1 lets decode copy experts with no control flow (H100, 4-bit, "
                             "12 GiB: decode 87-88 against 61-71 tokens/s, prefill 9-30%% slower). Default: 1 for "
-                            f"generate with --max-new-tokens >= {ONE_HOST_PART_FROM_TOKENS}, else 4")
+                            "generate with --max-new-tokens >= OffloadConfig.one_host_part_from_tokens, else 4")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
 def host_parts_for(command: str, max_new_tokens: int, host_parts: int | None) -> int | None:
     """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 for a `generate`
-    of at least ONE_HOST_PART_FROM_TOKENS new tokens, else None (the runner's default, HOST_PARTS)."""
+    of at least `OffloadConfig.one_host_part_from_tokens` new tokens (tuned per device: one part speeds decode up
+    and slows prefill down), else None (the runner's default, `default_host_parts()`)."""
     if host_parts is not None:
         return host_parts
-    return 1 if command == "generate" and max_new_tokens >= ONE_HOST_PART_FROM_TOKENS else None
+    from hybridlm.offload.config import tuned_default
+
+    return 1 if command == "generate" and max_new_tokens >= tuned_default("one_host_part_from_tokens") else None
 
 
 def _fail(msg: str) -> int:

@@ -3,6 +3,7 @@
 import json
 
 from hybridlm import cli
+from hybridlm.offload.config import tuned_default
 
 
 def test_cli_prefill_offload_json(capsys):
@@ -82,11 +83,12 @@ def test_cli_generate_offload_decodes_paged_by_the_device(capsys):
 
 
 def test_cli_generate_picks_one_host_part_for_long_answers(capsys):
-    """Without --host-parts, `generate` keeps one host buffer a layer from ONE_HOST_PART_FROM_TOKENS new
+    """Without --host-parts, `generate` keeps one host buffer a layer from one_host_part_from_tokens new
     tokens on, and `prefill` the runner's default; --host-parts overrides both. The report names the
     choice."""
-    assert cli.host_parts_for("generate", cli.ONE_HOST_PART_FROM_TOKENS, None) == 1
-    assert cli.host_parts_for("generate", cli.ONE_HOST_PART_FROM_TOKENS - 1, None) is None
+    threshold = tuned_default("one_host_part_from_tokens")
+    assert cli.host_parts_for("generate", threshold, None) == 1
+    assert cli.host_parts_for("generate", threshold - 1, None) is None
     assert cli.host_parts_for("prefill", 0, None) is None
     assert cli.host_parts_for("generate", 1000, 4) == 4
     rc = cli.main(
