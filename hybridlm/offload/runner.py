@@ -155,6 +155,11 @@ class OffloadedRunner(LayerwiseRunner):
         return self.residency.held_layers
 
     @property
+    def staging_slots(self) -> int | None:
+        """Experts of the budget kept for prefetch staging (None before the first chunk)."""
+        return self.residency.staging_slots
+
+    @property
     def queue(self) -> PartQueue:
         """Host parts allocated in the pool, to be copied inside the coming programs."""
         return self.residency.queue
