@@ -1,5 +1,4 @@
-"""`OffloadConfig`: every option of `OffloadedRunner` in one frozen dataclass, measured thresholds
-included."""
+"""`OffloadConfig`: every option of `OffloadedRunner`, tuned thresholds included, in one dataclass."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ HEURISTIC = {
     "padded_copy_bytes": 8 * 2**20,
     # device-paged decode unrolls one conditional copy per routed expert a layer: bounds the program's size
     "paged_max_copies": 64,
-    # the CLI's `generate` keeps one host part a layer from this many new tokens on (decode gains, prefill
-    # loses)
+    # the CLI keeps one host part a layer for a `generate` of this many new tokens (decode gains)
     "one_host_part_from_tokens": 64,
 }
 

@@ -1,5 +1,4 @@
-"""Loading a model for expert offload without holding all its experts on the device (GGUF files, HF
-directories)."""
+"""Loading a model for expert offload without its experts on the device (GGUF files, HF directories)."""
 
 from __future__ import annotations
 
