@@ -43,7 +43,7 @@ def fetch_experts(
     `source` (static): IN_POOL, every expert of the layer is in the pool (a gather, no control flow); IN_HOST,
     none is; MIXED, some are. A copy from host memory is a dynamic slice of the host part holding the expert,
     moved to the device, which XLA runs as a kernel reading that row from host memory. With one host part a
-    layer (`OffloadedRunner(host_parts=1)`) an IN_HOST layer's copies are just these kernels. Otherwise each
+    layer (`OffloadConfig(host_parts=1)`) an IN_HOST layer's copies are just these kernels. Otherwise each
     copy is one `lax.switch`: branch 1 + p reads host part p, and, in a MIXED layer, branch 0 gives a zero row
     for a resident expert, whose pool row is selected instead. One host part a layer makes the copies cheaper
     than a switch over several; the branches are kept to one operation each, because unpacking inside them
