@@ -11,11 +11,6 @@ import json
 import os
 import sys
 
-# `generate` keeps one pinned host buffer a layer from this many new tokens on (unless --host-parts says
-# otherwise): one buffer makes each decode step faster and the prefill slower, which pays back over this many
-# steps.
-ONE_HOST_PART_FROM_TOKENS = 64
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
@@ -51,8 +46,6 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
-        # accepted so that older command lines still parse: profiling is off unless --profile asks for it
-        s.add_argument("--no-profile", action="store_true", help=argparse.SUPPRESS)
         if name == "prefill":
             s.add_argument(
                 "--warmup",
@@ -99,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
             help="pinned host buffers a layer (with --expert-budget): several spread a layer's copy "
             "over the prefill's programs, 1 lets decode copy experts with no control flow (faster "
             "decode, slower prefill). Default: 1 for generate with --max-new-tokens >= "
-            f"{ONE_HOST_PART_FROM_TOKENS}, else the runner's",
+            "OffloadConfig.one_host_part_from_tokens, else the runner's",
         )
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -107,10 +100,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def host_parts_for(command: str, max_new_tokens: int, host_parts: int | None) -> int | None:
     """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 for a
-    `generate` of at least ONE_HOST_PART_FROM_TOKENS new tokens, else None (the runner's default)."""
+    `generate` of at least `OffloadConfig.one_host_part_from_tokens` new tokens (one part speeds decode up and
+    slows prefill down), else None (the runner's default)."""
     if host_parts is not None:
         return host_parts
-    return 1 if command == "generate" and max_new_tokens >= ONE_HOST_PART_FROM_TOKENS else None
+    from hybridlm.offload.config import tuned_default
+
+    return (
+        1 if command == "generate" and max_new_tokens >= tuned_default("one_host_part_from_tokens") else None
+    )
 
 
 def _fail(msg: str) -> int:
@@ -183,19 +181,18 @@ def _run(args: argparse.Namespace) -> dict:
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise UsageError(str(e).strip("'\"")) from None
     if args.expert_budget is not None:
-        from hybridlm.offload import OffloadedRunner
+        from hybridlm.offload import OffloadConfig, OffloadedRunner
 
         try:
-            runner = OffloadedRunner(
-                model,
+            config = OffloadConfig(
                 expert_budget=args.expert_budget,
                 cache_policy=args.cache_policy,
                 prefetch=args.prefetch,
                 chunk_size=min(args.chunk_size, len(ids)),
-                host_experts=host_experts,
                 host_parts=None if host_experts else host_parts,
                 mixed_formats=args.mixed_formats,
             )
+            runner = OffloadedRunner(model, config, host_experts=host_experts)
         except ValueError as e:
             raise UsageError(str(e)) from None
     else:
@@ -223,13 +220,12 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
         # experts straight into pinned host memory (GGUF: 4-, 8-bit kept): the device never holds them all
         from hybridlm.offload import load_offloaded
 
-        parts = {} if host_parts is None else {"parts": host_parts}  # None: the loader's default
         model, host_experts = load_offloaded(
             args.model,
             dtype=None if args.dtype is None else dtype,
             expert_format=args.expert_format,
             mixed_formats=args.mixed_formats,
-            **parts,
+            parts=host_parts,
         )
         return model, host_experts, args.model
     if args.model:  # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)

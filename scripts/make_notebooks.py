@@ -50,56 +50,95 @@ CELLS = [
 
 
 OFFLOAD_CELLS = [
-    new_markdown_cell("# Expert offload\n\nRouted experts live in pinned host memory; a device **expert budget** "
-                      "(bytes) bounds the experts held on the GPU, and the scheduler pages the ones each chunk's "
-                      "router picks into a device expert cache, with prefetch. Same logits as the all-resident "
-                      "model. Here on the `tiny` preset (CPU JAX has a `pinned_host` memory kind too); on a GPU use "
-                      "e.g. `expert_budget='12GiB'` with `qwen3.6-35b-a3b` and 4-bit experts "
-                      "(`docs/offload.md`)."),
-    new_code_cell("import numpy as np\n\nimport hybridlm\nfrom hybridlm.offload import HostExperts, OffloadedRunner\n"
-                  "\n"
+    new_markdown_cell('# Expert offload\n'
+                      '\n'
+                      'Routed experts live in pinned host memory; a device **expert budget** (bytes) bounds the '
+                      "experts held on the GPU, and the scheduler pages the ones each chunk's router picks into a "
+                      'device expert cache, with prefetch. Same logits as the all-resident model. Here on the `tiny` '
+                      "preset (CPU JAX has a `pinned_host` memory kind too); on a GPU use e.g. `expert_budget='12GiB'` "
+                      'with `qwen3.6-35b-a3b` and 4-bit experts (`docs/offload.md`).'),
+    new_code_cell('import numpy as np\n'
+                  '\n'
+                  'import hybridlm\n'
+                  'from hybridlm.offload import HostExperts, OffloadConfig, OffloadedRunner\n'
+                  '\n'
                   "model = hybridlm.init_random(hybridlm.get_config('tiny'), seed=0)\n"
-                  "host = HostExperts.from_model(model)       # every expert, packed, in pinned host memory\n"
-                  "print(f'{host.num_layers} layers x {host.num_experts} experts x {host.layout.nbytes} bytes "
-                  "= {host.nbytes / 2**20:.1f} MiB')"),
-    new_markdown_cell("## A budget of half the experts\nA budget that cannot hold one layer's active "
-                      "experts for a chunk is refused before any work starts."),
-    new_code_cell("budget = host.nbytes // 2\n"
-                  "runner = OffloadedRunner(model, expert_budget=budget, cache_policy='slru', host_experts=host)\n"
-                  "try:\n"
-                  "    OffloadedRunner(model, expert_budget=host.layout.nbytes, host_experts=host, chunk_size=64)\n"
-                  "except ValueError as e:\n"
+                  'host = HostExperts.from_model(model)       # every expert, packed, in pinned host memory\n'
+                  "print(f'{host.num_layers} layers x {host.num_experts} experts x {host.layout.nbytes} bytes = "
+                  "{host.nbytes / 2**20:.1f} MiB')"),
+    new_markdown_cell('## A budget of half the experts\n'
+                      "A budget that cannot hold one layer's active experts for a chunk is refused before any work "
+                      'starts.'),
+    new_code_cell('budget = host.nbytes // 2\n'
+                  "runner = OffloadedRunner(model, OffloadConfig(expert_budget=budget, cache_policy='slru'), "
+                  'host_experts=host)\n'
+                  'try:\n'
+                  '    OffloadedRunner(model, OffloadConfig(expert_budget=host.layout.nbytes, chunk_size=64), '
+                  'host_experts=host)\n'
+                  'except ValueError as e:\n'
                   "    print('refused:', e)"),
-    new_markdown_cell("## Prefill: same logits, and what moved"),
-    new_code_cell("ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 512)\n"
-                  "resident = hybridlm.prefill(hybridlm.LayerwiseRunner(model), ids, chunk_size=128)\n"
-                  "result = hybridlm.prefill(runner, ids, chunk_size=128)\n"
+    new_markdown_cell('## Prefill: same logits, and what moved'),
+    new_code_cell('ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 512)\n'
+                  'resident = hybridlm.prefill(hybridlm.LayerwiseRunner(model), ids, chunk_size=128)\n'
+                  'result = hybridlm.prefill(runner, ids, chunk_size=128)\n'
                   "print('max |logit difference|:', float(np.abs(np.asarray(result.logits) - "
-                  "np.asarray(resident.logits)).max()))\n"
+                  'np.asarray(resident.logits)).max()))\n'
                   "s = runner.stats()['prefill']\n"
-                  "print(f\"lookups {s['lookups']}  hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.0%}  \"\n"
-                  "      f\"{s['bytes_h2d'] / 2**20:.1f} MiB host->device  stall {s['stall_s'] * 1e3:.1f} ms  "
-                  "evictions {s['evictions']}\")"),
-    new_markdown_cell("## Policies and chunk sizes\nEvery chunk visits the layers in the same cycle, so with a "
-                      "budget below the whole model the recency/frequency policies (`lru`, `slru`, `lfu`) evict each "
-                      "expert just before its next use and hit almost never; `static` pins the first and last "
-                      "layers' experts and fills the budget (what engines with per-layer pinning do), and `stream` "
-                      "keeps nothing. Small chunks need only the routed experts (exact mode, router prefetch); "
-                      "large chunks need every expert of a layer (whole-layer streaming, double-buffered)."),
-    new_code_cell("for chunk in (8, 128):\n"
+                  'print(f"lookups {s[\'lookups\']}  hits {s[\'hits\']}  misses {s[\'misses\']}  hit rate '
+                  '{s[\'hit_rate\']:.0%}  "\n'
+                  '      f"{s[\'bytes_h2d\'] / 2**20:.1f} MiB host->device  stall {s[\'stall_s\'] * 1e3:.1f} ms  '
+                  'evictions {s[\'evictions\']}")'),
+    new_markdown_cell('## Policies and chunk sizes\n'
+                      'Every chunk visits the layers in the same cycle, so with a budget below the whole model the '
+                      'recency/frequency policies (`lru`, `slru`, `lfu`) would evict each expert just before its next '
+                      'use (0% hits), so in whole-layer mode they release each layer after use like `stream` (and run '
+                      'as fast as it), while exact mode with small chunks keeps what the routing reuses; `static` pins '
+                      'whole layers spread over the depth up to the budget (what engines with per-layer pinning do; '
+                      "spread, so that streamed layers copy beside pinned layers' compute), and `stream` keeps "
+                      'nothing. Small chunks need only the routed experts (exact mode, router prefetch); large chunks '
+                      "need every expert of a layer (whole-layer streaming: the next layers' host parts are copied "
+                      'inside the mixer and experts programs, two layers ahead).'),
+    new_code_cell('for chunk in (8, 128):\n'
                   "    for policy in ('lru', 'slru', 'lfu', 'static', 'stream'):\n"
-                  "        r = OffloadedRunner(model, expert_budget=budget, cache_policy=policy, host_experts=host)\n"
-                  "        hybridlm.prefill(r, ids, chunk_size=chunk)\n"
+                  '        r = OffloadedRunner(model, OffloadConfig(expert_budget=budget, cache_policy=policy), '
+                  'host_experts=host)\n'
+                  '        hybridlm.prefill(r, ids, chunk_size=chunk)\n'
                   "        s = r.stats()['prefill']\n"
-                  "        per_layer = ' '.join(f\"{l['hit_rate']:4.0%}\" for l in s['per_layer'])\n"
-                  "        print(f\"chunk {chunk:3d} {policy:6s} hit rate {s['hit_rate']:4.0%}  \"\n"
-                  "              f\"{s['bytes_h2d'] / 2**20:6.1f} MiB moved  per layer: {per_layer}\")"),
-    new_markdown_cell("## Decode uses the same cache\nOne token per step, experts paged on demand with the same "
-                      "policy."),
-    new_code_cell("out = hybridlm.generate(runner, ids[:64], max_new_tokens=8, seed=0)\n"
+                  '        per_layer = \' \'.join(f"{l[\'hit_rate\']:4.0%}" for l in s[\'per_layer\'])\n'
+                  '        print(f"chunk {chunk:3d} {policy:6s} hit rate {s[\'hit_rate\']:4.0%}  "\n'
+                  '              f"{s[\'bytes_h2d\'] / 2**20:6.1f} MiB moved  per layer: {per_layer}")'),
+    new_markdown_cell('## Decode reads the same cache\n'
+                      'Each decode step is one program: the device picks every routed expert from the cache (set after '
+                      'the prefill\n'
+                      'to whole layers, as many as the budget holds) or reads it straight from pinned host memory, '
+                      'with no ids going\n'
+                      "back to the host. `decode_paging='host'` steps layer by layer instead, paging misses into the "
+                      'cache with the\n'
+                      "policy. Both give the all-resident model's tokens.\n"
+                      '\n'
+                      "The host keeps each layer's experts in `host_parts` pinned buffers (4 by default, so that a "
+                      'whole-layer prefill can\n'
+                      "spread a layer's copy over several programs). `OffloadConfig(host_parts=1)` keeps one a layer: "
+                      'a decode\n'
+                      'copy then needs no control flow (on an H100, 4-bit, 12 GiB: 88 against 61-71 tokens/s), and a '
+                      '32k-token prefill\n'
+                      'runs 9% slower (`docs/offload.md`).'),
+    new_code_cell('out = hybridlm.generate(runner, ids[:64], max_new_tokens=8, seed=0)\n'
                   "d = runner.stats()['decode']\n"
-                  "print(out.tokens[0], f\"decode hit rate {d['hit_rate']:.0%}\")\n"
-                  "assert np.isfinite(np.asarray(out.prefill.logits)).all()"),
+                  'print(out.tokens[0], f"decode hit rate {d[\'hit_rate\']:.0%}, experts read from host '
+                  '{d[\'misses\']}")\n'
+                  "by_layer = OffloadedRunner(model, OffloadConfig(expert_budget=budget, cache_policy='slru', "
+                  "decode_paging='host'),\n"
+                  '                           host_experts=host)\n'
+                  'ref = hybridlm.generate(hybridlm.LayerwiseRunner(model), ids[:64], max_new_tokens=8, seed=0)\n'
+                  'assert (out.tokens == ref.tokens).all()\n'
+                  'assert (hybridlm.generate(by_layer, ids[:64], max_new_tokens=8, seed=0).tokens == '
+                  'ref.tokens).all()\n'
+                  'assert np.isfinite(np.asarray(out.prefill.logits)).all()\n'
+                  "one_part = OffloadedRunner(model, OffloadConfig(expert_budget=budget, cache_policy='slru', "
+                  'host_parts=1))\n'
+                  'assert (hybridlm.generate(one_part, ids[:64], max_new_tokens=8, seed=0).tokens == '
+                  'ref.tokens).all()'),
 ]
 
 NOTEBOOKS = {"01_quickstart.ipynb": CELLS, "02_expert_offload.ipynb": OFFLOAD_CELLS}

@@ -21,7 +21,7 @@ from hybridlm.checkpoints.gguf_header import read_header
 from pallas_kernels.quantized import QuantizedWeights
 
 GGUF_FIXTURES = ("qwen35moe_text", "qwen3next")
-F32_MAX_ABS_ERROR = 1e-5       # the issue's bound for an F32 round trip (measured: 0.0, bit-identical)
+F32_MAX_ABS_ERROR = 1e-5  # the issue's bound for an F32 round trip (measured: 0.0, bit-identical)
 # Max |logit error| of a quantized round trip vs the float model, measured on the fixtures (logit std 1) and
 # bounded here with ~1.5x headroom. The fixtures' router logits have near-ties (gap 4.5e-3), so quantization
 # noise flips some expert choices: the max error is a flip, the mean error the typical noise (docs/gguf.md).
@@ -29,7 +29,6 @@ F32_MAX_ABS_ERROR = 1e-5       # the issue's bound for an F32 round trip (measur
 # q4_k (Q5_0 fallback for these 64- and 32-wide rows) 3.84 / 0.547.
 QUANT_MAX_ABS_ERROR = {"f16": 1.0, "bf16": 2.0, "q8_0": 3.0, "q4_k": 6.0}
 QUANT_MEAN_ABS_ERROR = {"f16": 0.03, "bf16": 0.12, "q8_0": 0.25, "q4_k": 0.8}
-
 
 
 @pytest.fixture(scope="session")
@@ -49,13 +48,14 @@ def test_f32_round_trip_reproduces_hf_logits(gguf_case, forward, name):
     path = tmp / "model-f32.gguf"
     hybridlm.save_gguf(model, path, "f32")
     loaded = hybridlm.load(path, progress=False)
-    assert loaded.config.replace(name=model.config.name, explicit_layer_types=None) == \
-        model.config.replace(explicit_layer_types=None)
+    assert loaded.config.replace(name=model.config.name, explicit_layer_types=None) == model.config.replace(
+        explicit_layer_types=None
+    )
     got = np.asarray(forward(loaded, ids))
     assert_finite(got, "logits")
     assert np.abs(got - want).max() <= F32_MAX_ABS_ERROR
     expected = np.load(FIXTURES / "hf" / name / "expected.npz")["logits"]
-    assert np.abs(got - expected).max() < 1e-3   # HF transformers' own logits
+    assert np.abs(got - expected).max() < 1e-3  # HF transformers' own logits
 
 
 @pytest.mark.parametrize("tensor_type", ["f16", "bf16", "q8_0", "q4_k"])
@@ -85,8 +85,12 @@ def test_written_file_matches_converter_layout(gguf_case):
     assert ne["blk.0.ffn_gate_exps.weight"] == [64, 32, 8] and ne["blk.0.ffn_down_exps.weight"] == [32, 64, 8]
     assert ne["blk.0.ffn_gate_inp_shexp.weight"] == [64] and ne["blk.3.attn_q.weight"] == [64, 256]
     for name, t in tensors.items():
-        f32 = (name.endswith(("_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn_gate_inp.weight"))
-               or len(t.shape) == 1)
+        f32 = (
+            name.endswith(
+                ("_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn_gate_inp.weight")
+            )
+            or len(t.shape) == 1
+        )
         assert t.tensor_type == (T.F32 if f32 else T.BF16), name
     # every name is one the gguf package knows for the architecture
     known = {gguf.TENSOR_NAMES[k] for k in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN35MOE]}
@@ -95,20 +99,39 @@ def test_written_file_matches_converter_layout(gguf_case):
         base = base if not base.startswith("blk.") else "blk.{bid}." + base.split(".", 2)[2]
         assert base in known, name
     keys = set(reader.fields)
-    for key in ("block_count", "context_length", "embedding_length", "attention.head_count",
-                "attention.head_count_kv", "attention.key_length", "attention.layer_norm_rms_epsilon",
-                "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "expert_count",
-                "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
-                "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
-                "full_attention_interval"):
+    for key in (
+        "block_count",
+        "context_length",
+        "embedding_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.layer_norm_rms_epsilon",
+        "rope.freq_base",
+        "rope.dimension_count",
+        "rope.dimension_sections",
+        "expert_count",
+        "expert_used_count",
+        "expert_feed_forward_length",
+        "expert_shared_feed_forward_length",
+        "ssm.conv_kernel",
+        "ssm.state_size",
+        "ssm.group_count",
+        "ssm.time_step_rank",
+        "ssm.inner_size",
+        "full_attention_interval",
+    ):
         assert f"qwen35moe.{key}" in keys, key
     # ssm_a = -exp(A_log) in the tiled V-head order; norms carry +1
     g = model.layers[0].mixer
-    order = np.array([0, 2, 1, 3])                      # Hk=2, Hv=4: GGUF head j <- HF head (j%2)*2 + j//2
+    order = np.array([0, 2, 1, 3])  # Hk=2, Hv=4: GGUF head j <- HF head (j%2)*2 + j//2
     a_log = np.asarray(g.log_decay_rate.get_value())
     np.testing.assert_allclose(np.asarray(tensors["blk.0.ssm_a"].data), -np.exp(a_log)[order], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(tensors["blk.0.attn_norm.weight"].data),
-                               np.asarray(model.layers[0].input_norm.scale.get_value()) + 1, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(tensors["blk.0.attn_norm.weight"].data),
+        np.asarray(model.layers[0].input_norm.scale.get_value()) + 1,
+        rtol=1e-6,
+    )
 
 
 def test_written_file_passes_gguf_reader_and_dump(gguf_case, tmp_path):
@@ -119,8 +142,13 @@ def test_written_file_passes_gguf_reader_and_dump(gguf_case, tmp_path):
         warnings.simplefilter("error")
         reader = gguf.GGUFReader(path)
     assert len(reader.tensors) == len(read_header(path).tensors)
-    dump = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_dump", str(path)], check=False, capture_output=True,
-                          text=True, timeout=120)
+    dump = subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_dump", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert dump.returncode == 0, dump.stderr
     assert "warn" not in (dump.stderr + dump.stdout).lower()
     assert "blk.0.ssm_ba.weight" in dump.stdout and "qwen3next.ssm.group_count" in dump.stdout
@@ -140,10 +168,20 @@ def _random_raw(qtype: T, rows: int, blocks: int, rng) -> np.ndarray:
         return gguf.quants.quantize(rng.standard_normal((rows, blocks * block)).astype(np.float32), T.BF16)
     raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
     f16 = lambda n: rng.uniform(-2, 2, (rows, blocks, n)).astype(np.float16).view(np.uint8)
-    fields = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
-              T.Q5_K: [0, 2], T.Q6_K: [size - 2], T.IQ4_NL: [0], T.IQ4_XS: [0]}
+    fields = {
+        T.Q8_0: [0],
+        T.Q4_0: [0],
+        T.Q4_1: [0, 2],
+        T.Q5_0: [0],
+        T.Q5_1: [0, 2],
+        T.Q4_K: [0, 2],
+        T.Q5_K: [0, 2],
+        T.Q6_K: [size - 2],
+        T.IQ4_NL: [0],
+        T.IQ4_XS: [0],
+    }
     for off in fields.get(qtype, []):
-        raw[..., off:off + 2] = f16(1)
+        raw[..., off : off + 2] = f16(1)
     if qtype == T.Q8_K:
         raw[..., 0:4] = rng.uniform(-2, 2, (rows, blocks, 1)).astype(np.float32).view(np.uint8)
     return raw.reshape(rows, blocks * size)
@@ -165,7 +203,7 @@ def test_every_type_dequantizes_like_gguf(tmp_path):
         qtype = T[t.name]
         got = gguf_quants.dequantize(t.data, header.tensors[t.name].type)
         assert got.shape == header.tensors[t.name].shape, t.name
-        if qtype == T.Q8_K:   # gguf has no Q8_K dequantizer: d (float32) * q (int8) per 256-block
+        if qtype == T.Q8_K:  # gguf has no Q8_K dequantizer: d (float32) * q (int8) per 256-block
             blocks = raws[qtype].reshape(-1, GGML_QUANT_SIZES[qtype][1])
             want = (blocks[:, :4].copy().view(np.float32) * blocks[:, 4:260].view(np.int8)).reshape(got.shape)
         elif qtype in (T.F32, T.F16):
@@ -178,10 +216,10 @@ def test_every_type_dequantizes_like_gguf(tmp_path):
 @pytest.mark.parametrize("qtype", gguf_quants.KEEPABLE_TYPES, ids=lambda t: t.name)
 def test_quantized_weights_from_raw_blocks_are_exact(qtype):
     rng = np.random.default_rng(1)
-    raw = _random_raw(qtype, rows=3 * 5, blocks=2, rng=rng).reshape(3, 5, -1)   # [experts, out, bytes]
+    raw = _random_raw(qtype, rows=3 * 5, blocks=2, rng=rng).reshape(3, 5, -1)  # [experts, out, bytes]
     qw = gguf_quants.to_quantized_weights([(raw, qtype)])
     assert (qw.bits, qw.block_size) == (gguf_quants.KEPT_BITS[qtype], gguf_quants.KEPT_BLOCK[qtype])
-    want = gguf.quants.dequantize(raw, qtype)                                      # [experts, out, k]
+    want = gguf.quants.dequantize(raw, qtype)  # [experts, out, k]
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
 
 
@@ -190,40 +228,50 @@ def test_quantized_weights_concatenate_blocks_of_two_sizes():
     beside 4-bit refused; a type with no exact layout refused."""
     rng = np.random.default_rng(4)
     gate, up = (_random_raw(t, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1) for t in (T.Q6_K, T.Q8_0))
-    up = np.concatenate([up] + [_random_raw(T.Q8_0, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1)
-                                for _ in range(7)], axis=-1)                       # 256 elements, as the gate
+    up = np.concatenate(
+        [up] + [_random_raw(T.Q8_0, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1) for _ in range(7)],
+        axis=-1,
+    )  # 256 elements, as the gate
     qw = gguf_quants.to_quantized_weights([(gate, T.Q6_K), (up, T.Q8_0)])
     assert qw.block_size == 16 and qw.scales.dtype == jnp.float32 and qw.shape == (2, 256, 6)
     want = np.concatenate([gguf.quants.dequantize(gate, T.Q6_K), gguf.quants.dequantize(up, T.Q8_0)], axis=1)
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
     with pytest.raises(ValueError, match="8-bit and 4-bit.*Q6_K, Q4_K"):
-        gguf_quants.to_quantized_weights([(gate, T.Q6_K), (_random_raw(T.Q4_K, 6, 1, rng).reshape(2, 3, -1), T.Q4_K)])
+        gguf_quants.to_quantized_weights(
+            [(gate, T.Q6_K), (_random_raw(T.Q4_K, 6, 1, rng).reshape(2, 3, -1), T.Q4_K)]
+        )
     with pytest.raises(ValueError, match="Q8_K cannot be kept"):
         gguf_quants.to_quantized_weights([(_random_raw(T.Q8_K, 6, 1, rng).reshape(2, 3, -1), T.Q8_K)])
     # a Q5_K gate (offsets) beside a Q6_K up (none): the up's offsets are zeros, still exact
     gate5 = _random_raw(T.Q5_K, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1)
     qw = gguf_quants.to_quantized_weights([(gate5, T.Q5_K), (gate, T.Q6_K)])
     assert (qw.bits, qw.block_size) == (8, 16) and qw.offsets is not None
-    want = np.concatenate([gguf.quants.dequantize(gate5, T.Q5_K), gguf.quants.dequantize(gate, T.Q6_K)], axis=1)
+    want = np.concatenate(
+        [gguf.quants.dequantize(gate5, T.Q5_K), gguf.quants.dequantize(gate, T.Q6_K)], axis=1
+    )
     np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.swapaxes(want, 1, 2))
 
 
 # (qtype, mean and max error bounds): Q5_K a step of ~range / 31 per 32 values, Q6_K ~max|x| / 32 per 16
-@pytest.mark.parametrize("qtype,mean,peak", [(T.Q5_K, 0.04, 0.12), (T.Q6_K, 0.02, 0.07)], ids=["Q5_K", "Q6_K"])
+@pytest.mark.parametrize(
+    "qtype,mean,peak", [(T.Q5_K, 0.04, 0.12), (T.Q6_K, 0.02, 0.07)], ids=["Q5_K", "Q6_K"]
+)
 def test_q5_k_and_q6_k_quantizers_round_trip(qtype, mean, peak):
     x = np.random.default_rng(2).standard_normal((4, 512)).astype(np.float32)
     raw = gguf_quants.quantize(x, qtype)
     assert raw.shape == (4, 2 * GGML_QUANT_SIZES[qtype][1])
     err = np.abs(gguf.quants.dequantize(raw, qtype) - x)
     assert err.mean() < mean and err.max() < peak
-    assert not gguf.quants.dequantize(gguf_quants.quantize(np.zeros((1, 256), np.float32), qtype), qtype).any()
+    assert not gguf.quants.dequantize(
+        gguf_quants.quantize(np.zeros((1, 256), np.float32), qtype), qtype
+    ).any()
 
 
 def test_q4_k_quantizer_round_trips():
     x = np.random.default_rng(2).standard_normal((4, 512)).astype(np.float32)
     y = gguf.quants.dequantize(gguf_quants.quantize_q4_k(x), T.Q4_K)
     err = np.abs(y - x)
-    assert err.mean() < 0.08 and err.max() < 0.35   # Q4_0 (gguf's own quantizer) on the same data: mean 0.071
+    assert err.mean() < 0.08 and err.max() < 0.35  # Q4_0 (gguf's own quantizer) on the same data: mean 0.071
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -234,8 +282,9 @@ def k256_model():
     return hybridlm.init_random(K256, seed=3)
 
 
-@pytest.mark.parametrize("tensor_type,bytes_per_param", [("q8_0", 34 / 32), ("q4_k", 0.75), ("q5_k", 1.25),
-                                                          ("q6_k", 1.25)])
+@pytest.mark.parametrize(
+    "tensor_type,bytes_per_param", [("q8_0", 34 / 32), ("q4_k", 0.75), ("q5_k", 1.25), ("q6_k", 1.25)]
+)
 def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, bytes_per_param):
     path = tmp_path / f"k256-{tensor_type}.gguf"
     save_gguf(k256_model, path, tensor_type)
@@ -252,12 +301,12 @@ def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, byte
             dense_w = getattr(layer_dense.ffn, name).get_value()
             assert qw.shape == dense_w.shape
             assert qw.bytes_per_param == pytest.approx(bytes_per_param)
-            assert qw.nbytes / dense_w.nbytes == pytest.approx(bytes_per_param / 4)   # vs float32
+            assert qw.nbytes / dense_w.nbytes == pytest.approx(bytes_per_param / 4)  # vs float32
             np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.asarray(dense_w))
     want = np.asarray(forward(dense, ids))
     got = np.asarray(forward(kept, ids))
     assert_finite(got, "logits")
-    assert np.abs(got - want).max() < 1e-4   # same weights, only the summation order may differ
+    assert np.abs(got - want).max() < 1e-4  # same weights, only the summation order may differ
 
 
 def test_use_more_bits_is_llama_quantize_rule():
@@ -290,8 +339,9 @@ def test_keep_quantized_k_m_mixes(k256_model, forward, tmp_path, mix):
             kept_as = (8, 16, False) if six else (4, 32, True) if base == T.Q4_K else (8, 32, True)
             assert isinstance(qw, QuantizedWeights)
             assert (qw.bits, qw.block_size, qw.offsets is not None) == kept_as
-            np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)),
-                                          np.asarray(getattr(layer_dense.ffn, name).get_value()))
+            np.testing.assert_array_equal(
+                np.asarray(qw.dequantize(jnp.float32)), np.asarray(getattr(layer_dense.ffn, name).get_value())
+            )
     ids = jnp.asarray(np.random.default_rng(0).integers(0, K256.vocab_size, (2, 19)), jnp.int32)
     got = np.asarray(forward(kept, ids))
     assert_finite(got, "logits")
@@ -334,8 +384,12 @@ def rewrite_f32_gguf(model, path, rewrite):
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        writer.add_key_value(
+            field.name,
+            field.contents(),
+            field.types[0],
+            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None,
+        )
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
     for name, data in tensors.items():
         out = rewrite(name, data, tensors)
@@ -380,9 +434,11 @@ def test_dense_qwen35_round_trip(forward, tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 TOKENIZER_TEXTS = [
     "Hello, world! <|im_start|>user\nCiao, come stai? 你好世界 🤖🎉 naïve café\t\t  x\r\n\r\n<think>ok</think><|im_end|>",
-    "e\u0301 Å Å ﬁ",                     # combining accent (NFC), angstrom sign vs letter, a ligature
+    "e\u0301 Å Å ﬁ",  # combining accent (NFC), angstrom sign vs letter, a ligature
     "   leading spaces and trailing   \n\n\n",
-    "12345 3.14159 ١٢٣ ⅷ", "'s 'S 'LL don't I'M", "<|endoftext|><|vision_start|><tool_call>{}</tool_call>",
+    "12345 3.14159 ١٢٣ ⅷ",
+    "'s 'S 'LL don't I'M",
+    "<|endoftext|><|vision_start|><tool_call>{}</tool_call>",
 ]
 
 
@@ -419,8 +475,21 @@ def test_cli_prefills_a_gguf_file_with_its_tokenizer(tiny_gguf_with_tokenizer, c
     from hybridlm.checkpoints.gguf import load_gguf_tokenizer
 
     text = "Alice was beginning to get very tired of sitting by her sister on the bank."
-    assert cli.main(["prefill", "--model", str(tiny_gguf_with_tokenizer), "--prompt", text,
-                     "--chunk-size", "16", "--no-profile", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "prefill",
+                "--model",
+                str(tiny_gguf_with_tokenizer),
+                "--prompt",
+                text,
+                "--chunk-size",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["prompt_tokens"] == len(load_gguf_tokenizer(tiny_gguf_with_tokenizer).encode(text))
     assert report["next_token"]["id"] < 248_320
@@ -429,7 +498,7 @@ def test_cli_prefills_a_gguf_file_with_its_tokenizer(tiny_gguf_with_tokenizer, c
 def test_gguf_without_tokenizer_and_small_vocab(gguf_case, tmp_path):
     from hybridlm.checkpoints.gguf import load_gguf_tokenizer
 
-    model, _, _, _ = gguf_case["qwen35moe_text"]           # vocab 384: no tokenizer is written
+    model, _, _, _ = gguf_case["qwen35moe_text"]  # vocab 384: no tokenizer is written
     save_gguf(model, tmp_path / "m.gguf", "f32")
     assert load_gguf_tokenizer(tmp_path / "m.gguf") is None
 
@@ -444,11 +513,18 @@ def test_loader_accepts_legacy_qwen3next_ssm_in(gguf_case, forward, tmp_path):
         if name.endswith("attn_gate.weight") and "attn_qkv" not in name:
             return None
         if name.endswith("attn_qkv.weight"):
-            z = tensors[name.replace("attn_qkv", "attn_gate")]              # [v_heads*value_dim, hidden]
+            z = tensors[name.replace("attn_qkv", "attn_gate")]  # [v_heads*value_dim, hidden]
             kd = g.num_k_heads * g.key_dim
             per_k = lambda x, rows: x.reshape(g.num_k_heads, rows, -1)
-            grouped = np.concatenate([per_k(data[:kd], g.key_dim), per_k(data[kd:2 * kd], g.key_dim),
-                                      per_k(data[2 * kd:], r * g.value_dim), per_k(z, r * g.value_dim)], axis=1)
+            grouped = np.concatenate(
+                [
+                    per_k(data[:kd], g.key_dim),
+                    per_k(data[kd : 2 * kd], g.key_dim),
+                    per_k(data[2 * kd :], r * g.value_dim),
+                    per_k(z, r * g.value_dim),
+                ],
+                axis=1,
+            )
             return name.replace("attn_qkv", "ssm_in"), grouped.reshape(-1, data.shape[-1])
         return name, data
 

@@ -5,5 +5,13 @@ from hybridlm.engine.prefill import PrefillResult, prefill
 from hybridlm.engine.runner import PHASES, LayerwiseRunner
 from hybridlm.engine.sampling import sample
 
-__all__ = ["PHASES", "GenerateResult", "LayerwiseRunner", "PrefillResult", "decode_step", "generate", "prefill",
-           "sample"]
+__all__ = [
+    "PHASES",
+    "GenerateResult",
+    "LayerwiseRunner",
+    "PrefillResult",
+    "decode_step",
+    "generate",
+    "prefill",
+    "sample",
+]

@@ -16,8 +16,9 @@ from hybridlm.model import HybridLM
 from hybridlm.state import LayerState
 
 
-def decode_step(runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerState],
-                position: int) -> tuple[jax.Array, list[LayerState]]:
+def decode_step(
+    runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerState], position: int
+) -> tuple[jax.Array, list[LayerState]]:
     """Feeds one token per sequence at absolute `position`.
 
     Args:
@@ -31,33 +32,42 @@ def decode_step(runner: LayerwiseRunner, tokens: jax.Array, states: list[LayerSt
 
     Raises:
       ValueError: tokens not one per sequence of the states, a position below 0 or at / past the KV cache's
-        capacity, or token ids outside the vocabulary (values given on the host; values held on the device are not
-        checked).
+        capacity, or token ids outside the vocabulary (values given on the host; values held on the device are
+        not checked).
     """
     return runner.decode_step(tokens, states, position)
 
 
 @dataclasses.dataclass
 class GenerateResult:
-    tokens: np.ndarray          # [batch, new_tokens] int32 (stops early at eos for batch 1)
+    tokens: np.ndarray  # [batch, new_tokens] int32 (stops early at eos for batch 1)
     prefill: PrefillResult
-    decode_s: float             # seconds spent in the decode loop
-    first_step_s: float = 0.0   # of which the first decode step's (it compiles the step on a first call)
+    decode_s: float  # seconds spent in the decode loop
+    first_step_s: float = 0.0  # of which the first decode step's (it compiles the step on a first call)
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """batch * tokens / second of the decode steps after the first (whose compilation would otherwise count;
-        with a single step, that step)."""
-        n = self.tokens.shape[1] - 1   # decode steps: the first token comes from the prefill logits
+        """batch * tokens / second of the decode steps after the first (whose compilation would otherwise
+        count; with a single step, that step)."""
+        n = self.tokens.shape[1] - 1  # decode steps: the first token comes from the prefill logits
         seconds = self.decode_s
         if n > 1 and self.decode_s > self.first_step_s > 0:
             n, seconds = n - 1, self.decode_s - self.first_step_s
         return self.tokens.shape[0] * n / seconds if n > 0 and seconds > 0 else 0.0
 
 
-def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: int = 32, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None,
-             chunk_size: int = DEFAULT_CHUNK_SIZE) -> GenerateResult:
+def generate(
+    model: HybridLM | LayerwiseRunner,
+    input_ids,
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> GenerateResult:
     """Prefills the prompt, then samples `max_new_tokens` tokens one at a time.
 
     Args:
@@ -72,12 +82,12 @@ def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: in
       chunk_size: prefill chunk size in tokens.
 
     Raises:
-      ValueError: max_new_tokens < 1, sampling settings out of range (`sampling.check_sampling`), or a bad prompt
-        (see `prefill`).
+      ValueError: max_new_tokens < 1, sampling settings out of range (`sampling.check_sampling`), or a bad
+        prompt (see `prefill`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    check_sampling(temperature, top_k, top_p)          # before the prefill's work
+    check_sampling(temperature, top_k, top_p)  # before the prefill's work
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     key = jax.random.key(seed)
@@ -87,18 +97,19 @@ def generate(model: HybridLM | LayerwiseRunner, input_ids, *, max_new_tokens: in
     t0 = time.perf_counter()
     for i in range(max_new_tokens):
         sub = None
-        if not is_greedy(temperature):   # greedy needs no key (splitting one is a dispatch)
+        if not is_greedy(temperature):  # greedy needs no key (splitting one is a dispatch)
             key, sub = jax.random.split(key)
         token = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         out.append(token)
-        if i + 1 < max_new_tokens:   # queued before the host reads the token, so the device keeps busy
+        if i + 1 < max_new_tokens:  # queued before the host reads the token, so the device keeps busy
             logits, states = decode_step(runner, token, states, position)
             position += 1
-            if i == 0:   # the first step compiles on a first call: timed apart
+            if i == 0:  # the first step compiles on a first call: timed apart
                 jax.block_until_ready(logits)
                 first_step_s = time.perf_counter() - t0
         if eos_token_id is not None and bool(jnp.all(token == eos_token_id)):
             break
     tokens = np.asarray(jnp.stack(out, axis=1))
-    return GenerateResult(tokens=tokens, prefill=pre, decode_s=time.perf_counter() - t0,
-                          first_step_s=first_step_s)
+    return GenerateResult(
+        tokens=tokens, prefill=pre, decode_s=time.perf_counter() - t0, first_step_s=first_step_s
+    )

@@ -1,8 +1,8 @@
 """Chunked prefill: a prompt ingested in fixed-size chunks, state carried between them (time to first token).
 
-Each chunk reads every weight once, so a prompt of T tokens costs ceil(T / chunk_size) weight passes instead of
-T. The last partial chunk is padded and masked, so the prompt length never changes compiled shapes; only the
-KV-cache capacity does, and it is rounded up to a power-of-two number of chunks.
+Each chunk reads every weight once, so a prompt of T tokens costs ceil(T / chunk_size) weight passes instead
+of T. The last partial chunk is padded and masked, so the prompt length never changes compiled shapes; only
+the KV-cache capacity does, and it is rounded up to a power-of-two number of chunks.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ DEFAULT_CHUNK_SIZE = 2048
 class PrefillResult:
     """What a prefill returns."""
 
-    logits: jax.Array                 # [batch, vocab] float32: next-token logits after the last prompt token
-    states: list[LayerState]          # per-layer decode state after the prompt
-    prompt_tokens: int                # tokens per sequence
+    logits: jax.Array  # [batch, vocab] float32: next-token logits after the last prompt token
+    states: list[LayerState]  # per-layer decode state after the prompt
+    prompt_tokens: int  # tokens per sequence
     batch: int
-    chunk_size: int                   # tokens per chunk actually used
+    chunk_size: int  # tokens per chunk actually used
     num_chunks: int
-    capacity: int                     # KV-cache length in tokens
-    ttft_s: float                     # seconds from call to logits ready (compilation included on a first call)
-    phase_seconds: dict[str, float] | None = None   # per-phase wall time when profile=True
+    capacity: int  # KV-cache length in tokens
+    ttft_s: float  # seconds from call to logits ready (compilation included on a first call)
+    phase_seconds: dict[str, float] | None = None  # per-phase wall time when profile=True
 
     @property
     def tokens_per_s(self) -> float:
@@ -41,8 +41,14 @@ class PrefillResult:
         return self.batch * self.prompt_tokens / self.ttft_s
 
     def summary(self) -> dict:
-        out = {"prompt_tokens": self.prompt_tokens, "batch": self.batch, "chunk_size": self.chunk_size,
-               "chunks": self.num_chunks, "ttft_s": self.ttft_s, "prefill_tokens_per_s": self.tokens_per_s}
+        out = {
+            "prompt_tokens": self.prompt_tokens,
+            "batch": self.batch,
+            "chunk_size": self.chunk_size,
+            "chunks": self.num_chunks,
+            "ttft_s": self.ttft_s,
+            "prefill_tokens_per_s": self.tokens_per_s,
+        }
         if self.phase_seconds is not None:
             out["phase_seconds"] = {p: self.phase_seconds.get(p, 0.0) for p in PHASES}
         return out
@@ -57,13 +63,20 @@ def effective_chunk_size(prompt_tokens: int, chunk_size: int) -> int:
 
 
 def cache_capacity(prompt_tokens: int, chunk_size: int, max_new_tokens: int) -> int:
-    """KV-cache length: whole chunks covering prompt + new tokens, rounded up to a power-of-two chunk count."""
+    """KV-cache length: whole chunks covering prompt + new tokens, rounded up to a power-of-two chunk
+    count."""
     chunks = -(-(prompt_tokens + max_new_tokens) // chunk_size)
     return chunk_size * (1 << max(chunks - 1, 0).bit_length())
 
 
-def prefill(model: HybridLM | LayerwiseRunner, input_ids, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-            max_new_tokens: int = 0, profile: bool = False) -> PrefillResult:
+def prefill(
+    model: HybridLM | LayerwiseRunner,
+    input_ids,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_new_tokens: int = 0,
+    profile: bool = False,
+) -> PrefillResult:
     """Ingests a prompt chunk by chunk and returns the next-token logits and the decode state.
 
     Args:
@@ -90,8 +103,10 @@ def prefill(model: HybridLM | LayerwiseRunner, input_ids, *, chunk_size: int = D
     check_token_ids(ids, config.vocab_size)
     batch, seq = ids.shape
     if seq + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(f"prompt ({seq}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_position_embeddings={config.max_position_embeddings}")
+        raise ValueError(
+            f"prompt ({seq}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"max_position_embeddings={config.max_position_embeddings}"
+        )
     chunk = effective_chunk_size(seq, chunk_size)
     num_chunks = -(-seq // chunk)
     capacity = cache_capacity(seq, chunk, max_new_tokens)
@@ -105,11 +120,20 @@ def prefill(model: HybridLM | LayerwiseRunner, input_ids, *, chunk_size: int = D
     x = None
     for c in range(num_chunks):
         num_valid = min(chunk, seq - c * chunk)
-        x, states = runner.forward_chunk(jnp.asarray(padded[:, c * chunk:(c + 1) * chunk]), states,
-                                         c * chunk, num_valid, timer)
+        x, states = runner.forward_chunk(
+            jnp.asarray(padded[:, c * chunk : (c + 1) * chunk]), states, c * chunk, num_valid, timer
+        )
     last = x[:, num_valid - 1]
     logits = jax.block_until_ready(timer("head", runner.head_logits, last))
     ttft = time.perf_counter() - t0
-    return PrefillResult(logits=logits, states=states, prompt_tokens=seq, batch=batch, chunk_size=chunk,
-                         num_chunks=num_chunks, capacity=capacity, ttft_s=ttft,
-                         phase_seconds=dict(timer.seconds) if profile else None)
+    return PrefillResult(
+        logits=logits,
+        states=states,
+        prompt_tokens=seq,
+        batch=batch,
+        chunk_size=chunk,
+        num_chunks=num_chunks,
+        capacity=capacity,
+        ttft_s=ttft,
+        phase_seconds=dict(timer.seconds) if profile else None,
+    )

@@ -1,11 +1,10 @@
 """Layer-by-layer jitted execution of the model over one chunk of tokens, and the one-program decode step.
 
-Each phase of a layer (mixer, router, experts) is one jitted function of (layer graph, layer weights,
-activations, state). All Gated DeltaNet layers share one graph, so each phase compiles once per layer type and
-chunk shape however deep the model is; the Python loop over layers only enqueues work (no host sync) unless
-per-phase timing is asked for. The same seams let the offload scheduler page expert weights between layers.
-A decode step (one token per sequence) is short enough on the device that ~120 such calls would bound it on the
-host, so `LayerwiseRunner.decode_step` runs every layer and the head in one program instead.
+The phases of a layer (mixer, router, experts) are the jitted functions of `hybridlm.engine.phases`; the
+Python loop over layers only enqueues work (no host sync) unless per-phase timing is asked for. The same seams
+let the offload runner page expert weights between layers.
+A decode step (one token per sequence) is short enough on the device that ~120 such calls would bound it on
+the host, so `LayerwiseRunner.decode_step` runs every layer and the head in one program instead.
 """
 
 from __future__ import annotations
@@ -19,132 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hybridlm.engine import phases
+from hybridlm.engine.phases import StaticGraph, flat_layer
 from hybridlm.model import HybridLM, check_token_ids
 from hybridlm.state import KVCache, LayerState
 
 PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
 
 
-class StaticGraph:
-    """An nnx `GraphDef` (and the treedef of its weights) as a static jit argument whose hash is computed once.
-
-    jit hashes its static arguments on every call, and a GraphDef hashes its whole node list each time: ~1 ms per
-    call for the whole 40-layer model on this repository's CI machine, ~3 ms of host time per one-token step
-    through the 121 layer-phase calls on the H100 machine (2026-11-26, docs/benchmarks.md, "Decode"). The runner
-    makes one `StaticGraph` per distinct graph, so that layers of one type pass the same object and jit's key
-    comparison stops at identity.
-
-    With `treedef` (the layer runner's form, `flat_layer`) the weights travel as a flat tuple of arrays, which jit
-    flattens in C++, rather than as an nnx `State`, whose Variables flatten through Python: ~0.2-0.5 ms of host
-    time per call on the H100 machine, a few ms per layer of an offloaded decode step (2026-11-27,
-    docs/offload.md).
-    """
-
-    __slots__ = ("_hash", "graphdef", "treedef")
-
-    def __init__(self, graphdef, treedef=None):
-        self.graphdef = graphdef
-        self.treedef = treedef
-        self._hash = hash((graphdef, treedef))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
-                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
-
-    def merge(self, params):
-        """The module: `nnx.merge(graphdef, params)`; `params` is an nnx State, or the flat tuple of its leaves
-        when the graph has a treedef."""
-        if self.treedef is not None and isinstance(params, (list, tuple)):
-            params = self.params(params)
-        return nnx.merge(self.graphdef, params)
-
-    def params(self, leaves):
-        """The nnx State of a flat tuple of leaves (graphs with a treedef)."""
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-
-# Every runner's StaticGraphs, one per (graph, weight structure): layers of one type, in this runner or in any
-# later one (a notebook's second runner, a benchmark's next configuration), pass the same object, so jit's cache
-# lookup stops at identity. A copy per runner would compare whole GraphDefs on every call (~90 us each, seen in
-# a profile of the H100 machine, 2026-11-27).
-_GRAPHS: dict = {}
-
-
-def flat_layer(graphdef, params) -> tuple[StaticGraph, tuple]:
-    """(graph, weights as a flat tuple of leaves) of one layer, the graph shared (through `_GRAPHS`) by every
-    layer of the same graph and weight structure."""
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    key = (graphdef, treedef)
-    if key not in _GRAPHS:
-        _GRAPHS[key] = StaticGraph(graphdef, treedef)
-    return _GRAPHS[key], tuple(leaves)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _mix(graph: StaticGraph, params, x, state, start, num_valid):
-    layer = graph.merge(params)
-    return layer.mix(x, state, start, num_valid)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _route(graph: StaticGraph, params, h):
-    layer = graph.merge(params)
-    batch, seq, hidden = h.shape
-    u = layer.post_norm(h).reshape(batch * seq, hidden)
-    weights, ids = layer.ffn.route(u)
-    return u, weights, ids
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _experts(graph: StaticGraph, params, h, u, weights, ids, num_valid, experts=None):
-    """The layer's routed experts on h (post-attention residual); `experts` = (gate_up, down) replaces the
-    layer's own expert weights (the offload runner passes weights held outside the layer)."""
-    layer = graph.merge(params)
-    if experts is not None:
-        layer.ffn.experts_gate_up.set_value(experts[0])
-        layer.ffn.experts_down.set_value(experts[1])
-    batch, seq, hidden = h.shape
-    valid = jnp.broadcast_to(jnp.arange(seq) < num_valid, (batch, seq)).reshape(-1)
-    return h + layer.ffn.experts(u, weights, ids, valid).reshape(batch, seq, hidden)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _dense_ffn(graph: StaticGraph, params, h):
-    layer = graph.merge(params)
-    return h + layer.ffn(layer.post_norm(h))
-
-
-@jax.jit
-def _embed(table, ids):
-    return table[ids]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _head(graph: StaticGraph, params, x_last):
-    return graph.merge(params).logits(x_last)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
-def _decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
-    """Every layer and the head for one token per sequence, in one program (`LayerwiseRunner.decode_step`)."""
-    model = graph.merge(jax.tree_util.tree_unflatten(treedef, leaves))
-    x = model.embed[...][tokens[:, None]]
-    new_states = []
-    for layer, state in zip(model.layers, states):
-        x, state = layer(x, state, position, 1)
-        new_states.append(state)
-    return model.logits(x[:, 0]), new_states
-
-
 def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], position) -> None:
     """Refuses a decode step whose tokens are not one per sequence of the states, whose position falls outside
     the KV cache (below 0, or at or past its capacity: a write there would be clamped onto the last slot, a
-    silently wrong answer), or whose token ids fall outside [0, vocab_size) (the embedding gather would clamp them
-    too). Shapes are always checked; values only where given on the host (Python / numpy): values held on the
-    device are not read back (that would make the host wait for them).
+    silently wrong answer), or whose token ids fall outside [0, vocab_size) (the embedding gather would clamp
+    them too). Shapes are always checked; values only where given on the host (Python / numpy): values held on
+    the device are not read back (that would make the host wait for them).
 
     Raises:
       ValueError: naming the tokens' shape and the states' batch, the position and the capacity and how to
@@ -154,8 +41,10 @@ def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], posit
         first = states[0]
         batch = (first.key if isinstance(first, KVCache) else first.conv).shape[0]
         if np.shape(tokens) != (batch,):
-            raise ValueError(f"tokens must be [batch] = [{batch}] (one per sequence of the states), got shape "
-                             f"{np.shape(tokens)}")
+            raise ValueError(
+                f"tokens must be [batch] = [{batch}] (one per sequence of the states), got shape "
+                f"{np.shape(tokens)}"
+            )
     if not isinstance(tokens, jax.Array):
         check_token_ids(tokens, vocab_size)
     if isinstance(position, jax.Array):
@@ -165,8 +54,10 @@ def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], posit
     if pos < 0:
         raise ValueError(f"decode position {pos} is negative")
     if capacity is not None and pos >= capacity:
-        raise ValueError(f"decode position {pos} is past the KV cache's capacity of {capacity} tokens; reserve room "
-                         f"for the tokens to decode when prefilling (hybridlm.prefill(..., max_new_tokens=N))")
+        raise ValueError(
+            f"decode position {pos} is past the KV cache's capacity of {capacity} tokens; reserve room "
+            f"for the tokens to decode when prefilling (hybridlm.prefill(..., max_new_tokens=N))"
+        )
 
 
 class PhaseTimer:
@@ -189,15 +80,16 @@ def commit(tree):
     """`tree` with its uncommitted device arrays committed where they lie (an alias: no copy, same buffers).
 
     jit compiles a program once per kind of input, and an uncommitted array (made without a placement, e.g. by
-    jnp.zeros) is another kind than a committed one (placed by `jax.device_put`, or computed from one). A model
-    with both (experts placed by the offload benchmark, the rest not) gave decode states of both kinds after the
-    prefill and committed ones after the first step, so the one-program step compiled twice, the second time
-    inside the decode loop (~10 s at full size on an H100, 2026-11-26). Committing the weights makes every program
-    output committed. Arrays in host memory are left as they are."""
+    jnp.zeros) is another kind than a committed one (placed by `jax.device_put`, or computed from one). A
+    model with both (experts placed by a benchmark, the rest not) would give decode states of both kinds and
+    compile the one-program step twice, the second time inside the decode loop. Committing the weights makes
+    every program output committed. Arrays in host memory are left as they are."""
+
     def one(x):
         if isinstance(x, jax.Array) and not x.committed and x.sharding.memory_kind in (None, "device"):
             return jax.device_put(x, x.sharding)
         return x
+
     return jax.tree_util.tree_map(one, tree)
 
 
@@ -205,21 +97,23 @@ class LayerwiseRunner:
     """Runs `HybridLM` one chunk at a time through per-layer jitted phases.
 
     Args:
-      model: the model; its weights are split once into per-layer pytrees and committed where they lie (no copy,
-        see `commit`).
+      model: the model; its weights are split once into per-layer pytrees and committed where they lie (no
+        copy, see `commit`).
     """
 
     def __init__(self, model: HybridLM):
         self.model = model
         self.config = model.config
         graphdef, params = nnx.split(model)
-        params = commit(params)          # once: the per-layer views below hold these same arrays
+        params = commit(params)  # once: the per-layer views below hold these same arrays
         committed = nnx.merge(graphdef, params)
-        self.layers = [flat_layer(g, p)               # [(graph, flat weights)]; all GDN layers share one graph
-                       for g, p in (nnx.split(layer) for layer in committed.layers)]
+        self.layers = [
+            flat_layer(g, p)  # [(graph, flat weights)]; all GDN layers share one graph
+            for g, p in (nnx.split(layer) for layer in committed.layers)
+        ]
         self.embed_table = committed.embed[...]
-        # the head's pieces for programs that run it without the whole model (the offload runner's decode step):
-        # (graph, flat weights) of the final norm, and lm_head (None when tied to the embedding)
+        # the head's pieces for programs that run it without the whole model (the offload runner's decode
+        # step): (graph, flat weights) of the final norm, and lm_head (None when tied to the embedding)
         self.final_norm = flat_layer(*nnx.split(committed.final_norm))
         self.lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
         self.whole = (StaticGraph(graphdef), params)
@@ -231,22 +125,24 @@ class LayerwiseRunner:
         return treedef, leaves
 
     def on_prefill_start(self, num_chunks: int = 1) -> None:
-        """Hook called by `prefill` before the first of its `num_chunks` chunks (no-op; the offload runner resets
-        its statistics and prefetches across chunk boundaries when more chunks follow)."""
+        """Hook called by `prefill` before the first of its `num_chunks` chunks (no-op; the offload runner
+        resets its statistics and prefetches across chunk boundaries when more chunks follow)."""
 
     def head_logits(self, x_last: jax.Array) -> jax.Array:
         """Final norm + lm head: [batch, hidden] -> [batch, vocab] float32."""
-        return _head(*self.whole, x_last)
+        return phases.head(*self.whole, x_last)
 
-    def decode_step(self, tokens: jax.Array, states: list[LayerState], position) -> tuple[jax.Array, list[LayerState]]:
+    def decode_step(
+        self, tokens: jax.Array, states: list[LayerState], position
+    ) -> tuple[jax.Array, list[LayerState]]:
         """One decode step: every layer and the head in one jitted program (one dispatch per token).
 
         Args:
           tokens: [batch] int32, one token per sequence.
           states: per-layer states holding positions [0, position) (donated: do not reuse them). Uncommitted
             tokens or states are committed first (`commit`), so that every step runs one compiled program.
-          position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one compilation
-            serves every step).
+          position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one
+            compilation serves every step).
 
         Returns:
           logits [batch, vocab] float32 for the next position, and the new states.
@@ -257,20 +153,22 @@ class LayerwiseRunner:
         """
         check_decode_inputs(self.config.vocab_size, tokens, states, position)
         treedef, leaves = self._flat_weights
-        return _decode(self.whole[0], treedef, leaves, *self._step_inputs(tokens, states, position))
+        return phases.decode(self.whole[0], treedef, leaves, *self.step_inputs(tokens, states, position))
 
     @staticmethod
-    def _step_inputs(tokens, states, position) -> tuple:
-        """(tokens int32, states, position) as a one-program decode step takes them: tokens and states committed
-        (one kind of input every step: one compilation) and a Python position as an int32 scalar (not static)."""
+    def step_inputs(tokens, states, position) -> tuple:
+        """(tokens int32, states, position) as a one-program decode step takes them: tokens and states
+        committed (one kind of input every step: one compilation) and a Python position as an int32 scalar
+        (not static)."""
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
-            tokens = jnp.asarray(tokens, jnp.int32)    # (a no-op asarray still costs a dispatch)
+            tokens = jnp.asarray(tokens, jnp.int32)  # (a no-op asarray still costs a dispatch)
         if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
             tokens, states = commit((tokens, states))
         return tokens, states, position if isinstance(position, jax.Array) else np.int32(position)
 
-    def decode_step_layerwise(self, tokens: jax.Array, states: list[LayerState],
-                              position) -> tuple[jax.Array, list[LayerState]]:
+    def decode_step_layerwise(
+        self, tokens: jax.Array, states: list[LayerState], position
+    ) -> tuple[jax.Array, list[LayerState]]:
         """`decode_step` through `forward_chunk` (three programs per layer, the seams where the offload runner
         pages experts) and the head: the same results, with ~120 dispatches a step instead of one.
 
@@ -281,8 +179,9 @@ class LayerwiseRunner:
         x, states = self.forward_chunk(jnp.asarray(tokens, jnp.int32)[:, None], states, position, 1)
         return self.head_logits(x[:, 0]), states
 
-    def forward_chunk(self, ids: jax.Array, states: list[LayerState], start, num_valid: int,
-                      timer: PhaseTimer | None = None) -> tuple[jax.Array, list[LayerState]]:
+    def forward_chunk(
+        self, ids: jax.Array, states: list[LayerState], start, num_valid: int, timer: PhaseTimer | None = None
+    ) -> tuple[jax.Array, list[LayerState]]:
         """Runs all layers over one chunk.
 
         Args:
@@ -297,19 +196,20 @@ class LayerwiseRunner:
         """
         timer = timer or PhaseTimer(False)
         if not all(a.committed for a in jax.tree_util.tree_leaves(states)):
-            states = commit(states)   # as the programs' outputs are: the next chunk's programs compile nothing
+            states = commit(states)  # as the programs' outputs are: the next chunk's programs compile nothing
         start = jnp.asarray(start, jnp.int32)
         num_valid = jnp.asarray(num_valid, jnp.int32)
-        x = timer("embed", _embed, self.embed_table, ids)
+        x = timer("embed", phases.embed, self.embed_table, ids)
         new_states = []
-        for (graph, params), state, layer_type in zip(self.layers, states, self.config.layer_types):
+        for (graph, params), state, layer_type in zip(
+            self.layers, states, self.config.layer_types, strict=False
+        ):
             phase = "gdn" if layer_type == "linear_attention" else "attention"
-            x, state = timer(phase, _mix, graph, params, x, state, start, num_valid)
+            x, state = timer(phase, phases.mix, graph, params, x, state, start, num_valid)
             new_states.append(state)
             if self.config.moe is None:
-                x = timer("experts", _dense_ffn, graph, params, x)
+                x = timer("experts", phases.dense_ffn, graph, params, x)
                 continue
-            u, weights, expert_ids = timer("router", _route, graph, params, x)
-            x = timer("experts", _experts, graph, params, x, u, weights, expert_ids, num_valid)
+            u, weights, expert_ids = timer("router", phases.route, graph, params, x)
+            x = timer("experts", phases.experts, graph, params, x, u, weights, expert_ids, num_valid)
         return x, new_states
-

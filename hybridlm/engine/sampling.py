@@ -9,8 +9,14 @@ import jax
 import jax.numpy as jnp
 
 
-def sample(logits: jax.Array, key: jax.Array | None, *, temperature: float | jax.Array = 0.0, top_k: int = 0,
-           top_p: float | jax.Array = 1.0) -> jax.Array:
+def sample(
+    logits: jax.Array,
+    key: jax.Array | None,
+    *,
+    temperature: float | jax.Array = 0.0,
+    top_k: int = 0,
+    top_p: float | jax.Array = 1.0,
+) -> jax.Array:
     """Picks one token per row.
 
     Args:
@@ -34,8 +40,10 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: float | jax
     if is_greedy(temperature):
         return _greedy(logits)
     if key is None:
-        raise ValueError(f"sampling at temperature={temperature!r} needs a PRNG key (key=None only for greedy "
-                         "decoding, a Python temperature of 0)")
+        raise ValueError(
+            f"sampling at temperature={temperature!r} needs a PRNG key (key=None only for greedy "
+            "decoding, a Python temperature of 0)"
+        )
     nucleus = not (isinstance(top_p, (int, float)) and top_p >= 1)
     return _sample(logits, key, temperature, top_p, top_k=top_k, nucleus=nucleus)
 
@@ -57,8 +65,8 @@ def check_sampling(temperature, top_k: int, top_p) -> None:
 
 
 def is_greedy(temperature) -> bool:
-    """Whether `sample` at this temperature is greedy decoding: a Python 0 (an array temperature always takes the
-    general program, which needs a key)."""
+    """Whether `sample` at this temperature is greedy decoding: a Python 0 (an array temperature always takes
+    the general program, which needs a key)."""
     return isinstance(temperature, (int, float)) and temperature == 0
 
 

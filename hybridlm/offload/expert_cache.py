@@ -1,41 +1,41 @@
-"""Device expert cache: a pool of expert slots on the device, the (layer, expert) -> slot map, eviction
-policies and hit-rate / transfer statistics.
+"""Device expert cache: a pool of expert slots on the device and the (layer, expert) -> slot map.
 
 One *expert* is the pair (gate_up[e], down[e]) of one layer: `[hidden, 2*ffn]` and `[ffn, hidden]`, float or
 `QuantizedWeights` (values + scales (+ offsets)). On the host every expert is ONE contiguous uint8 buffer
 (all its leaves packed back to back, `ExpertLayout`), so paging an expert is a single `jax.device_put` and the
 bytes moved are exactly the expert's bytes. On the device the pool keeps the unpacked leaves with a leading
 slot axis (`[slots, hidden, 2*ffn]`, ...), so the grouped matmul runs on the pool unchanged with slot ids in
-place of expert ids.
-
-Policies (`POLICIES`): which resident expert to evict when a slot is needed.
-  lru     least recently used.
-  slru    segmented LRU: new entries enter a probation segment; a second use promotes to a protected
-          segment (80% of the slots); victims come from probation first. Resists one-off scans.
-  lfu     least frequently used (use counts kept across evictions), ties broken by recency.
-  static  whole layers spread evenly over the depth are pinned once loaded and never evicted, up to the
-          budget minus a working area; the rest of the slots are LRU. Spread, so that in whole-layer
-          streaming the copies of the layers in between run beside the pinned layers' compute.
-  stream  no reuse: every expert is dropped right after its layer used it (every lookup misses).
+place of expert ids. Eviction is delegated to `hybridlm.offload.policies`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 import re
-from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-POLICIES = ("lru", "slru", "lfu", "static", "stream")
+from hybridlm.offload.policies import POLICIES, Key, make_policy, static_pinned_keys
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+}
 
 
 def parse_bytes(size: float | str) -> int:
@@ -47,7 +47,9 @@ def parse_bytes(size: float | str) -> int:
     if isinstance(size, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot parse byte size {size!r}; use e.g. '12GiB', '500MB' or a number of bytes")
+            raise ValueError(
+                f"cannot parse byte size {size!r}; use e.g. '12GiB', '500MB' or a number of bytes"
+            )
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
         value = float(size)
@@ -67,6 +69,7 @@ def format_bytes(n: float) -> str:
 # Packing one expert's leaves into one uint8 buffer
 # ----------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
     """Byte layout of one expert: the leaves of (gate_up[e], down[e]) packed back to back.
@@ -83,14 +86,18 @@ class ExpertLayout:
 
     @classmethod
     def of(cls, gate_up, down) -> ExpertLayout:
-        """Layout of the experts of `gate_up` [experts, ...] and `down` [experts, ...] (arrays or QuantizedWeights)."""
+        """Layout of the experts of `gate_up` [experts, ...] and `down` [experts, ...] (arrays or
+        QuantizedWeights)."""
         leaves, treedef = jax.tree_util.tree_flatten((gate_up, down))
-        return cls(treedef, tuple(tuple(leaf.shape[1:]) for leaf in leaves),
-                   tuple(np.dtype(leaf.dtype) for leaf in leaves))
+        return cls(
+            treedef,
+            tuple(tuple(leaf.shape[1:]) for leaf in leaves),
+            tuple(np.dtype(leaf.dtype) for leaf in leaves),
+        )
 
     @property
     def leaf_nbytes(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+        return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=False))
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +116,7 @@ class ExpertLayout:
             if b.dtype.itemsize == 1:
                 b = jax.lax.bitcast_convert_type(b, jnp.uint8)
             else:
-                b = jax.lax.bitcast_convert_type(b, jnp.uint8).reshape(x.shape[0], -1)   # [e, n*itemsize]
+                b = jax.lax.bitcast_convert_type(b, jnp.uint8).reshape(x.shape[0], -1)  # [e, n*itemsize]
             parts.append(b)
         return jnp.concatenate(parts, axis=1)
 
@@ -117,8 +124,8 @@ class ExpertLayout:
         """uint8 [n, nbytes] -> the (gate_up, down) pytree with leading axis n (traceable)."""
         n = packed.shape[0]
         out, offset = [], 0
-        for shape, dtype, size in zip(self.shapes, self.dtypes, self.leaf_nbytes):
-            b = packed[:, offset:offset + size]
+        for shape, dtype, size in zip(self.shapes, self.dtypes, self.leaf_nbytes, strict=False):
+            b = packed[:, offset : offset + size]
             offset += size
             if dtype.itemsize == 1:
                 leaf = jax.lax.bitcast_convert_type(b, dtype)
@@ -129,13 +136,15 @@ class ExpertLayout:
 
     def zeros(self, n: int, sharding):
         """A pool of n zero slots on `sharding`."""
-        leaves = [jnp.zeros((n,) + s, d, device=sharding) for s, d in zip(self.shapes, self.dtypes)]
+        leaves = [
+            jnp.zeros((n,) + s, d, device=sharding) for s, d in zip(self.shapes, self.dtypes, strict=False)
+        ]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
 def _scatter_slots(layout: ExpertLayout, pool, staged: jax.Array, slots: jax.Array):
     """pool[slots[j]] = unpack(staged[j]) for staged uint8 [m, nbytes]; slots past the pool are dropped."""
-    values = layout.unpack(staged)                     # leaves [m, ...]
+    values = layout.unpack(staged)  # leaves [m, ...]
     return jax.tree_util.tree_map(lambda p, v: p.at[slots].set(v.astype(p.dtype), mode="drop"), pool, values)
 
 
@@ -143,219 +152,36 @@ _write_slots = jax.jit(_scatter_slots, static_argnums=0, donate_argnums=1)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=1)
-def _copy_rows_into_pool(layout: ExpertLayout, pool, host_bufs: tuple, table: jax.Array, batch: jax.Array,
-                         at: tuple[int, int], m: int):
-    """Copy batch `batch` of `table` (see `ExpertCache.copy_rows`), m rows of each buffer of `host_bufs`, into the
+def _copy_rows_into_pool(
+    layout: ExpertLayout,
+    pool,
+    host_bufs: tuple,
+    table: jax.Array,
+    batch: jax.Array,
+    at: tuple[int, int],
+    m: int,
+):
+    """Copy batch `batch` of `table` (see `ExpertCache.copy_rows`), m rows of each buffer of `host_bufs`, into
+    the
     pool in one program: each row a dynamic slice of a pinned host buffer moved to the device (an asynchronous
     copy of just that row), then one scatter into the pool; slots past the pool are dropped (padding)."""
     base, width = at
     rows_slots = jax.lax.dynamic_slice_in_dim(table, base + batch * 2 * width, 2 * width).reshape(2, width)
-    rows = [jax.device_put(jax.lax.dynamic_index_in_dim(buf, rows_slots[0, b * m + j], keepdims=False),
-                           jax.memory.Space.Device) for b, buf in enumerate(host_bufs) for j in range(m)]
-    return _scatter_slots(layout, pool, jnp.stack(rows), rows_slots[1, :len(rows)])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Eviction policies: pure bookkeeping over keys (layer, expert)
-# ----------------------------------------------------------------------------------------------------------
-
-Key = tuple[int, int]
-
-
-class _LRU:
-    def __init__(self, capacity: int):
-        self.order: OrderedDict[Key, None] = OrderedDict()
-
-    def insert(self, key: Key) -> None:
-        self.order[key] = None
-
-    def hit(self, key: Key) -> None:
-        self.order.move_to_end(key)
-
-    def remove(self, key: Key) -> None:
-        self.order.pop(key, None)
-
-    def victim(self, protected) -> Key | None:
-        for key in self.order:
-            if key not in protected:
-                return key
-        return None
-
-
-class _SLRU:
-    def __init__(self, capacity: int, protected_fraction: float = 0.8):
-        self.probation: OrderedDict[Key, None] = OrderedDict()
-        self.protected: OrderedDict[Key, None] = OrderedDict()
-        self.protected_capacity = max(1, int(capacity * protected_fraction))
-
-    def insert(self, key: Key) -> None:
-        self.probation[key] = None
-
-    def hit(self, key: Key) -> None:
-        if key in self.protected:
-            self.protected.move_to_end(key)
-            return
-        self.probation.pop(key, None)
-        self.protected[key] = None
-        if len(self.protected) > self.protected_capacity:            # demote the protected LRU to probation MRU
-            old, _ = self.protected.popitem(last=False)
-            self.probation[old] = None
-
-    def remove(self, key: Key) -> None:
-        self.probation.pop(key, None)
-        self.protected.pop(key, None)
-
-    def victim(self, protected) -> Key | None:
-        for segment in (self.probation, self.protected):
-            for key in segment:
-                if key not in protected:
-                    return key
-        return None
-
-
-class _LFU:
-    """Use counts persist across evictions (frequency history); ties go to the least recently used."""
-
-    def __init__(self, capacity: int):
-        self.count: dict[Key, int] = {}
-        self.tick = 0
-        self.stamp: dict[Key, tuple[int, int]] = {}      # resident key -> (count, tick) in the heap
-        self.heap: list[tuple[int, int, Key]] = []
-
-    def _push(self, key: Key) -> None:
-        self.tick += 1
-        self.stamp[key] = (self.count[key], self.tick)
-        heapq.heappush(self.heap, (self.count[key], self.tick, key))
-
-    def insert(self, key: Key) -> None:
-        self.count[key] = self.count.get(key, 0) + 1
-        self._push(key)
-
-    def hit(self, key: Key) -> None:
-        self.count[key] += 1
-        self._push(key)
-
-    def remove(self, key: Key) -> None:
-        self.stamp.pop(key, None)
-
-    def victim(self, protected) -> Key | None:
-        skipped, found = [], None
-        while self.heap:
-            count, tick, key = self.heap[0]
-            if self.stamp.get(key) != (count, tick):           # stale entry
-                heapq.heappop(self.heap)
-                continue
-            if key in protected:
-                skipped.append(heapq.heappop(self.heap))
-                continue
-            found = key
-            break
-        for item in skipped:
-            heapq.heappush(self.heap, item)
-        return found
-
-
-class _Static(_LRU):
-    """LRU over the unpinned keys; pinned keys, once resident, are never victims."""
-
-    def __init__(self, capacity: int, pinned: set[Key]):
-        super().__init__(capacity)
-        self.pinned = pinned
-
-    def insert(self, key: Key) -> None:
-        if key not in self.pinned:
-            self.order[key] = None
-
-    def hit(self, key: Key) -> None:
-        if key not in self.pinned:
-            self.order.move_to_end(key)
-
-
-def static_pinned_keys(num_layers: int, num_experts: int, count: int) -> set[Key]:
-    """The first `count` experts in pinning order: ceil(count / experts) layers spaced evenly over the depth
-    (layer int((k + 1/2) * L / n) for k < n), whole layers first, the remainder from the last of them."""
-    count = max(0, min(count, num_layers * num_experts))
-    n = -(-count // num_experts)
-    layers = [int((k + 0.5) * num_layers / n) for k in range(n)]
-    keys: set[Key] = set()
-    for layer in layers:
-        for e in range(min(num_experts, count - len(keys))):
-            keys.add((layer, e))
-    return keys
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Statistics
-# ----------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class LayerStats:
-    """Counters of one layer (one prefill or one decode run).
-
-    Invariants: hits + misses == lookups; bytes_h2d == (misses - prefetch_used + prefetched) * expert bytes
-    (a prefetched expert counts as a miss where it is used, and its bytes when it is copied).
-    """
-
-    lookups: int = 0          # experts the router asked for, summed over chunks
-    hits: int = 0             # already resident (copied by an earlier chunk, layer pass or prompt)
-    misses: int = 0           # had to be copied for this use (on demand, or prefetched for it)
-    prefetched: int = 0       # copies issued ahead of need (router prediction or whole-layer streaming)
-    prefetch_used: int = 0    # prefetched experts that the router then asked for (counted in misses)
-    evictions: int = 0
-    bytes_h2d: int = 0        # host -> device bytes copied
-    stall_s: float = 0.0      # seconds the host waited for this layer's staged copies before its experts
-                              # (exact mode with prefetch="layer"; other exact-mode copies go straight into
-                              # the pool and the host waits for none: 0)
-
-    def add(self, other: LayerStats) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["hit_rate"] = self.hit_rate
-        return d
-
-
-@dataclasses.dataclass
-class CacheStats:
-    """Statistics of one prefill (or of the decode steps after it): totals and per layer."""
-
-    kind: str                               # "prefill" | "decode"
-    expert_bytes: int
-    layers: list[LayerStats]
-    chunks: int = 0                         # forward_chunk calls (decode: steps)
-    tokens: int = 0                         # batch * chunk tokens processed (padding included)
-    wall_s: float = 0.0                     # from the first chunk's start to the logits being ready (device-paged
-                                            # decode steps are not waited for: not counted)
-
-    @property
-    def total(self) -> LayerStats:
-        t = LayerStats()
-        for layer in self.layers:
-            t.add(layer)
-        return t
-
-    @property
-    def achieved_gbps(self) -> float:
-        """Host -> device bytes over the wall time (10^9 bytes/s); the copy engine's share of the run."""
-        return self.total.bytes_h2d / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
-
-    def to_dict(self, per_layer: bool = True) -> dict:
-        d = {"kind": self.kind, "chunks": self.chunks, "tokens": self.tokens, "wall_s": self.wall_s,
-             "expert_bytes": self.expert_bytes, **self.total.to_dict(), "achieved_gbps": self.achieved_gbps}
-        if per_layer:
-            d["per_layer"] = [s.to_dict() for s in self.layers]
-        return d
+    rows = [
+        jax.device_put(
+            jax.lax.dynamic_index_in_dim(buf, rows_slots[0, b * m + j], keepdims=False),
+            jax.memory.Space.Device,
+        )
+        for b, buf in enumerate(host_bufs)
+        for j in range(m)
+    ]
+    return _scatter_slots(layout, pool, jnp.stack(rows), rows_slots[1, : len(rows)])
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The cache
 # ----------------------------------------------------------------------------------------------------------
+
 
 class ExpertCache:
     """`num_slots` device slots of experts, the (layer, expert) -> slot map and the eviction policy.
@@ -373,8 +199,17 @@ class ExpertCache:
       sharding: where the pool lives (a device-memory sharding).
     """
 
-    def __init__(self, layout: ExpertLayout, num_slots: int, policy: str, *, num_layers: int, num_experts: int,
-                 pinned_count: int = 0, sharding=None):
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        num_slots: int,
+        policy: str,
+        *,
+        num_layers: int,
+        num_experts: int,
+        pinned_count: int = 0,
+        sharding=None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache_policy {policy!r}; choose from {POLICIES}")
         if num_slots <= 0:
@@ -383,14 +218,14 @@ class ExpertCache:
         self.num_slots = num_slots
         self.policy_name = policy
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.pinned: set[Key] = static_pinned_keys(num_layers, num_experts, pinned_count) if policy == "static" \
-            else set()
-        self.policy = {"lru": _LRU, "slru": _SLRU, "lfu": _LFU, "stream": _LRU}.get(policy, _LRU)(num_slots) \
-            if policy != "static" else _Static(num_slots, self.pinned)
+        self.pinned: set[Key] = (
+            static_pinned_keys(num_layers, num_experts, pinned_count) if policy == "static" else set()
+        )
+        self.policy = make_policy(policy, num_slots, self.pinned)
         self.slot_of: dict[Key, int] = {}
         self.key_of: dict[int, Key] = {}
         self.free = list(range(num_slots - 1, -1, -1))
-        self.speculative: set[Key] = set()     # prefetched and not yet asked for
+        self.speculative: set[Key] = set()  # prefetched and not yet asked for
         self.pool = layout.zeros(num_slots, sharding) if sharding is not None else None
 
     @property
@@ -422,7 +257,7 @@ class ExpertCache:
                 return None
             slot = self.slot_of[evicted]
             self._drop(evicted)
-            self.free.pop()   # _drop pushed the slot back
+            self.free.pop()  # _drop pushed the slot back
         self.slot_of[key] = slot
         self.key_of[slot] = key
         self.policy.insert(key)
@@ -453,9 +288,11 @@ class ExpertCache:
             raise ValueError(f"{staged.shape[0]} staged experts but {slots.shape[0]} slots")
         self.pool = _write_slots(self.layout, self.pool, staged, slots)
 
-    def copy_rows(self, host_bufs: tuple, table: jax.Array, batch: jax.Array, at: tuple[int, int], m: int) -> None:
-        """Enqueues pool[slots[i]] = host_bufs[i // m][rows[i]] for i < len(host_bufs) * m as ONE program: the row
-        copies host -> device and the scatter into the pool, with no staging buffer and no separate write.
+    def copy_rows(
+        self, host_bufs: tuple, table: jax.Array, batch: jax.Array, at: tuple[int, int], m: int
+    ) -> None:
+        """Enqueues pool[slots[i]] = host_bufs[i // m][rows[i]] for i < len(host_bufs) * m as ONE program: the
+        row copies host -> device and the scatter into the pool, with no staging buffer and no separate write.
 
         Args:
           host_bufs: uint8 [experts, nbytes] arrays in pinned host memory (a tuple: one host part, or several
@@ -467,15 +304,15 @@ class ExpertCache:
           at: (base, width) of the batches in `table` (static); len(host_bufs) * m <= width.
           m: rows copied from each buffer (static; powers of two keep the compiled shapes few).
 
-        Measured on an H100 (2026-11-27, docs/offload.md): a separate row-copy program and pool write cost
-        ~0.2-0.5 ms of host time each per call, and a numpy index array ~0.1 ms more per program.
+        One program instead of a row-copy program and a pool write saves host time per call.
         """
         self.pool = _copy_rows_into_pool(self.layout, self.pool, tuple(host_bufs), table, batch, at, m)
 
-    def compile_row_copies(self, host_bufs: tuple, table: jax.Array, batch: jax.Array, at: tuple[int, int],
-                           max_rows: int) -> None:
-        """Compiles `copy_rows` for `host_bufs` and every power-of-two m up to `max_rows`, with a `table` of the
-        shape the caller will use whose batch `batch` sends every row to a slot past the pool (the pool is
+    def compile_row_copies(
+        self, host_bufs: tuple, table: jax.Array, batch: jax.Array, at: tuple[int, int], max_rows: int
+    ) -> None:
+        """Compiles `copy_rows` for `host_bufs` and every power-of-two m up to `max_rows`, with a `table` of
+        the shape the caller will use whose batch `batch` sends every row to a slot past the pool (the pool is
         unchanged), so that no decode step or prefill compiles one while timed."""
         m = 1
         while True:
@@ -494,8 +331,9 @@ class ExpertCache:
         jax.block_until_ready(self.pool)
 
     def slot_table(self, layer: int, missing: int = 0) -> np.ndarray:
-        """[experts] int32: the slot of each resident expert of `layer`, `missing` for the others (0 by default: a
-        slot the grouped matmul may be pointed at but never reads; -1 where the reader tells them apart)."""
+        """[experts] int32: the slot of each resident expert of `layer`, `missing` for the others (0 by
+        default: a slot the grouped matmul may be pointed at but never reads; -1 where the reader tells them
+        apart)."""
         table = np.full((self.num_experts,), missing, np.int32)
         for e in range(self.num_experts):
             slot = self.slot_of.get((layer, e))

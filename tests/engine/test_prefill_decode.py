@@ -9,8 +9,9 @@ from support import assert_finite
 import hybridlm
 from hybridlm.engine.prefill import cache_capacity, effective_chunk_size
 
-SEQ = 70   # not a multiple of any chunk size below
+SEQ = 70  # not a multiple of any chunk size below
 ATOL = 1e-4
+
 
 @pytest.fixture(scope="module")
 def prompt():
@@ -52,24 +53,34 @@ def test_prefill_then_decode_reproduces_full_forward(tiny_runner, prompt, recurr
     for pos in range(40, SEQ):
         logits, states = hybridlm.decode_step(tiny_runner, jnp.asarray(prompt[:, pos]), states, pos)
         assert_finite(logits)
-        np.testing.assert_allclose(np.asarray(logits), recurrence_logits[:, pos], atol=ATOL, rtol=0,
-                                   err_msg=f"position {pos}")
+        np.testing.assert_allclose(
+            np.asarray(logits), recurrence_logits[:, pos], atol=ATOL, rtol=0, err_msg=f"position {pos}"
+        )
 
 
 def test_one_program_decode_step_equals_layer_by_layer(tiny_runner, prompt):
-    """`LayerwiseRunner.decode_step` (all layers in one program) against `decode_step_layerwise` (forward_chunk +
-    head) over 4 steps: the same logits and states (the layers' own code in both; only the program boundaries
-    differ)."""
+    """`LayerwiseRunner.decode_step` (all layers in one program) against `decode_step_layerwise`
+    (forward_chunk + head) over 4 steps: the same logits and states (the layers' own code in both; only the
+    program boundaries differ)."""
     result = hybridlm.prefill(tiny_runner, prompt[:, :40], chunk_size=16, max_new_tokens=8)
-    copy = lambda states: jax.tree_util.tree_map(jnp.copy, states)
+
+    def copy(states):
+        return jax.tree_util.tree_map(jnp.copy, states)
+
     ref_states, states = copy(result.states), copy(result.states)
     for pos in range(40, 44):
         ref, ref_states = tiny_runner.decode_step_layerwise(prompt[:, pos], ref_states, pos)
         logits, states = tiny_runner.decode_step(prompt[:, pos], states, pos)
         assert_finite(logits)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=0, err_msg=f"position {pos}")
-    for got, want in zip(jax.tree_util.tree_leaves(states), jax.tree_util.tree_leaves(ref_states)):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=0, err_msg=f"position {pos}"
+        )
+    for got, want in zip(
+        jax.tree_util.tree_leaves(states), jax.tree_util.tree_leaves(ref_states), strict=False
+    ):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0
+        )
 
 
 @pytest.mark.parametrize("step", ["decode_step", "decode_step_layerwise"])
@@ -77,16 +88,19 @@ def test_decode_refuses_positions_outside_the_cache_and_bad_tokens(tiny_runner, 
     # Past the capacity a step's KV write would land clamped on the last slot: a silently wrong answer.
     result = hybridlm.prefill(tiny_runner, prompt[:, :16], chunk_size=16, max_new_tokens=0)
     decode = getattr(tiny_runner, step)
-    for pos, match in ((result.capacity, "past the KV cache's capacity of 16 tokens.*max_new_tokens"),
-                       (np.int32(result.capacity + 3), "past the KV cache"), (-1, "negative")):
+    for pos, match in (
+        (result.capacity, "past the KV cache's capacity of 16 tokens.*max_new_tokens"),
+        (np.int32(result.capacity + 3), "past the KV cache"),
+        (-1, "negative"),
+    ):
         with pytest.raises(ValueError, match=match):
             decode(prompt[:, 15], jax.tree_util.tree_map(jnp.copy, result.states), pos)
-    for tokens in (np.array([1, 2, 3]), np.array([[1], [2]])):    # the prompt's batch is 2
+    for tokens in (np.array([1, 2, 3]), np.array([[1], [2]])):  # the prompt's batch is 2
         with pytest.raises(ValueError, match=r"tokens must be \[batch\] = \[2\]"):
             decode(tokens, result.states, result.capacity - 1)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
         decode(np.array([0, tiny_runner.config.vocab_size]), result.states, result.capacity - 1)
-    logits, _ = decode(prompt[:, 15], result.states, result.capacity - 1)   # the last slot is fine
+    logits, _ = decode(prompt[:, 15], result.states, result.capacity - 1)  # the last slot is fine
     assert_finite(logits)
 
 
@@ -119,17 +133,20 @@ def test_chunk_and_capacity_rules():
     assert effective_chunk_size(5, 4096) == 16
     assert effective_chunk_size(70, 4096) == 128
     assert effective_chunk_size(10_000, 4096) == 4096
-    assert cache_capacity(70, 16, 0) == 16 * 8         # 5 chunks -> rounded up to 8
+    assert cache_capacity(70, 16, 0) == 16 * 8  # 5 chunks -> rounded up to 8
     assert cache_capacity(70, 128, 100) == 256
     with pytest.raises(ValueError, match="chunk_size"):
         effective_chunk_size(10, 0)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (np.zeros((1, 0), np.int32), "seq >= 1"),
-    (np.array([[1, 2, 248_320]]), r"\[0, 248320\)"),
-    (np.array([[-1, 2]]), r"\[0, 248320\)"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (np.zeros((1, 0), np.int32), "seq >= 1"),
+        (np.array([[1, 2, 248_320]]), r"\[0, 248320\)"),
+        (np.array([[-1, 2]]), r"\[0, 248320\)"),
+    ],
+)
 def test_prefill_rejects_bad_prompts(tiny_runner, bad, match):
     with pytest.raises(ValueError, match=match):
         hybridlm.prefill(tiny_runner, bad)
@@ -145,7 +162,7 @@ def test_generate_greedy_matches_argmax_chain(tiny_runner, tiny_model, prompt, f
     seq = list(prompt[0, :20])
     for tok in out.tokens[0]:
         padded = np.zeros((1, 24), np.int32)
-        padded[0, :len(seq)] = seq
+        padded[0, : len(seq)] = seq
         logits = np.asarray(forward(tiny_model, jnp.asarray(padded)))[0, len(seq) - 1]
         assert int(tok) == int(logits.argmax())
         seq.append(int(tok))
@@ -165,11 +182,18 @@ def test_sample_greedy_needs_no_key_and_sampling_does():
         hybridlm.engine.sample(logits, None, temperature=0.7)
 
 
-@pytest.mark.parametrize("setting, match", [({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
-                                             ({"top_k": -1}, "top_k=-1"), ({"top_p": 0.0}, r"top_p=0.0 must lie in \(0, 1\]"),
-                                             ({"top_p": 1.5}, "top_p=1.5")])
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        ({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+        ({"top_k": -1}, "top_k=-1"),
+        ({"top_p": 0.0}, r"top_p=0.0 must lie in \(0, 1\]"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+    ],
+)
 def test_sampling_settings_out_of_range_are_refused(tiny_runner, prompt, setting, match):
-    # Each would silently mean something else (greedy, or no nucleus); generate refuses them before prefilling.
+    # Each would silently mean something else (greedy, or no nucleus); generate refuses them before
+    # prefilling.
     logits = jnp.zeros((1, 4), jnp.float32)
     with pytest.raises(ValueError, match=match):
         hybridlm.engine.sample(logits, jax.random.key(0), **{"temperature": 1.0, **setting})
@@ -180,9 +204,12 @@ def test_sampling_settings_out_of_range_are_refused(tiny_runner, prompt, setting
 def test_sample_top_k_and_top_p_restrict_support():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
     keys = jax.random.split(jax.random.key(0), 400)
-    draw = lambda **kw: {int(hybridlm.engine.sample(logits, k, temperature=1.0, **kw)[0]) for k in keys}
+
+    def draw(**kw):
+        return {int(hybridlm.engine.sample(logits, k, temperature=1.0, **kw)[0]) for k in keys}
+
     assert draw(top_k=2) == {0, 1}
-    assert draw(top_p=0.7) == {0, 1}          # 0.5 < 0.7 <= 0.8
+    assert draw(top_p=0.7) == {0, 1}  # 0.5 < 0.7 <= 0.8
     assert draw(top_p=0.5) == {0}
     assert draw() == {0, 1, 2, 3}
     greedy = hybridlm.engine.sample(logits, keys[0], temperature=0.0)
@@ -190,10 +217,10 @@ def test_sample_top_k_and_top_p_restrict_support():
 
 
 def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
-    """Experts placed by jax.device_put (committed), the rest not, as benchmarks/offload.py builds its model: the
-    runner commits its weights and the states, so a second prefill chunk and the decode steps after the first
-    compile nothing (they compiled again inside the decode loop before, ~10 s at full size)."""
-    from hybridlm.engine import runner as runner_lib
+    """Experts placed by jax.device_put (committed), the rest not, as benchmarks/offload.py builds its model:
+    the runner commits its weights and the states, so a second prefill chunk and the decode steps after the
+    first compile nothing (they compiled again inside the decode loop before, ~10 s at full size)."""
+    from hybridlm.engine import phases
 
     model = hybridlm.init_random(hybridlm.get_config("tiny"), seed=1)
     for layer in model.layers:
@@ -201,27 +228,30 @@ def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
             var.set_value(jax.device_put(var.get_value(), jax.devices()[0]))
     runner = hybridlm.LayerwiseRunner(model)
     ids = np.random.default_rng(3).integers(0, 248_320, (1, 48)).astype(np.int32)
-    mix_before = runner_lib._mix._cache_size()
-    result = hybridlm.prefill(runner, ids, chunk_size=24, max_new_tokens=4)      # two chunks of an unused size
-    assert runner_lib._mix._cache_size() - mix_before == 2                       # one per layer type
+    mix_before = phases.mix._cache_size()
+    result = hybridlm.prefill(runner, ids, chunk_size=24, max_new_tokens=4)  # two chunks of an unused size
+    assert phases.mix._cache_size() - mix_before == 2  # one per layer type
     states, logits = result.states, result.logits
     for pos in range(48, 51):
         logits, states = runner.decode_step(jnp.argmax(logits, -1).astype(jnp.int32), states, pos)
         if pos == 48:
-            decode_programs = runner_lib._decode._cache_size()
+            decode_programs = phases.decode._cache_size()
     assert_finite(logits)
-    assert runner_lib._decode._cache_size() == decode_programs
+    assert phases.decode._cache_size() == decode_programs
 
 
 def test_runners_share_layer_graphs_and_pass_flat_weights(tiny_model, tiny_runner):
     """Every runner's layers of one type pass the same StaticGraph object (jit's cache lookup stops at
-    identity, no GraphDef comparison) and their weights as a flat tuple of arrays (flattened by jit in C++)."""
+    identity, no GraphDef comparison) and their weights as a flat tuple of arrays (flattened by jit in
+    C++)."""
     from hybridlm.engine.runner import LayerwiseRunner
 
     other = LayerwiseRunner(tiny_model)
-    assert all(g is h for (g, _), (h, _) in zip(tiny_runner.layers, other.layers))
+    assert all(g is h for (g, _), (h, _) in zip(tiny_runner.layers, other.layers, strict=False))
     assert len({id(g) for g, _ in other.layers}) == len(set(tiny_model.config.layer_types))
     for graph, leaves in other.layers:
         assert isinstance(leaves, tuple) and all(isinstance(x, jax.Array) for x in leaves)
-        assert graph.merge(leaves).ffn.router.get_value().shape == (tiny_model.config.hidden_dim,
-                                                                  tiny_model.config.moe.num_experts)
+        assert graph.merge(leaves).ffn.router.get_value().shape == (
+            tiny_model.config.hidden_dim,
+            tiny_model.config.moe.num_experts,
+        )

@@ -10,8 +10,8 @@ import pytest
 import hybridlm
 from hybridlm.offload import HostExperts
 
-LONG_PROMPT = 4096           # one chunk of 4096 tokens (CPU time: ~10 s per prefill)
-SHORT_PROMPT = 40            # chunk 16: three chunks; chunk 1: 40 one-token chunks
+LONG_PROMPT = 4096  # one chunk of 4096 tokens (CPU time: ~10 s per prefill)
+SHORT_PROMPT = 40  # chunk 16: three chunks; chunk 1: 40 one-token chunks
 
 
 @pytest.fixture(scope="session")
@@ -48,4 +48,5 @@ def reference(base_runner, prompts):
         if (name, chunk) not in cache:
             cache[name, chunk] = hybridlm.prefill(base_runner, prompts[name], chunk_size=chunk)
         return cache[name, chunk]
+
     return get

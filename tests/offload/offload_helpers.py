@@ -25,11 +25,21 @@ def assert_stats_add_up(stats: dict, expert_bytes: int):
         assert s["stall_s"] >= 0 and s["evictions"] >= 0
 
 
-def assert_decode_matches(runner, base_runner, pre, ref, position: int, steps: int, *, exact: bool = True,
-                          atol: float = 1e-5, after_step=None) -> None:
-    """`steps` greedy decode steps of `runner` from prefill `pre` and of the all-resident `base_runner` from `ref`,
-    both fed the reference's tokens: finite logits equal to the reference's (bit for bit where `exact`, else within
-    atol = rtol) at every step; `after_step(step)` runs after each."""
+def assert_decode_matches(
+    runner,
+    base_runner,
+    pre,
+    ref,
+    position: int,
+    steps: int,
+    *,
+    exact: bool = True,
+    atol: float = 1e-5,
+    after_step=None,
+) -> None:
+    """`steps` greedy decode steps of `runner` from prefill `pre` and of the all-resident `base_runner` from
+    `ref`, both fed the reference's tokens: finite logits equal to the reference's (bit for bit where `exact`,
+    else within atol = rtol) at every step; `after_step(step)` runs after each."""
     logits, states, logits_ref, states_ref = pre.logits, pre.states, ref.logits, ref.states
     for step in range(steps):
         token = jnp.argmax(logits_ref, axis=-1).astype(jnp.int32)

@@ -1,5 +1,5 @@
-"""`load_offloaded`: a GGUF file's or HF directory's experts packed into pinned host memory as they load, giving the
-logits of the model loaded whole; its errors; the CLI's use of it."""
+"""`load_offloaded`: a GGUF file's or HF directory's experts packed into pinned host memory as they load,
+giving the logits of the model loaded whole; its errors; the CLI's use of it."""
 
 import jax
 import jax.numpy as jnp
@@ -11,14 +11,15 @@ from support import FIXTURES, K256
 import hybridlm
 from hybridlm import cli
 from hybridlm.checkpoints.gguf import use_more_bits
-from hybridlm.offload import ExpertLayout, HostExperts, OffloadedRunner, load_offloaded
-from hybridlm.offload.load import host_experts_of_layers
+from hybridlm.offload import ExpertLayout, HostExperts, OffloadConfig, OffloadedRunner, load_offloaded
+from hybridlm.offload.host import host_experts_of_layers
 from pallas_kernels.quantized import QuantizedWeights, quantize_like
 
 
 @pytest.fixture(scope="module")
 def q8_gguf(tiny, tmp_path_factory):
-    """The tiny model written as a Q8_0 GGUF file (its experts kept as 8-bit `QuantizedWeights` on loading)."""
+    """The tiny model written as a Q8_0 GGUF file (its experts kept as 8-bit `QuantizedWeights` on
+    loading)."""
     path = tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"
     hybridlm.save_gguf(tiny, path, "q8_0")
     return path
@@ -28,19 +29,25 @@ def test_experts_go_to_host_memory_and_give_the_whole_models_logits(q8_gguf, pro
     whole = hybridlm.load(q8_gguf, keep_quantized="experts", dtype=jnp.float32, progress=False)
     model, host = load_offloaded(q8_gguf, dtype=jnp.float32, progress=False, parts=2)
     assert isinstance(whole.layers[0].ffn.experts_gate_up.get_value(), QuantizedWeights)
-    for layer in model.layers:                      # placeholders only: no expert weights on the device
-        assert layer.ffn.experts_gate_up.get_value().size == 1 and layer.ffn.experts_down.get_value().size == 1
-    assert host.num_layers == whole.config.num_layers and [len(p) for p in host.layers] == [2] * host.num_layers
+    for layer in model.layers:  # placeholders only: no expert weights on the device
+        assert (
+            layer.ffn.experts_gate_up.get_value().size == 1 and layer.ffn.experts_down.get_value().size == 1
+        )
+    assert (
+        host.num_layers == whole.config.num_layers and [len(p) for p in host.layers] == [2] * host.num_layers
+    )
     assert {buf.sharding.memory_kind for parts in host.layers for buf in parts} == {"pinned_host"}
     ffn = whole.layers[0].ffn
     assert host.layout == ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
-    for i in (0, whole.config.num_layers - 1):       # the packed bytes unpack to the loaded experts, bit for bit
+    for i in (0, whole.config.num_layers - 1):  # the packed bytes unpack to the loaded experts, bit for bit
         ffn = whole.layers[i].ffn
         want = jax.tree_util.tree_leaves((ffn.experts_gate_up.get_value(), ffn.experts_down.get_value()))
-        for got, w in zip(jax.tree_util.tree_leaves(host.unpack_layer(i)), want):
+        for got, w in zip(jax.tree_util.tree_leaves(host.unpack_layer(i)), want, strict=False):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
     eb = host.layout.nbytes
-    runner = OffloadedRunner(model, expert_budget=3 * host.num_experts * eb, cache_policy="lru", host_experts=host)
+    runner = OffloadedRunner(
+        model, OffloadConfig(expert_budget=3 * host.num_experts * eb, cache_policy="lru"), host_experts=host
+    )
     ids = prompts["short"]
     got = hybridlm.prefill(runner, ids, chunk_size=16).logits
     want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=16).logits
@@ -52,7 +59,7 @@ def test_load_offloaded_errors(tmp_path, host_experts):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_offloaded(tmp_path / "missing.gguf")
     with pytest.raises(FileNotFoundError, match="config.json"):
-        load_offloaded(tmp_path)                    # a directory without a checkpoint
+        load_offloaded(tmp_path)  # a directory without a checkpoint
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf file")
     with pytest.raises(ValueError, match="is neither a checkpoint directory nor a GGUF file"):
@@ -63,8 +70,11 @@ def test_load_offloaded_errors(tmp_path, host_experts):
     other = ExpertLayout.of(np.zeros((16, 2, 2), np.float32), np.zeros((16, 2, 2), np.float32))
     with pytest.raises(ValueError, match="no experts were loaded for layers \\[1\\]"):
         host_experts_of_layers({0: (layout, parts)}, 2)
-    with pytest.raises(ValueError, match=r"2 formats \(layers \[0\]: gate_up .*; "
-                                         r"layers \[1\]: gate_up float32\[2, 2\], down float32\[2, 2\], 32 B an expert"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 formats \(layers \[0\]: gate_up .*; "
+        r"layers \[1\]: gate_up float32\[2, 2\], down float32\[2, 2\], 32 B an expert",
+    ):
         host_experts_of_layers({0: (layout, parts), 1: (other, parts)}, 2, "refuse")
     with pytest.raises(ValueError, match="weights of different shapes"):
         host_experts_of_layers({0: (layout, parts), 1: (other, parts)}, 2)
@@ -75,8 +85,8 @@ def test_load_offloaded_errors(tmp_path, host_experts):
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
-    """mixed_gguf(mix): a Q4_K_M- or Q5_K_M-like file of K256: Q4_K / Q5_K experts, Q6_K downs in layers 2 and 3
-    (kept as 8-bit with 16-element blocks)."""
+    """mixed_gguf(mix): a Q4_K_M- or Q5_K_M-like file of K256: Q4_K / Q5_K experts, Q6_K downs in layers 2 and
+    3 (kept as 8-bit with 16-element blocks)."""
     files = {}
 
     def get(mix):
@@ -84,6 +94,7 @@ def mixed_gguf(tmp_path_factory):
             files[mix] = tmp_path_factory.mktemp("gguf") / f"k256-{mix}.gguf"
             hybridlm.save_gguf(hybridlm.init_random(K256, seed=3), files[mix], mix)
         return files[mix]
+
     assert [use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
     return get
 
@@ -94,8 +105,11 @@ def q4_k_m_gguf(mixed_gguf):
 
 
 def _offloaded_vs_whole(model, host, whole):
-    runner = OffloadedRunner(model, expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru",
-                             host_experts=host)
+    runner = OffloadedRunner(
+        model,
+        OffloadConfig(expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru"),
+        host_experts=host,
+    )
     ids = np.arange(1, 30) % K256.vocab_size
     got = hybridlm.prefill(runner, ids, chunk_size=8).logits
     want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=8).logits
@@ -105,9 +119,9 @@ def _offloaded_vs_whole(model, host, whole):
 
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
 def test_mixed_formats_widened_exactly(mixed_gguf, mix):
-    """By default the layers' two formats are widened into one that holds both (downs: int8 with a float32 scale
-    and offset per 16): the host bytes unpack to the file's weights bit for bit, and the offloaded logits are the
-    whole model's."""
+    """By default the layers' two formats are widened into one that holds both (downs: int8 with a float32
+    scale and offset per 16): the host bytes unpack to the file's weights bit for bit, and the offloaded
+    logits are the whole model's."""
     path = mixed_gguf(mix)
     model, host = load_offloaded(path, dtype=jnp.float32, progress=False)
     whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
@@ -117,29 +131,40 @@ def test_mixed_formats_widened_exactly(mixed_gguf, mix):
         gate_up, down = host.unpack_layer(i)
         assert (down.bits, down.block_size, down.offsets is not None) == (8, 16, True)
         for got, w in ((gate_up, ffn.experts_gate_up.get_value()), (down, ffn.experts_down.get_value())):
-            np.testing.assert_array_equal(np.asarray(got.dequantize(jnp.float32)), np.asarray(w.dequantize(jnp.float32)))
+            np.testing.assert_array_equal(
+                np.asarray(got.dequantize(jnp.float32)), np.asarray(w.dequantize(jnp.float32))
+            )
     _offloaded_vs_whole(model, host, whole)
     # the runner built from the model loaded whole widens the same way (and names the format in its stats)
-    runner = OffloadedRunner(whole, expert_budget=2 * host.num_experts * host.layout.nbytes)
-    gate_up = "4-bit (float32 scales per 32)" if mix == "q4_k_m" else "8-bit (float32 scales and offsets per 32)"
+    runner = OffloadedRunner(whole, OffloadConfig(expert_budget=2 * host.num_experts * host.layout.nbytes))
+    gate_up = (
+        "4-bit (float32 scales per 32)" if mix == "q4_k_m" else "8-bit (float32 scales and offsets per 32)"
+    )
     assert runner.host.layout == host.layout and runner.stats()["pool"]["expert_format"].startswith(
-        f"gate_up {gate_up}, down 8-bit (float32 scales and offsets per 16)")
+        f"gate_up {gate_up}, down 8-bit (float32 scales and offsets per 16)"
+    )
 
 
 def test_mixed_formats_refused_or_requantized_into_the_smallest(q4_k_m_gguf, capsys):
-    """mixed_formats="refuse" names the layers and formats; "smallest" requantizes the Q6_K downs into the others'
-    4-bit format, and the offloaded logits equal the model loaded whole with the same downs requantized."""
+    """mixed_formats="refuse" names the layers and formats; "smallest" requantizes the Q6_K downs into the
+    others' 4-bit format, and the offloaded logits equal the model loaded whole with the same downs
+    requantized."""
     path = q4_k_m_gguf
-    with pytest.raises(ValueError, match=r"2 formats \(layers \[0, 1\]: gate_up 4-bit \(float32 scales per 32\), "
-                                         r"down 4-bit .*; layers \[2, 3\]: .*down 8-bit \(float32 scales per 16\).*"
-                                         r"mixed='smallest'"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 formats \(layers \[0, 1\]: gate_up 4-bit \(float32 scales per 32\), "
+        r"down 4-bit .*; layers \[2, 3\]: .*down 8-bit \(float32 scales per 16\).*"
+        r"mixed='smallest'",
+    ):
         load_offloaded(path, dtype=jnp.float32, progress=False, mixed_formats="refuse")
     with pytest.raises(ValueError, match="unknown mixed_formats='exact'"):
         load_offloaded(path, mixed_formats="exact")
     model, host = load_offloaded(path, dtype=jnp.float32, progress=False, mixed_formats="smallest")
     whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
     with pytest.raises(ValueError, match=r"2 formats .*mixed='widen'"):
-        OffloadedRunner(whole, expert_budget="1MiB", mixed_formats="refuse")    # the model loaded whole
+        OffloadedRunner(
+            whole, OffloadConfig(expert_budget="1MiB", mixed_formats="refuse")
+        )  # the model loaded whole
     template = whole.layers[0].ffn.experts_down.get_value()
     for i in (2, 3):
         ffn = whole.layers[i].ffn
@@ -147,10 +172,10 @@ def test_mixed_formats_refused_or_requantized_into_the_smallest(q4_k_m_gguf, cap
     ffn = whole.layers[3].ffn
     assert host.layout == ExpertLayout.of(ffn.experts_gate_up.get_value(), ffn.experts_down.get_value())
     _offloaded_vs_whole(model, host, whole)
-    args = ["prefill", "--model", str(path), "--prompt", "x", "--no-profile", "--expert-budget", "1MiB"]
+    args = ["prefill", "--model", str(path), "--prompt", "x", "--expert-budget", "1MiB"]
     assert cli.main(args + ["--mixed-formats", "refuse"]) == 2
     assert "mixed='widen'" in capsys.readouterr().err
-    assert cli.main(args) == 0                               # "x" is one token id below the 384 of K256
+    assert cli.main(args) == 0  # "x" is one token id below the 384 of K256
     assert "down 8-bit (float32 scales and offsets per 16)" in capsys.readouterr().out
 
 
@@ -163,16 +188,21 @@ def test_gguf_refuses_expert_format(q8_gguf):
 
 @pytest.mark.parametrize("expert_format", [None, "int8"])
 def test_hf_directory_experts_quantized_into_host_memory(expert_format):
-    """An HF checkpoint directory: each layer's experts quantized as they load (or kept in dtype) and packed into
-    host memory; the offloaded logits are the model's loaded whole with the same `expert_format`."""
+    """An HF checkpoint directory: each layer's experts quantized as they load (or kept in dtype) and packed
+    into host memory; the offloaded logits are the model's loaded whole with the same `expert_format`."""
     path = FIXTURES / "hf" / "qwen35moe_text"
     whole = hybridlm.load(path, dtype=jnp.float32, expert_format=expert_format, progress=False)
     model, host = load_offloaded(path, dtype=jnp.float32, expert_format=expert_format, progress=False)
-    assert isinstance(whole.layers[0].ffn.experts_down.get_value(), QuantizedWeights) == (expert_format == "int8")
+    assert isinstance(whole.layers[0].ffn.experts_down.get_value(), QuantizedWeights) == (
+        expert_format == "int8"
+    )
     assert all(layer.ffn.experts_down.get_value().size == 1 for layer in model.layers)
     ids = np.arange(1, 40) % whole.config.vocab_size
-    runner = OffloadedRunner(model, expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru",
-                             host_experts=host)
+    runner = OffloadedRunner(
+        model,
+        OffloadConfig(expert_budget=2 * host.num_experts * host.layout.nbytes, cache_policy="lru"),
+        host_experts=host,
+    )
     got = hybridlm.prefill(runner, ids, chunk_size=8).logits
     want = hybridlm.prefill(hybridlm.LayerwiseRunner(whole), ids, chunk_size=8).logits
     assert_finite(got)
@@ -180,10 +210,21 @@ def test_hf_directory_experts_quantized_into_host_memory(expert_format):
 
 
 def test_cli_loads_a_gguf_files_experts_into_host_memory(q8_gguf, capsys):
-    """`hybridlm generate --model F.gguf --expert-budget B` loads the experts straight into host memory (4-bit and
-    8-bit ones kept) and generates what the model loaded whole does."""
-    args = ["generate", "--model", str(q8_gguf), "--prompt", "Experts load into host memory.", "--chunk-size", "16",
-            "--max-new-tokens", "3", "--no-profile", "--dtype", "float32"]
+    """`hybridlm generate --model F.gguf --expert-budget B` loads the experts straight into host memory (4-bit
+    and 8-bit ones kept) and generates what the model loaded whole does."""
+    args = [
+        "generate",
+        "--model",
+        str(q8_gguf),
+        "--prompt",
+        "Experts load into host memory.",
+        "--chunk-size",
+        "16",
+        "--max-new-tokens",
+        "3",
+        "--dtype",
+        "float32",
+    ]
     assert cli.main(args) == 0
     whole = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generated")]
     assert cli.main(args + ["--expert-budget", "1MiB", "--host-parts", "1"]) == 0

@@ -5,7 +5,7 @@ import pytest
 from offload_helpers import assert_decode_matches, assert_finite, assert_stats_add_up, quantized_tiny
 
 import hybridlm
-from hybridlm.offload import POLICIES, HostExperts, OffloadedRunner
+from hybridlm.offload import POLICIES, HostExperts, OffloadConfig, OffloadedRunner, programs
 
 # Same kernels on the same rows: the pool only renames expert groups. On CPU the logits have come out
 # bit-identical in every case so far; the tolerance leaves room for kernels whose tiling depends on the
@@ -31,11 +31,18 @@ def test_prefill_parity(tiny, host_experts, reference, prompts, policy, chunk, p
     ref = reference(prompt, chunk)
     eb = expert_bytes(host_experts)
     for experts in budgets:
-        runner = OffloadedRunner(tiny, expert_budget=experts * eb, cache_policy=policy, host_experts=host_experts)
+        runner = OffloadedRunner(
+            tiny, OffloadConfig(expert_budget=experts * eb, cache_policy=policy), host_experts=host_experts
+        )
         out = hybridlm.prefill(runner, prompts[prompt], chunk_size=chunk)
         assert_finite(out.logits)
-        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL,
-                                   err_msg=f"policy={policy} chunk={chunk} budget={experts} experts")
+        np.testing.assert_allclose(
+            np.asarray(out.logits),
+            np.asarray(ref.logits),
+            atol=ATOL,
+            rtol=RTOL,
+            err_msg=f"policy={policy} chunk={chunk} budget={experts} experts",
+        )
         stats = runner.stats()["prefill"]
         assert_stats_add_up(stats, eb)
         assert stats["lookups"] > 0 and stats["chunks"] == ref.num_chunks
@@ -43,13 +50,18 @@ def test_prefill_parity(tiny, host_experts, reference, prompts, policy, chunk, p
             assert stats["hits"] == 0
 
 
-@pytest.mark.parametrize("policy,experts", [("static", NUM_EXPERTS), ("slru", NUM_LAYERS * NUM_EXPERTS)],
-                         ids=["static-one-layer", "slru-everything"])
+@pytest.mark.parametrize(
+    "policy,experts",
+    [("static", NUM_EXPERTS), ("slru", NUM_LAYERS * NUM_EXPERTS)],
+    ids=["static-one-layer", "slru-everything"],
+)
 def test_prefill_parity_chunk_4096(tiny, host_experts, reference, prompts, policy, experts):
     """One 4096-token chunk (whole-layer streaming) at the smallest budget (one layer) and at everything."""
     ref = reference("long", 4096)
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=experts * eb, cache_policy=policy, host_experts=host_experts)
+    runner = OffloadedRunner(
+        tiny, OffloadConfig(expert_budget=experts * eb, cache_policy=policy), host_experts=host_experts
+    )
     out = hybridlm.prefill(runner, prompts["long"], chunk_size=4096)
     assert out.chunk_size == 4096
     assert_finite(out.logits)
@@ -64,8 +76,11 @@ def test_prefill_parity_chunk_4096(tiny, host_experts, reference, prompts, polic
 def test_prefetch_modes(tiny, host_experts, reference, prompts, prefetch, whole_layer):
     ref = reference("short", 16)
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=40 * eb, cache_policy="lru", prefetch=prefetch,
-                             whole_layer=whole_layer, host_experts=host_experts)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=40 * eb, cache_policy="lru", prefetch=prefetch, whole_layer=whole_layer),
+        host_experts=host_experts,
+    )
     out = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
     stats = runner.stats()["prefill"]
@@ -75,15 +90,18 @@ def test_prefetch_modes(tiny, host_experts, reference, prompts, prefetch, whole_
     else:
         assert stats["prefetched"] > 0
     if whole_layer:
-        assert stats["lookups"] == 3 * NUM_LAYERS * NUM_EXPERTS   # 3 chunks, every expert of every layer
+        assert stats["lookups"] == 3 * NUM_LAYERS * NUM_EXPERTS  # 3 chunks, every expert of every layer
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_decode_parity_after_offloaded_prefill(tiny, host_experts, base_runner, prompts, policy):
     """Prefill (chunk 16) then 4 decode steps: same logits at every step; decode uses the same cache."""
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=2 * NUM_EXPERTS * eb, cache_policy=policy,
-                             host_experts=host_experts)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=2 * NUM_EXPERTS * eb, cache_policy=policy),
+        host_experts=host_experts,
+    )
     ids = prompts["short"]
     steps = 4
     pre_ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=steps)
@@ -98,8 +116,9 @@ def test_decode_parity_after_offloaded_prefill(tiny, host_experts, base_runner, 
 
 def test_generate_with_offloaded_runner(tiny, host_experts, base_runner, prompts):
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lfu",
-                             host_experts=host_experts)
+    runner = OffloadedRunner(
+        tiny, OffloadConfig(expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lfu"), host_experts=host_experts
+    )
     ref = hybridlm.generate(base_runner, prompts["short"], max_new_tokens=5, chunk_size=16)
     out = hybridlm.generate(runner, prompts["short"], max_new_tokens=5, chunk_size=16)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
@@ -111,10 +130,12 @@ def test_quantized_experts(bits):
     model = quantized_tiny(bits)
     ids = np.random.default_rng(2).integers(0, model.config.vocab_size, 20)
     ref = hybridlm.prefill(hybridlm.LayerwiseRunner(model), ids, chunk_size=16)
-    runner = OffloadedRunner(model, expert_budget="1MiB", cache_policy="slru", whole_layer=False)
+    runner = OffloadedRunner(
+        model, OffloadConfig(expert_budget="1MiB", cache_policy="slru", whole_layer=False)
+    )
     moe, hidden = model.config.moe, model.config.hidden_dim
     float_bytes = 3 * hidden * moe.expert_ffn_dim * 4
-    assert runner.expert_bytes < float_bytes * (0.3 if bits == 8 else 0.2)   # quantized bytes are what moves
+    assert runner.expert_bytes < float_bytes * (0.3 if bits == 8 else 0.2)  # quantized bytes are what moves
     out = hybridlm.prefill(runner, ids, chunk_size=16)
     assert_finite(out.logits)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
@@ -131,14 +152,19 @@ def test_quantized_experts_decode(bits, paging):
     base = hybridlm.LayerwiseRunner(model)
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, 20)
     ref = hybridlm.prefill(base, ids, chunk_size=16, max_new_tokens=3)
-    host = HostExperts.from_model(model)          # packed once, its layout giving the budget
-    runner = OffloadedRunner(model, expert_budget=3 * NUM_EXPERTS * host.layout.nbytes, cache_policy="lru",
-                             host_experts=host, decode_paging=paging)
+    host = HostExperts.from_model(model)  # packed once, its layout giving the budget
+    runner = OffloadedRunner(
+        model,
+        OffloadConfig(
+            expert_budget=3 * NUM_EXPERTS * host.layout.nbytes, cache_policy="lru", decode_paging=paging
+        ),
+        host_experts=host,
+    )
     out = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=3)
     assert_decode_matches(runner, base, out, ref, len(ids), 3, exact=False, atol=ATOL)
     decode = runner.stats()["decode"]
     assert_stats_add_up(decode, runner.expert_bytes)
-    assert decode["misses"] > 0 and (decode["hits"] > 0 or paging == "host")   # device: the pool filled first
+    assert decode["misses"] > 0 and (decode["hits"] > 0 or paging == "host")  # device: the pool filled first
 
 
 @pytest.mark.parametrize("whole_layer", [False, True], ids=["exact", "whole"])
@@ -147,8 +173,11 @@ def test_batch_of_two_and_profile(tiny, host_experts, base_runner, whole_layer):
     ids = np.random.default_rng(5).integers(0, tiny.config.vocab_size, (2, 21))
     ref = hybridlm.prefill(base_runner, ids, chunk_size=16)
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=2 * NUM_EXPERTS * eb, cache_policy="slru",
-                             whole_layer=whole_layer, host_experts=host_experts)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=2 * NUM_EXPERTS * eb, cache_policy="slru", whole_layer=whole_layer),
+        host_experts=host_experts,
+    )
     out = hybridlm.prefill(runner, ids, chunk_size=16, profile=True)
     assert_finite(out.logits)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
@@ -158,33 +187,37 @@ def test_batch_of_two_and_profile(tiny, host_experts, base_runner, whole_layer):
 
 @pytest.mark.parametrize("in_program", [True, False], ids=["in-program-copies", "device-put-copies"])
 @pytest.mark.parametrize("policy", ["stream", "static", "lru"])
-def test_whole_layer_streaming_copies_inside_programs(tiny, host_experts, reference, prompts, monkeypatch,
-                                                      policy, in_program):
+def test_whole_layer_streaming_copies_inside_programs(
+    tiny, host_experts, reference, prompts, monkeypatch, policy, in_program
+):
     """Whole-layer mode copies the next absent layer inside the mixer / experts programs (or, switched off,
     by device_put): same logits, same statistics, and the in-program path is really taken."""
-    from hybridlm.offload import scheduler
-
     calls = []
-    for name in ("_mix_copying", "_pool_experts_copying", "_staged_experts"):
-        fn = getattr(scheduler, name)
-        monkeypatch.setattr(scheduler, name, lambda *a, _fn=fn, _name=name: calls.append((_name, a)) or _fn(*a))
+    for name in ("mix_copying", "pool_experts_copying", "staged_experts"):
+        fn = getattr(programs, name)
+        monkeypatch.setattr(
+            programs, name, lambda *a, _fn=fn, _name=name: calls.append((_name, a)) or _fn(*a)
+        )
     ref = reference("short", 16)
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy=policy,
-                             host_experts=host_experts, in_program_copies=in_program)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=3 * NUM_EXPERTS * eb, cache_policy=policy, in_program_copies=in_program),
+        host_experts=host_experts,
+    )
     out = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
     stats = runner.stats()["prefill"]
     assert_stats_add_up(stats, eb)
     assert stats["prefetched"] > 0
-    copying = [name for name, a in calls if name != "_staged_experts" or a[-1]]   # with host parts to copy
+    copying = [name for name, a in calls if name != "staged_experts" or a[-1]]  # with host parts to copy
     if in_program:
-        assert copying.count("_mix_copying") > 0 and len(copying) > copying.count("_mix_copying")
+        assert copying.count("mix_copying") > 0 and len(copying) > copying.count("mix_copying")
     else:
         assert not copying
     # below the full-model budget every policy releases a layer after use (static pins nothing at this
     # budget), so with in-program copies the experts run straight from the staged parts
-    assert any(name == "_staged_experts" for name, _ in calls) == in_program
+    assert any(name == "staged_experts" for name, _ in calls) == in_program
 
 
 @pytest.mark.parametrize("policy", ["static", "slru", "stream"])
@@ -199,8 +232,13 @@ def test_second_prompt_compiles_nothing(tiny, host_experts, prompts, policy):
     eb = expert_bytes(host_experts)
     # 101 experts at prefetch depth 1: 16 for the layer, 32 staged, 53 left of which static pins one whole
     # layer (layer 4: in the second prompt, layer 3 copies nothing inside its programs).
-    runner = OffloadedRunner(tiny, expert_budget=(NUM_LAYERS * NUM_EXPERTS * 3 // 4 + 5) * eb,
-                             cache_policy=policy, host_experts=host_experts, prefetch_depth=1)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(
+            expert_budget=(NUM_LAYERS * NUM_EXPERTS * 3 // 4 + 5) * eb, cache_policy=policy, prefetch_depth=1
+        ),
+        host_experts=host_experts,
+    )
     first, second = prompts["long"][:64], prompts["long"][64:128]
     hybridlm.prefill(runner, first, chunk_size=64)
     records = []
@@ -226,8 +264,13 @@ def test_every_policy_holds_layers_when_everything_fits(tiny, host_experts, base
     logits, and the second prompt copies nothing."""
     eb = expert_bytes(host_experts)
     num_layers = host_experts.num_layers
-    runner = OffloadedRunner(tiny, expert_budget=(num_layers + 3) * NUM_EXPERTS * eb, cache_policy=policy,
-                             host_experts=host_experts, prefetch_depth=1)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(
+            expert_budget=(num_layers + 3) * NUM_EXPERTS * eb, cache_policy=policy, prefetch_depth=1
+        ),
+        host_experts=host_experts,
+    )
     ids = prompts["short"]
     ref = hybridlm.prefill(base_runner, ids, chunk_size=16)
     for prompt in range(2):
@@ -245,10 +288,14 @@ def test_every_policy_holds_layers_when_everything_fits(tiny, host_experts, base
 
 def test_static_pool_built_for_exact_mode_is_rebuilt_to_hold_layers(tiny, host_experts, base_runner, prompts):
     """A static runner whose first prefill ran in exact mode (1-token chunks) rebuilds its pool once for the
-    first whole-layer chunk, holding its pinned layers outside it; the exact-mode run after that keeps them."""
+    first whole-layer chunk, holding its pinned layers outside it; the exact-mode run after that keeps
+    them."""
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=7 * NUM_EXPERTS * eb, cache_policy="static",
-                             host_experts=host_experts, prefetch_depth=1)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=7 * NUM_EXPERTS * eb, cache_policy="static", prefetch_depth=1),
+        host_experts=host_experts,
+    )
     ids = prompts["short"][:3]
     ref = hybridlm.prefill(base_runner, ids, chunk_size=16)
     out = hybridlm.prefill(runner, ids, chunk_size=1)
@@ -264,20 +311,22 @@ def test_static_pool_built_for_exact_mode_is_rebuilt_to_hold_layers(tiny, host_e
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
 
 
-def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_experts, base_runner, prompts,
-                                                                  monkeypatch):
+def test_static_whole_layer_holds_pinned_layers_outside_the_pool(
+    tiny, host_experts, base_runner, prompts, monkeypatch
+):
     """In whole-layer mode the static policy's pinned layers are held as [experts, ...] arrays outside the
     pool (no gather out of it): same logits in prefill and in the decode steps after it, the held program is
     the one run, their lookups are misses the first prompt (bytes counted) and hits the next."""
-    from hybridlm.offload import scheduler
-
     calls = []
-    fn = scheduler._held_experts
-    monkeypatch.setattr(scheduler, "_held_experts", lambda *a: calls.append(a) or fn(*a))
+    fn = programs.held_experts
+    monkeypatch.setattr(programs, "held_experts", lambda *a: calls.append(a) or fn(*a))
     eb = expert_bytes(host_experts)
     # 7 layers of experts at prefetch depth 1: one for the layer, two staged, two pinned (layers 2 and 6)
-    runner = OffloadedRunner(tiny, expert_budget=7 * NUM_EXPERTS * eb, cache_policy="static",
-                             host_experts=host_experts, prefetch_depth=1)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=7 * NUM_EXPERTS * eb, cache_policy="static", prefetch_depth=1),
+        host_experts=host_experts,
+    )
     ids = prompts["short"]
     ref = hybridlm.prefill(base_runner, ids, chunk_size=16, max_new_tokens=2)
     for prompt in range(2):
@@ -286,8 +335,8 @@ def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_expe
         np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
         stats = runner.stats()
         assert runner.held_layers == {2, 6} and stats["pool"]["pinned"] == 2 * NUM_EXPERTS
-        assert stats["pool"]["slots"] == 3 * NUM_EXPERTS     # the held layers are not pool slots
-        # (plus, the first time, its variants with other numbers of in-program copies: `_compile_twins`)
+        assert stats["pool"]["slots"] == 3 * NUM_EXPERTS  # the held layers are not pool slots
+        # (plus, the first time, its variants with other numbers of in-program copies: `compile_twins`)
         assert len(calls) == 2 * out.num_chunks or (prompt == 0 and len(calls) > 2 * out.num_chunks)
         assert_stats_add_up(stats["prefill"], eb)
         for layer in runner.held_layers:
@@ -296,8 +345,10 @@ def test_static_whole_layer_holds_pinned_layers_outside_the_pool(tiny, host_expe
     assert_decode_matches(runner, base_runner, out, ref, len(ids), 2, exact=False, atol=ATOL)
     decode = runner.stats()["decode"]
     assert_stats_add_up(decode, eb)
-    assert all(decode["per_layer"][layer]["hits"] == decode["per_layer"][layer]["lookups"] > 0
-               for layer in runner.held_layers)
+    assert all(
+        decode["per_layer"][layer]["hits"] == decode["per_layer"][layer]["lookups"] > 0
+        for layer in runner.held_layers
+    )
 
 
 def test_whole_layer_streaming_prefetches_across_chunks(tiny, host_experts, reference, prompts):
@@ -307,8 +358,11 @@ def test_whole_layer_streaming_prefetches_across_chunks(tiny, host_experts, refe
     ref = reference("short", 16)
     eb = expert_bytes(host_experts)
     # 5 layers of experts: one for the layer, staging for two (prefetch depth 2), two slack
-    runner = OffloadedRunner(tiny, expert_budget=5 * NUM_EXPERTS * eb, cache_policy="stream",
-                             host_experts=host_experts, whole_layer=True)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=5 * NUM_EXPERTS * eb, cache_policy="stream", whole_layer=True),
+        host_experts=host_experts,
+    )
     out = hybridlm.prefill(runner, prompts["short"], chunk_size=16)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
     stats = runner.stats()["prefill"]
@@ -316,22 +370,21 @@ def test_whole_layer_streaming_prefetches_across_chunks(tiny, host_experts, refe
     assert out.num_chunks == 3 and stats["lookups"] == 3 * NUM_LAYERS * NUM_EXPERTS
     assert stats["bytes_h2d"] == stats["lookups"] * eb
     first = stats["per_layer"][0]
-    assert first["prefetch_used"] == first["prefetched"] == 2 * NUM_EXPERTS     # chunks 2 and 3
+    assert first["prefetch_used"] == first["prefetched"] == 2 * NUM_EXPERTS  # chunks 2 and 3
     assert all(s["prefetch_used"] == s["misses"] for s in stats["per_layer"][1:])
 
 
 def test_exact_mode_gathers_only_the_chunks_experts(tiny, host_experts, reference, prompts, monkeypatch):
     """Exact mode never hands the kernel the whole pool (its leaves can pass the kernel's int32 offsets): it
     gathers the chunk's experts, padded to a power of two, and remaps the ids; same logits."""
-    from hybridlm.offload import scheduler
-
     groups = []
-    fn = scheduler._pool_experts_table     # exact mode's experts program: spec = (experts, gathered groups)
-    monkeypatch.setattr(scheduler, "_pool_experts_table", lambda *a: groups.append(a[4][1]) or fn(*a))
+    fn = programs.pool_experts_table  # exact mode's experts program: spec = (experts, gathered groups)
+    monkeypatch.setattr(programs, "pool_experts_table", lambda *a: groups.append(a[4][1]) or fn(*a))
     ref = reference("short", 1)
     eb = expert_bytes(host_experts)
-    runner = OffloadedRunner(tiny, expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru",
-                             host_experts=host_experts)
+    runner = OffloadedRunner(
+        tiny, OffloadConfig(expert_budget=3 * NUM_EXPERTS * eb, cache_policy="lru"), host_experts=host_experts
+    )
     out = hybridlm.prefill(runner, prompts["short"], chunk_size=1)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
-    assert groups and set(groups) == {TOP_K}      # one token: its top_k experts, a power of two
+    assert groups and set(groups) == {TOP_K}  # one token: its top_k experts, a power of two

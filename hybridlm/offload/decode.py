@@ -1,0 +1,255 @@
+"""Device-paged decode: one program a step, each routed expert read from a held layer, the pool or pinned host
+memory as the device's router picks it, so that no ids go back to the host.
+
+The pool is first set to whole layers chosen by the policy and the budget (`PagedDecoder.make_view`), then
+read
+only: decode evicts and inserts nothing, and the step compiles once per pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridlm.engine.phases import StaticGraph
+from hybridlm.model import head_logits
+from hybridlm.offload.expert_cache import ExpertLayout
+from hybridlm.offload.residency import Residency
+from hybridlm.offload.stats import CacheStats
+
+# Where a device-paged decode step finds a layer's experts (`decode_paged`), known on the host when the step's
+# pool view is made (`PagedDecoder.make_view`): static per layer, so that only layers with experts in host
+# memory pay for the conditional copies.
+HELD, IN_POOL, MIXED, IN_HOST = "held", "pool", "mixed", "host"
+
+
+def fetch_experts(
+    layout: ExpertLayout,
+    host_parts: tuple,
+    part_start: tuple[int, ...],
+    pool,
+    slots: jax.Array,
+    ids: jax.Array,
+    source: str,
+):
+    """The weights of experts `ids` [n] of one layer as (gate_up, down) [n, ...] on the device, each from the
+    pool where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its pinned host part.
+
+    `source` (static): IN_POOL, every expert of the layer is in the pool (a gather, no control flow); IN_HOST,
+    none is; MIXED, some are. A copy from host memory is a dynamic slice of the host part holding the expert,
+    moved to the device, which XLA runs as a kernel reading that row from host memory. With one host part a
+    layer (`OffloadConfig(host_parts=1)`) an IN_HOST layer's copies are just these kernels. Otherwise each
+    copy is one `lax.switch`: branch 1 + p reads host part p, and, in a MIXED layer, branch 0 gives a zero row
+    for a resident expert, whose pool row is selected instead. One host part a layer makes the copies cheaper
+    than a switch over several; the branches are kept to one operation each, because unpacking inside them
+    made the step slower."""
+    if source == IN_POOL:
+        return jax.tree_util.tree_map(lambda a: a[slots], pool)
+    starts = jnp.asarray(part_start, jnp.int32)
+
+    def from_host(p):
+        return lambda row: jax.device_put(
+            jax.lax.dynamic_index_in_dim(host_parts[p], row, keepdims=True), jax.memory.Space.Device
+        )
+
+    def resident(row):
+        return jnp.zeros((1, layout.nbytes), jnp.uint8)
+
+    mixed = source == MIXED
+    branches = ([resident] if mixed else []) + [from_host(p) for p in range(len(host_parts))]
+    rows = []
+    for j in range(ids.shape[0]):
+        if len(branches) == 1:  # one host part, no resident expert: no control flow
+            rows.append(branches[0](ids[j]))
+            continue
+        part = jnp.sum(ids[j] >= starts[1:]).astype(jnp.int32)
+        index = jnp.where(slots[j] >= 0, 0, 1 + part) if mixed else part
+        rows.append(jax.lax.switch(index, branches, ids[j] - starts[part]))
+    copied = layout.unpack(jnp.concatenate(rows))  # leaves [n, ...]
+    if not mixed:
+        return copied
+    where = slots >= 0
+    return jax.tree_util.tree_map(
+        lambda a, c: jnp.where(where.reshape((-1,) + (1,) * (c.ndim - 1)), a[jnp.maximum(slots, 0)], c),
+        pool,
+        copied,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 16))
+def decode_paged(
+    layout: ExpertLayout,
+    graphs: tuple,
+    head_graph: StaticGraph,
+    sources: tuple[str, ...],
+    part_start: tuple[int, ...],
+    embed,
+    layer_leaves: tuple,
+    head_leaves: tuple,
+    lm_head,
+    tokens,
+    states,
+    position,
+    host: tuple,
+    pool,
+    slot_table,
+    held: tuple,
+    hits,
+):
+    """One decode step of the offloaded model as one program, its experts paged by the device
+    (`OffloadedRunner.decode_step`).
+
+    Per layer: the mixer, the router, then each routed copy's expert from the device (a held layer's arrays,
+    or the pool where `slot_table` [layers, experts] int32 gives its slot) or from pinned host memory
+    (`fetch_experts`), chosen on the device: no ids go back to the host. The experts then run as in the
+    all-resident model, each copy naming its own fetched expert. `sources` (static) says per layer where its
+    experts are: HELD (`held[i]`), IN_POOL, MIXED or IN_HOST (`fetch_experts`). Returns (logits [batch, vocab]
+    float32, the new states, hits + this step's resident copies per layer ([layers] int32))."""
+    x = embed[tokens[:, None]]
+    batch, _, hidden = x.shape
+    valid = jnp.ones((batch,), bool)
+    new_states, step_hits = [], []
+    for i, (graph, leaves, state) in enumerate(zip(graphs, layer_leaves, states, strict=False)):
+        layer = graph.merge(leaves)
+        h, state = layer.mix(x, state, position, 1)
+        new_states.append(state)
+        u = layer.post_norm(h).reshape(batch, hidden)
+        weights, ids = layer.ffn.route(u)  # [batch, top_k]
+        flat = ids.reshape(-1)
+        if sources[i] == HELD:
+            experts = jax.tree_util.tree_map(lambda a, flat=flat: a[flat], held[i])
+            step_hits.append(jnp.int32(flat.shape[0]))
+        else:
+            slots = slot_table[i][flat]
+            experts = fetch_experts(layout, host[i], part_start, pool, slots, flat, sources[i])
+            step_hits.append(jnp.sum(slots >= 0).astype(jnp.int32))
+        layer.ffn.experts_gate_up.set_value(experts[0])
+        layer.ffn.experts_down.set_value(experts[1])
+        local = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(ids.shape)  # copy j runs fetched expert j
+        x = h + layer.ffn.experts(u, weights, local, valid).reshape(batch, 1, hidden)
+    head_weight = embed.T if lm_head is None else lm_head  # as HybridLM.head_weight
+    logits = head_logits(head_graph.merge(head_leaves), head_weight, x[:, 0])
+    return logits, new_states, hits + jnp.stack(step_hits)
+
+
+class PagedView(NamedTuple):
+    """The pool's residency as a device-paged step reads it (made after the pool last changed)."""
+
+    slot_table: jax.Array  # int32 [layers, experts] on the device: pool slot, or -1
+    sources: tuple[str, ...]  # per layer: HELD, IN_POOL, MIXED or IN_HOST
+    held: tuple  # per layer: (gate_up, down) held outside the pool, or None
+
+
+class PagedDecoder:
+    """The device-paged decode steps of an offloaded runner: the pool view and the hits counted on the device.
+
+    Args:
+      residency: the runner's pool, held layers and staged bytes.
+      policy: the cache policy ("stream" keeps no layer in the pool for decode).
+    """
+
+    def __init__(self, residency: Residency, policy: str):
+        self.residency = residency
+        self.policy = policy
+        self.view: PagedView | None = None
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        res = self.residency
+        self.lookups = 0  # per layer, over the paged steps
+        self.hits = jnp.zeros((res.num_layers,), jnp.int32, device=res.sharding)  # on the device
+
+    def step(self, runner, step_inputs: tuple, stats: CacheStats) -> tuple[jax.Array, list]:
+        """One step of `runner` (an `OffloadedRunner`: its trunk weights) as one program (`decode_paged`).
+
+        Args:
+          runner: the offloaded runner.
+          step_inputs: (tokens [batch] int32, states, position) as `LayerwiseRunner.step_inputs` makes them.
+          stats: the decode statistics (the first step after a prefill counts its pool fill there).
+        """
+        res = self.residency
+        if self.view is None:
+            self.view = self.make_view(stats)
+        graphs, leaves = zip(*runner.layers, strict=True)
+        logits, states, self.hits = decode_paged(
+            res.host.layout,
+            graphs,
+            runner.final_norm[0],
+            self.view.sources,
+            tuple(res.host.part_start),
+            runner.embed_table,
+            leaves,
+            runner.final_norm[1],
+            runner.lm_head,
+            *step_inputs,
+            tuple(tuple(parts) for parts in res.host.layers),
+            res.cache.pool,
+            self.view.slot_table,
+            self.view.held,
+            self.hits,
+        )
+        self.lookups += step_inputs[0].shape[0] * res.top_k
+        return logits, states
+
+    def make_view(self, stats: CacheStats) -> PagedView:
+        """Sets the pool for decode and returns its `PagedView`; copies counted as prefetched in `stats`.
+
+        The pool's content depends on the policy and the budget only, not on what the last prompt routed, so
+        that the step compiles once per pool (its sources are static arguments): staged bytes still waiting
+        for their layer are written, then every policy but "stream" keeps whole layers in the pool, the static
+        policy's pinned layers first, then layers spread over the depth up to the pool's size. Other entries
+        are released and missing experts of those layers copied. Without this fill a whole-layer prefill below
+        the full-model budget would leave the LRU family's pool empty and every expert read from host memory.
+        """
+        res = self.residency
+        cache, E = res.cache, res.num_experts
+        for b in res.take_staged():
+            cache.write(b.buf, [cache.slot_of[k] for k in b.keys])
+        target: list[int] = []
+        if self.policy != "stream":
+            capacity = cache.num_slots // E
+            pinned = sorted({layer for layer, _ in cache.pinned})[:capacity]
+            others = [i for i in range(res.num_layers) if i not in res.held and i not in pinned]
+            n = max(0, min(len(others), capacity - len(pinned)))
+            target = pinned + [others[int((k + 0.5) * len(others) / n)] for k in range(n)]
+        for layer in range(res.num_layers):
+            if layer not in target:
+                cache.release_layer(layer, keep=cache.pinned)
+        for layer in target:
+            # free slots only (never an eviction): should pinned keys outside these layers leave too few, the
+            # layer stays partly resident (MIXED), which is correct, only slower
+            experts = [e for e in range(E) if (layer, e) not in cache][: len(cache.free)]
+            for e in experts:
+                cache.allocate((layer, e), set())
+            for buf, ids in res.host.to_device(layer, experts, res.sharding) if experts else ():
+                cache.write(buf, [cache.slot_of[(layer, e)] for e in ids])
+            s = stats.layers[layer]
+            s.prefetched += len(experts)
+            s.bytes_h2d += len(experts) * res.expert_bytes
+        table = np.stack([cache.slot_table(layer, missing=-1) for layer in range(res.num_layers)])
+        resident = (table >= 0).sum(axis=1)
+        sources = tuple(
+            HELD if i in res.held else IN_POOL if resident[i] == E else MIXED if resident[i] else IN_HOST
+            for i in range(res.num_layers)
+        )
+        held = tuple(res.held.get(i) for i in range(res.num_layers))
+        return PagedView(jax.device_put(table, res.sharding), sources, held)
+
+    def stats_with_paged(self, stats: CacheStats) -> CacheStats:
+        """`stats` with the paged steps' lookups, hits and misses added (their hits were counted on the
+        device; read back here). Paged steps are not in wall_s (they are never waited for)."""
+        if not self.lookups:
+            return stats
+        out = copy.deepcopy(stats)
+        for s, hits in zip(out.layers, np.asarray(self.hits).tolist(), strict=True):
+            misses = self.lookups - hits
+            s.lookups += self.lookups
+            s.hits += hits
+            s.misses += misses
+            s.bytes_h2d += misses * self.residency.expert_bytes
+        return out
