@@ -26,7 +26,14 @@ import hybridlm
 from benchmarks import common, model_bench
 from benchmarks.common import Recorder
 from hybridlm.model import EXPERT_PARAMS, HybridLM, random_param_jax
-from hybridlm.offload import ExpertLayout, HostExperts, OffloadedRunner, measure_h2d_gbps, parse_bytes
+from hybridlm.offload import (
+    ExpertLayout,
+    HostExperts,
+    OffloadConfig,
+    OffloadedRunner,
+    measure_h2d_gbps,
+    parse_bytes,
+)
 from pallas_kernels.quantized import quantize_int4, quantize_int8
 
 STAT_KEYS = (
@@ -55,16 +62,15 @@ def make_offloaded_runner(
     chunk_size: int | None,
 ) -> OffloadedRunner:
     """The one place the benchmarks and experiments construct an `OffloadedRunner`."""
-    return OffloadedRunner(
-        model,
+    config = OffloadConfig(
         expert_budget=budget,
         cache_policy=policy,
         prefetch=prefetch,
         prefetch_depth=prefetch_depth,
         whole_layer=whole_layer,
-        host_experts=host,
         chunk_size=chunk_size,
     )
+    return OffloadedRunner(model, config, host_experts=host)
 
 
 def build_trunk(config, dtype) -> HybridLM:
@@ -105,7 +111,7 @@ def build_host_experts(
         if expert_format in ("int8", "int4"):
             quantize = quantize_int8 if expert_format == "int8" else quantize_int4
             gate_up, down = quantize(gate_up), quantize(down)
-        layout, buffer = HostExperts.pack_layer(gate_up, down, **({} if parts is None else {"parts": parts}))
+        layout, buffer = HostExperts.pack_layer(gate_up, down, parts=parts)
         jax.block_until_ready(buffer)
         del gate_up, down
         layers.append(buffer)

@@ -1,11 +1,12 @@
 """Host-offload of routed experts: experts in pinned host memory, paged into a device expert pool.
 
-    runner = hybridlm.offload.OffloadedRunner(model, OffloadConfig(expert_budget="12GiB",
-    cache_policy="slru")) result = hybridlm.prefill(runner, ids)      # same logits as the all-resident model
-    runner.stats()                              # hits, misses, bytes host->device, stall, evictions, per
-    layer
+    config = OffloadConfig(expert_budget="12GiB", cache_policy="slru")
+    runner = hybridlm.offload.OffloadedRunner(model, config)
+    result = hybridlm.prefill(runner, ids)  # the same logits as the all-resident model
+    runner.stats()  # hits, misses, bytes host->device, stall, evictions, per layer
 
 A GGUF file too large for the device loads with its experts straight into pinned host memory:
+
     model, host = hybridlm.offload.load_offloaded("model.gguf")
     runner = hybridlm.offload.OffloadedRunner(model, OffloadConfig(expert_budget="12GiB"), host_experts=host)
 """
