@@ -7,8 +7,15 @@ import os
 from hybridlm.model import HybridLM
 
 
-def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None,
-         expert_format: str | None = None, progress: bool = True, expert_sink=None) -> HybridLM:
+def load(
+    path: str | os.PathLike,
+    *,
+    dtype=None,
+    keep_quantized: str | None = None,
+    expert_format: str | None = None,
+    progress: bool = True,
+    expert_sink=None,
+) -> HybridLM:
     """Loads a model from an HF checkpoint directory or a `.gguf` file.
 
     Args:
@@ -34,14 +41,21 @@ def load(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = No
         if keep_quantized is not None:
             raise ValueError("keep_quantized applies to GGUF files only")
         from hybridlm.checkpoints.hf import load_hf
-        return load_hf(path, dtype=dtype, progress=progress, expert_format=expert_format, expert_sink=expert_sink)
+
+        return load_hf(
+            path, dtype=dtype, progress=progress, expert_format=expert_format, expert_sink=expert_sink
+        )
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.endswith(".gguf"):
         if expert_format is not None:
-            raise ValueError(f"expert_format={expert_format!r} applies to HF checkpoint directories; a GGUF file "
-                             "keeps its own quantization (keep_quantized='experts')")
+            raise ValueError(
+                f"expert_format={expert_format!r} applies to HF checkpoint directories; a GGUF file "
+                "keeps its own quantization (keep_quantized='experts')"
+            )
         from hybridlm.checkpoints.gguf import load_gguf
-        return load_gguf(path, dtype=dtype, keep_quantized=keep_quantized, progress=progress,
-                         expert_sink=expert_sink)
+
+        return load_gguf(
+            path, dtype=dtype, keep_quantized=keep_quantized, progress=progress, expert_sink=expert_sink
+        )
     raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")

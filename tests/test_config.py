@@ -13,7 +13,12 @@ def test_presets_have_published_dimensions():
     q35 = hybridlm.get_config("qwen3.5-35b-a3b")
     assert (q35.vocab_size, q35.hidden_dim, q35.num_layers) == (248_320, 2048, 40)
     assert q35.layer_types.count("full_attention") == 10 and q35.layer_types[3] == "full_attention"
-    assert (q35.moe.num_experts, q35.moe.top_k, q35.moe.expert_ffn_dim, q35.moe.shared_ffn_dim) == (256, 8, 512, 512)
+    assert (q35.moe.num_experts, q35.moe.top_k, q35.moe.expert_ffn_dim, q35.moe.shared_ffn_dim) == (
+        256,
+        8,
+        512,
+        512,
+    )
     assert (q35.gdn.num_k_heads, q35.gdn.num_v_heads, q35.gdn.conv_dim) == (16, 32, 8192)
     assert (q35.attention.num_heads, q35.attention.num_kv_heads, q35.attention.rotary_dim) == (16, 2, 64)
     assert hybridlm.get_config("qwen3.6-35b-a3b").replace(name="x") == q35.replace(name="x")
@@ -31,23 +36,32 @@ def test_unknown_preset_lists_known_ones():
         hybridlm.get_config("qwen4")
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: GatedDeltaNetConfig(num_k_heads=3, num_v_heads=32), "not a multiple of key heads"),
-    (lambda: AttentionConfig(num_heads=16, num_kv_heads=3), "not a multiple of num_kv_heads"),
-    (lambda: AttentionConfig(head_dim=256, mrope_sections=(11, 11, 11)), "must sum to"),
-    (lambda: MoEConfig(num_experts=4, top_k=8), "exceeds num_experts"),
-    (lambda: ModelConfig(vocab_size=10, hidden_dim=8, num_layers=0), "num_layers"),
-    (lambda: ModelConfig(vocab_size=10, hidden_dim=8, num_layers=2, dense_ffn_dim=16), "exactly one of"),
-    (lambda: ModelConfig(vocab_size=10, hidden_dim=8, num_layers=2, explicit_layer_types=("mamba", "x")),
-     "unknown layer types"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: GatedDeltaNetConfig(num_k_heads=3, num_v_heads=32), "not a multiple of key heads"),
+        (lambda: AttentionConfig(num_heads=16, num_kv_heads=3), "not a multiple of num_kv_heads"),
+        (lambda: AttentionConfig(head_dim=256, mrope_sections=(11, 11, 11)), "must sum to"),
+        (lambda: MoEConfig(num_experts=4, top_k=8), "exceeds num_experts"),
+        (lambda: ModelConfig(vocab_size=10, hidden_dim=8, num_layers=0), "num_layers"),
+        (lambda: ModelConfig(vocab_size=10, hidden_dim=8, num_layers=2, dense_ffn_dim=16), "exactly one of"),
+        (
+            lambda: ModelConfig(
+                vocab_size=10, hidden_dim=8, num_layers=2, explicit_layer_types=("mamba", "x")
+            ),
+            "unknown layer types",
+        ),
+    ],
+)
 def test_validation_errors_name_the_problem(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 
 
-@pytest.mark.parametrize("name, model_type", [("qwen35moe_text", "qwen3_5_moe_text"),
-                                              ("qwen35moe_full", "qwen3_5_moe"), ("qwen3next", "qwen3_next")])
+@pytest.mark.parametrize(
+    "name, model_type",
+    [("qwen35moe_text", "qwen3_5_moe_text"), ("qwen35moe_full", "qwen3_5_moe"), ("qwen3next", "qwen3_next")],
+)
 def test_from_hf_reads_fixture_configs(name, model_type):
     cfg = ModelConfig.from_hf(FIXTURES / "hf" / name)
     assert json.loads((FIXTURES / "hf" / name / "config.json").read_text())["model_type"] == model_type

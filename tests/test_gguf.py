@@ -294,7 +294,7 @@ def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, byte
     dense = load_gguf(path, dtype=jnp.float32, progress=False)
     kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts", progress=False)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, K256.vocab_size, (2, 19)), jnp.int32)
-    for layer_kept, layer_dense in zip(kept.layers, dense.layers):
+    for layer_kept, layer_dense in zip(kept.layers, dense.layers, strict=False):
         for name in ("experts_gate_up", "experts_down"):
             qw = getattr(layer_kept.ffn, name).get_value()
             assert isinstance(qw, QuantizedWeights) and qw.bits == (4 if tensor_type == "q4_k" else 8)
@@ -332,7 +332,7 @@ def test_keep_quantized_k_m_mixes(k256_model, forward, tmp_path, mix):
     assert header.tensors["output.weight"].type == T.Q6_K
     dense = load_gguf(path, dtype=jnp.float32, progress=False)
     kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts", progress=False)
-    for i, (layer_kept, layer_dense) in enumerate(zip(kept.layers, dense.layers)):
+    for i, (layer_kept, layer_dense) in enumerate(zip(kept.layers, dense.layers, strict=False)):
         for name in ("experts_gate_up", "experts_down"):
             qw = getattr(layer_kept.ffn, name).get_value()
             six = name == "experts_down" and use_more_bits(i, layers)

@@ -18,10 +18,15 @@ from hybridlm.checkpoints.gguf_header import read_header
 from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 
 MICRO = ModelConfig(
-    name="micro", vocab_size=64, hidden_dim=32, num_layers=4, max_position_embeddings=256,
+    name="micro",
+    vocab_size=64,
+    hidden_dim=32,
+    num_layers=4,
+    max_position_embeddings=256,
     attention=AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, mrope_sections=(1, 1)),
     gdn=GatedDeltaNetConfig(num_k_heads=1, num_v_heads=2, key_dim=16, value_dim=16),
-    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32, shared_ffn_dim=32))
+    moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32, shared_ffn_dim=32),
+)
 MAX_SECONDS = 5.0
 
 
@@ -54,8 +59,9 @@ def test_wrong_magic(valid_file, tmp_path):
     _load_refused(_write(tmp_path, b"GGUX" + valid_file[0][4:]), "magic")
 
 
-@pytest.mark.parametrize("version,match", [(1, "unsupported GGUF version 1"), (4, "version 4"),
-                                           (0x03000000, "big-endian")])
+@pytest.mark.parametrize(
+    "version,match", [(1, "unsupported GGUF version 1"), (4, "version 4"), (0x03000000, "big-endian")]
+)
 def test_unsupported_version(valid_file, tmp_path, version, match):
     data = valid_file[0][:4] + struct.pack("<I", version) + valid_file[0][8:]
     _load_refused(_write(tmp_path, data), match)
@@ -64,10 +70,12 @@ def test_unsupported_version(valid_file, tmp_path, version, match):
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.01, 0.2, 0.5, 0.999])
 def test_truncated(valid_file, tmp_path, fraction):
     data = valid_file[0]
-    _load_refused(_write(tmp_path, data[:int(len(data) * fraction)]), "truncated|too short|past the end")
+    _load_refused(_write(tmp_path, data[: int(len(data) * fraction)]), "truncated|too short|past the end")
 
 
-def _rewrite(tmp_path, valid_file, *, metadata=None, tensors=None, drop=(), extra=None, raw=None, name="x.gguf"):
+def _rewrite(
+    tmp_path, valid_file, *, metadata=None, tensors=None, drop=(), extra=None, raw=None, name="x.gguf"
+):
     """A file like `valid_file` with metadata overrides {key: (value, GGUFValueType)} and tensors changed."""
     reader = gguf.GGUFReader(tmp_path / _write(tmp_path, valid_file[0], "src.gguf").name)
     metadata = dict(metadata or {})
@@ -111,9 +119,12 @@ def test_extra_tensor(valid_file, tmp_path):
 
 
 def test_mtp_block_is_ignored(valid_file, tmp_path):
-    path = _rewrite(tmp_path, valid_file, metadata={"qwen35moe.block_count": (5, V.UINT32),
-                                                    "qwen35moe.nextn_predict_layers": (1, V.UINT32)},
-                    extra={"blk.4.nextn.enorm.weight": np.ones(32, np.float32)})
+    path = _rewrite(
+        tmp_path,
+        valid_file,
+        metadata={"qwen35moe.block_count": (5, V.UINT32), "qwen35moe.nextn_predict_layers": (1, V.UINT32)},
+        extra={"blk.4.nextn.enorm.weight": np.ones(32, np.float32)},
+    )
     assert load_gguf(path, progress=False).config.num_layers == 4
 
 
@@ -124,18 +135,21 @@ def test_shape_disagrees_with_metadata(valid_file, tmp_path):
     _load_refused(path, "ffn_gate_exps")
 
 
-@pytest.mark.parametrize("key,value,vtype,match", [
-    ("qwen35moe.block_count", "four", V.STRING, "block_count.*integer"),
-    ("qwen35moe.attention.layer_norm_rms_epsilon", 3, V.UINT32, "epsilon.*float"),
-    ("qwen35moe.attention.layer_norm_rms_epsilon", float("nan"), V.FLOAT32, "epsilon"),
-    ("qwen35moe.ssm.inner_size", 31, V.UINT32, "inner_size"),
-    ("qwen35moe.embedding_length", 0, V.UINT32, "embedding_length"),
-    ("qwen35moe.block_count", 2 ** 24, V.UINT32, "block_count|layers|parameters"),
-    ("qwen35moe.attention.head_count", 3, V.UINT32, "values"),
-    ("qwen35moe.ssm.group_count", 3, V.UINT32, "inconsistent"),
-    ("general.architecture", "llama", V.STRING, "unsupported GGUF architecture 'llama'"),
-    ("general.alignment", 48, V.UINT32, "alignment"),
-])
+@pytest.mark.parametrize(
+    "key,value,vtype,match",
+    [
+        ("qwen35moe.block_count", "four", V.STRING, "block_count.*integer"),
+        ("qwen35moe.attention.layer_norm_rms_epsilon", 3, V.UINT32, "epsilon.*float"),
+        ("qwen35moe.attention.layer_norm_rms_epsilon", float("nan"), V.FLOAT32, "epsilon"),
+        ("qwen35moe.ssm.inner_size", 31, V.UINT32, "inner_size"),
+        ("qwen35moe.embedding_length", 0, V.UINT32, "embedding_length"),
+        ("qwen35moe.block_count", 2**24, V.UINT32, "block_count|layers|parameters"),
+        ("qwen35moe.attention.head_count", 3, V.UINT32, "values"),
+        ("qwen35moe.ssm.group_count", 3, V.UINT32, "inconsistent"),
+        ("general.architecture", "llama", V.STRING, "unsupported GGUF architecture 'llama'"),
+        ("general.alignment", 48, V.UINT32, "alignment"),
+    ],
+)
 def test_wrong_metadata(valid_file, tmp_path, key, value, vtype, match):
     _load_refused(_rewrite(tmp_path, valid_file, metadata={key: (value, vtype)}), match)
 
@@ -154,19 +168,22 @@ def _first_tensor_fields(data: bytes, header):
     return pos, pos + 4, pos + 4 + 8 * n_dims, pos + 4 + 8 * n_dims + 4
 
 
-@pytest.mark.parametrize("field,value,match", [
-    (0, struct.pack("<I", 7), "dimensions"),
-    (1, struct.pack("<Q", 2 ** 62), "past the end|multiple of the block"),
-    (1, struct.pack("<Q", 0), "zero dimension"),
-    (2, struct.pack("<I", 999), "unknown type"),
-    (2, struct.pack("<I", 24), "I8.*not supported"),            # a valid ggml type, not one we load
-    (3, struct.pack("<Q", 2 ** 40), "past the end"),
-    (3, struct.pack("<Q", 3), "alignment"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        (0, struct.pack("<I", 7), "dimensions"),
+        (1, struct.pack("<Q", 2**62), "past the end|multiple of the block"),
+        (1, struct.pack("<Q", 0), "zero dimension"),
+        (2, struct.pack("<I", 999), "unknown type"),
+        (2, struct.pack("<I", 24), "I8.*not supported"),  # a valid ggml type, not one we load
+        (3, struct.pack("<Q", 2**40), "past the end"),
+        (3, struct.pack("<Q", 3), "alignment"),
+    ],
+)
 def test_corrupt_tensor_table(valid_file, tmp_path, field, value, match):
     data, header = valid_file
     pos = _first_tensor_fields(data, header)[field]
-    bad = data[:pos] + value + data[pos + len(value):]
+    bad = data[:pos] + value + data[pos + len(value) :]
     _load_refused(_write(tmp_path, bad), match)
 
 
@@ -181,26 +198,26 @@ def test_duplicated_tensor_name_and_overlap(valid_file, tmp_path):
     second = data.index(struct.pack("<Q", len(names[1])) + names[1].encode())
     n_dims = struct.unpack_from("<I", data, second + 8 + len(names[1]))[0]
     pos2 = second + 8 + len(names[1]) + 4 + 8 * n_dims + 4
-    bad = data[:pos2] + data[off_pos:off_pos + 8] + data[pos2 + 8:]
+    bad = data[:pos2] + data[off_pos : off_pos + 8] + data[pos2 + 8 :]
     _load_refused(_write(tmp_path, bad), "overlapping")
 
 
 def test_huge_counts_and_lengths(valid_file, tmp_path):
     data, _ = valid_file
     for pos, match in ((8, "tensor count"), (16, "metadata count")):
-        _load_refused(_write(tmp_path, data[:pos] + struct.pack("<Q", 2 ** 60) + data[pos + 8:]), match)
+        _load_refused(_write(tmp_path, data[:pos] + struct.pack("<Q", 2**60) + data[pos + 8 :]), match)
     # first metadata key length
-    _load_refused(_write(tmp_path, data[:24] + struct.pack("<Q", 2 ** 50) + data[32:]), "truncated")
+    _load_refused(_write(tmp_path, data[:24] + struct.pack("<Q", 2**50) + data[32:]), "truncated")
     # the tokens-like array: an array length field of the dimension sections key
     key = b"qwen35moe.rope.dimension_sections"
-    pos = data.index(key) + len(key) + 4 + 4          # value type (ARRAY), element type, then the count
-    _load_refused(_write(tmp_path, data[:pos] + struct.pack("<Q", 2 ** 59) + data[pos + 8:]), "claims")
+    pos = data.index(key) + len(key) + 4 + 4  # value type (ARRAY), element type, then the count
+    _load_refused(_write(tmp_path, data[:pos] + struct.pack("<Q", 2**59) + data[pos + 8 :]), "claims")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # property test: random corruption of the header and tensor table
 # ----------------------------------------------------------------------------------------------------------
-_INTERESTING = [0, 1, 2, 3, 4, 8, 9, 12, 31, 32, 255, 2 ** 31 - 1, 2 ** 32 - 1, 2 ** 63, 2 ** 64 - 1]
+_INTERESTING = [0, 1, 2, 3, 4, 8, 9, 12, 31, 32, 255, 2**31 - 1, 2**32 - 1, 2**63, 2**64 - 1]
 
 
 @st.composite
@@ -211,30 +228,37 @@ def corruptions(draw, size):
         return kind, pos, draw(st.integers(0, 255))
     if kind in ("u32", "u64"):
         bits = 32 if kind == "u32" else 64
-        return kind, pos, draw(st.sampled_from([v for v in _INTERESTING if v < 2 ** bits]) | st.integers(0, 2 ** bits - 1))
+        return (
+            kind,
+            pos,
+            draw(st.sampled_from([v for v in _INTERESTING if v < 2**bits]) | st.integers(0, 2**bits - 1)),
+        )
     if kind == "truncate":
         return kind, pos, 0
-    return kind, pos, draw(st.integers(1, 64))     # delete a slice of bytes
+    return kind, pos, draw(st.integers(1, 64))  # delete a slice of bytes
 
 
 def _apply(data: bytes, corruption) -> bytes:
     kind, pos, value = corruption
     if kind == "byte":
-        return data[:pos] + bytes([value]) + data[pos + 1:]
+        return data[:pos] + bytes([value]) + data[pos + 1 :]
     if kind in ("u32", "u64"):
         packed = struct.pack("<I" if kind == "u32" else "<Q", value)
-        return (data[:pos] + packed + data[pos + len(packed):])[:len(data)]
+        return (data[:pos] + packed + data[pos + len(packed) :])[: len(data)]
     if kind == "truncate":
         return data[:pos]
-    return data[:pos] + data[pos + value:]
+    return data[:pos] + data[pos + value :]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_corrupted_headers_only_raise_gguf_error(valid_file, tmp_path, data):
     original, header = valid_file
-    head = header.data_offset                              # metadata + tensor table
+    head = header.data_offset  # metadata + tensor table
     edits = data.draw(st.lists(corruptions(head), min_size=1, max_size=3))
     corrupted = original
     for edit in edits:

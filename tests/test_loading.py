@@ -84,6 +84,7 @@ def test_unknown_model_type_and_missing_files(tmp_path):
 
 def test_bf16_checkpoint_loads_as_bf16(checkpoint):
     import ml_dtypes
+
     directory, tensors = checkpoint
     save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, directory / "model.safetensors")
     model = hybridlm.load(directory)

@@ -11,7 +11,7 @@ from support import FIXTURES, HF_FIXTURES, assert_finite
 
 import hybridlm
 
-MAX_ABS_LOGIT_ERROR = 1e-3   # fp32 on CPU; the bound
+MAX_ABS_LOGIT_ERROR = 1e-3  # fp32 on CPU; the bound
 
 
 @pytest.mark.parametrize("name", HF_FIXTURES)

@@ -32,14 +32,29 @@ from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, M
 from hybridlm.model import HybridLM, loaded_value
 from pallas_kernels.quantized import QuantizedWeights
 
-__all__ = ["SUPPORTED_ARCHS", "GGUFError", "config_from_gguf", "load_gguf", "load_gguf_tokenizer", "save_gguf"]
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "GGUFError",
+    "config_from_gguf",
+    "load_gguf",
+    "load_gguf_tokenizer",
+    "save_gguf",
+]
 
 T = GGMLQuantizationType
 SUPPORTED_ARCHS = ("qwen35moe", "qwen35", "qwen3next")
-_INT_TYPES = (GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64)
+_INT_TYPES = (
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+)
 _FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
-_MAX_DIM = 1 << 24            # no model dimension of these families comes near 16 M
+_MAX_DIM = 1 << 24  # no model dimension of these families comes near 16 M
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,10 +80,11 @@ class _Meta:
             return default
         vtype, value = entry
         if vtype == GGUFValueType.ARRAY and per_layer and value[0] in _INT_TYPES and value[1]:
-            values = {int(v) for v in value[1] if int(v) != 0}   # per-layer arrays: 0 marks layers without it
+            values = {int(v) for v in value[1] if int(v) != 0}  # per-layer arrays: 0 marks layers without it
             if len(values) != 1:
-                raise GGUFError(f"metadata {full!r} = {value[1][:8]}...: per-layer values that differ are not "
-                                f"supported")
+                raise GGUFError(
+                    f"metadata {full!r} = {value[1][:8]}...: per-layer values that differ are not supported"
+                )
             value = values.pop()
         elif vtype not in _INT_TYPES:
             raise GGUFError(f"metadata {full!r} must be an integer, got {vtype.name}")
@@ -128,7 +144,9 @@ def config_from_gguf(header: Header) -> ModelConfig:
     nextn = m.int("nextn_predict_layers", 0, minimum=0)
     num_layers = block_count - nextn
     if num_layers < 1:
-        raise GGUFError(f"{arch}.block_count={block_count} minus nextn_predict_layers={nextn} leaves no layers")
+        raise GGUFError(
+            f"{arch}.block_count={block_count} minus nextn_predict_layers={nextn} leaves no layers"
+        )
     hidden = m.int("embedding_length", required=True)
     heads = m.int("attention.head_count", required=True, per_layer=True)
     kv_heads = m.int("attention.head_count_kv", heads, per_layer=True)
@@ -139,7 +157,7 @@ def config_from_gguf(header: Header) -> ModelConfig:
     rope_dim = m.int("rope.dimension_count", head_dim)
     sections = m.int_array("rope.dimension_sections")
     if sections is not None:
-        while len(sections) > 1 and sections[-1] == 0:     # padded to 4 entries
+        while len(sections) > 1 and sections[-1] == 0:  # padded to 4 entries
             sections = sections[:-1]
         sections = tuple(sections) if arch != "qwen3next" else None
     tok = header.tensors.get("token_embd.weight")
@@ -150,40 +168,64 @@ def config_from_gguf(header: Header) -> ModelConfig:
     v_heads = m.int("ssm.time_step_rank", required=True)
     inner = m.int("ssm.inner_size", required=True)
     if inner != v_heads * d_state:
-        raise GGUFError(f"{arch}.ssm.inner_size={inner} != ssm.time_step_rank*ssm.state_size={v_heads * d_state}")
+        raise GGUFError(
+            f"{arch}.ssm.inner_size={inner} != ssm.time_step_rank*ssm.state_size={v_heads * d_state}"
+        )
     moe, dense_ffn = None, None
     if arch == "qwen35":
         dense_ffn = m.int("feed_forward_length", required=True, per_layer=True)
     else:
         shexp = header.tensors.get("blk.0.ffn_gate_shexp.weight")
-        moe = _config_part(arch, MoEConfig,
-                           num_experts=m.int("expert_count", required=True),
-                           top_k=m.int("expert_used_count", required=True),
-                           expert_ffn_dim=m.int("expert_feed_forward_length", required=True),
-                           shared_ffn_dim=m.int("expert_shared_feed_forward_length",
-                                                shexp.ne[1] if shexp is not None and len(shexp.ne) == 2 else 0,
-                                                minimum=0),
-                           normalize_top_k=m.bool("expert_weights_norm", True))
+        moe = _config_part(
+            arch,
+            MoEConfig,
+            num_experts=m.int("expert_count", required=True),
+            top_k=m.int("expert_used_count", required=True),
+            expert_ffn_dim=m.int("expert_feed_forward_length", required=True),
+            shared_ffn_dim=m.int(
+                "expert_shared_feed_forward_length",
+                shexp.ne[1] if shexp is not None and len(shexp.ne) == 2 else 0,
+                minimum=0,
+            ),
+            normalize_top_k=m.bool("expert_weights_norm", True),
+        )
     recurrent = m.int_array("attention.recurrent_layers")
     layer_types = None
     if recurrent is not None:
         if len(recurrent) < num_layers:
-            raise GGUFError(f"{arch}.attention.recurrent_layers has {len(recurrent)} entries for {num_layers} layers")
+            raise GGUFError(
+                f"{arch}.attention.recurrent_layers has {len(recurrent)} entries for {num_layers} layers"
+            )
         layer_types = tuple("linear_attention" if r else "full_attention" for r in recurrent[:num_layers])
     try:
         return ModelConfig(
-            name=_string(header, "general.name") or arch, vocab_size=vocab, hidden_dim=hidden, num_layers=num_layers,
-            full_attention_interval=m.int("full_attention_interval", 4), explicit_layer_types=layer_types,
+            name=_string(header, "general.name") or arch,
+            vocab_size=vocab,
+            hidden_dim=hidden,
+            num_layers=num_layers,
+            full_attention_interval=m.int("full_attention_interval", 4),
+            explicit_layer_types=layer_types,
             rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", required=True),
             tie_word_embeddings="output.weight" not in header.tensors,
             max_position_embeddings=m.int("context_length", required=True),
-            attention=AttentionConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                      rope_theta=m.float("rope.freq_base", 10_000.0),
-                                      partial_rotary_factor=rope_dim / head_dim, mrope_sections=sections),
-            gdn=GatedDeltaNetConfig(num_k_heads=m.int("ssm.group_count", required=True), num_v_heads=v_heads,
-                                    key_dim=d_state, value_dim=d_state,
-                                    conv_kernel=m.int("ssm.conv_kernel", required=True)),
-            moe=moe, dense_ffn_dim=dense_ffn)
+            attention=AttentionConfig(
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                rope_theta=m.float("rope.freq_base", 10_000.0),
+                partial_rotary_factor=rope_dim / head_dim,
+                mrope_sections=sections,
+            ),
+            gdn=GatedDeltaNetConfig(
+                num_k_heads=m.int("ssm.group_count", required=True),
+                num_v_heads=v_heads,
+                key_dim=d_state,
+                value_dim=d_state,
+                conv_kernel=m.int("ssm.conv_kernel", required=True),
+            ),
+            moe=moe,
+            dense_ffn_dim=dense_ffn,
+        )
     except ValueError as e:
         raise GGUFError(f"GGUF metadata of {arch!r} is inconsistent: {e}") from None
 
@@ -213,8 +255,14 @@ def _is_trunk_tensor(name: str, num_layers: int) -> bool:
     return True
 
 
-def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None,
-              progress: bool = True, expert_sink=None) -> HybridLM:
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    dtype=None,
+    keep_quantized: str | None = None,
+    progress: bool = True,
+    expert_sink=None,
+) -> HybridLM:
     """Loads a llama.cpp GGUF file of a `qwen35moe`, `qwen35` or `qwen3next` model.
 
     Args:
@@ -243,13 +291,17 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
     header = read_header(path)
     config = config_from_gguf(header)
     arch = _architecture(header)
-    if config.num_layers > len(header.tensors):   # bounds the work below (model building, table rows)
-        raise GGUFError(f"the metadata implies {config.num_layers} layers; the file has only "
-                        f"{len(header.tensors)} tensors")
+    if config.num_layers > len(header.tensors):  # bounds the work below (model building, table rows)
+        raise GGUFError(
+            f"the metadata implies {config.num_layers} layers; the file has only "
+            f"{len(header.tensors)} tensors"
+        )
     for info in header.tensors.values():
         if info.type not in gguf_quants.SUPPORTED_TYPES:
-            raise GGUFError(f"tensor {info.name!r} has type {info.type.name}, which is not supported; supported: "
-                            f"{[t.name for t in gguf_quants.SUPPORTED_TYPES]}")
+            raise GGUFError(
+                f"tensor {info.name!r} has type {info.type.name}, which is not supported; supported: "
+                f"{[t.name for t in gguf_quants.SUPPORTED_TYPES]}"
+            )
     if dtype is None:
         embed = header.tensors.get("token_embd.weight")
         dtype = jnp.float32 if embed is not None and embed.type == T.F32 else jnp.bfloat16
@@ -260,41 +312,51 @@ def load_gguf(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None
     names = set(header.tensors)
     sources = list(gguf_sources(config, arch, names))
     used = set()
-    for src in tqdm(sources, desc=f"loading {os.path.basename(path)}", unit="tensor", disable=not progress,
-                    leave=False):
+    for src in tqdm(
+        sources, desc=f"loading {os.path.basename(path)}", unit="tensor", disable=not progress, leave=False
+    ):
         missing = [n for n in src.tensors if n not in names]
         if missing:
-            raise GGUFError(f"GGUF file lacks tensor {missing[0]!r} (architecture {arch}, {config.num_layers} "
-                            f"layers)")
+            raise GGUFError(
+                f"GGUF file lacks tensor {missing[0]!r} (architecture {arch}, {config.num_layers} layers)"
+            )
         wants = [variables[p].get_value() for p in src.params]
         want_count = sum(math.prod(w.shape) for w in wants)
         got_count = sum(math.prod(header.tensors[n].ne) for n in src.tensors)
         if got_count != want_count:
-            raise GGUFError(f"tensor(s) {list(src.tensors)} with ne={[list(header.tensors[n].ne) for n in src.tensors]}"
-                            f" hold {got_count} values; the metadata implies {want_count} for "
-                            f"{['.'.join(map(str, p)) for p in src.params]}")
+            raise GGUFError(
+                f"tensor(s) {list(src.tensors)} with ne={[list(header.tensors[n].ne) for n in src.tensors]}"
+                f" hold {got_count} values; the metadata implies {want_count} for "
+                f"{['.'.join(map(str, p)) for p in src.params]}"
+            )
         used.update(src.tensors)
         if keep_quantized == "experts" and src.experts:
             qw = _keep(src, header, mapped)
             if qw is not None:
                 _check_shape(src, 0, qw.shape, wants[0].shape)
-                variables[src.params[0]].set_value(loaded_value(src.params[0], qw, wants[0].dtype, expert_sink))
+                variables[src.params[0]].set_value(
+                    loaded_value(src.params[0], qw, wants[0].dtype, expert_sink)
+                )
                 continue
-        arrays = [gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
-                  for n in src.tensors]
+        arrays = [
+            gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
+            for n in src.tensors
+        ]
         try:
             values = src.load(*arrays)
         except (ValueError, IndexError) as e:
             raise GGUFError(f"tensor(s) {list(src.tensors)} do not fit {arch} metadata: {e}") from None
         del arrays
-        for i, (value, want) in enumerate(zip(values, wants)):
+        for i, (value, want) in enumerate(zip(values, wants, strict=False)):
             _check_shape(src, i, value.shape, want.shape)
             variables[src.params[i]].set_value(
-                loaded_value(src.params[i], jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink))
+                loaded_value(src.params[i], jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink)
+            )
     extra = sorted(n for n in names - used if _is_trunk_tensor(n, config.num_layers))
     if extra:
-        raise GGUFError(f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. "
-                        f"{extra[:3]}")
+        raise GGUFError(
+            f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
 
 
@@ -306,19 +368,22 @@ def load_gguf_tokenizer(path: str | os.PathLike):
       GGUFError: malformed header or tokenizer metadata, or a tokenizer type other than byte-level BPE.
     """
     from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
+
     return tokenizer_from_gguf(path, read_header(path))
 
 
 def _check_shape(src, i, got, want):
     if tuple(got) != tuple(want):
-        raise GGUFError(f"tensor(s) {list(src.tensors)} give {'.'.join(map(str, src.params[i]))} shape "
-                        f"{tuple(got)}, expected {tuple(want)} from the metadata")
+        raise GGUFError(
+            f"tensor(s) {list(src.tensors)} give {'.'.join(map(str, src.params[i]))} shape "
+            f"{tuple(got)}, expected {tuple(want)} from the metadata"
+        )
 
 
 def tensor_data(mapped: np.ndarray, info: TensorInfo) -> np.ndarray:
     """A tensor's bytes in the memory-mapped file, as `gguf.GGUFReader` presents them: F32/F16 typed in numpy
     shape (reversed ne), other types uint8 `[..., rows, bytes_per_row]`. No copy."""
-    raw = mapped[info.offset:info.offset + info.nbytes]
+    raw = mapped[info.offset : info.offset + info.nbytes]
     if info.type == T.F32:
         return raw.view(np.float32).reshape(info.shape)
     if info.type == T.F16:
@@ -341,15 +406,28 @@ def _keep(src, header: Header, mapped) -> QuantizedWeights | None:
 # ----------------------------------------------------------------------------------------------------------
 # save
 # ----------------------------------------------------------------------------------------------------------
-_TENSOR_TYPES = {"f32": (T.F32, LlamaFileType.ALL_F32), "f16": (T.F16, LlamaFileType.MOSTLY_F16),
-                 "bf16": (T.BF16, LlamaFileType.MOSTLY_BF16), "q8_0": (T.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-                 "q4_k": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S), "q5_k": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
-                 "q6_k": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K), "q4_k_m": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
-                 "q5_k_m": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M)}
+_TENSOR_TYPES = {
+    "f32": (T.F32, LlamaFileType.ALL_F32),
+    "f16": (T.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (T.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (T.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_k": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    "q5_k": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
+    "q6_k": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "q4_k_m": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k_m": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+}
 # Fallbacks when ne0 does not fit the block (llama.cpp: the converter falls back to F16 for Q8_0;
 # llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256, Q5_1 for Q5_K ones, Q8_0 for Q6_K ones).
-_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q5_0: T.F16, T.Q5_1: T.F16, T.Q8_0: T.F16,
-             T.BF16: T.F16}
+_FALLBACK = {
+    T.Q4_K: T.Q5_0,
+    T.Q5_K: T.Q5_1,
+    T.Q6_K: T.Q8_0,
+    T.Q5_0: T.F16,
+    T.Q5_1: T.F16,
+    T.Q8_0: T.F16,
+    T.BF16: T.F16,
+}
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -358,15 +436,20 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def _mix_type(tensor_type: str, name: str, num_layers: int, wanted: GGMLQuantizationType) -> GGMLQuantizationType:
+def _mix_type(
+    tensor_type: str, name: str, num_layers: int, wanted: GGMLQuantizationType
+) -> GGMLQuantizationType:
     """The type `tensor_type` asks for tensor `name`: "q4_k_m" / "q5_k_m" as llama-quantize's Q4_K_M / Q5_K_M
     mixes (Q6_K for output.weight and, in the layers of `use_more_bits`, for ffn_down* (routed and shared
     experts) and attn_v; Q4_K / Q5_K elsewhere); every other tensor_type is one type for every matrix."""
     if tensor_type not in ("q4_k_m", "q5_k_m"):
         return wanted
     parts = name.split(".")
-    if name == "output.weight" or (parts[0] == "blk" and (parts[2].startswith("ffn_down") or parts[2] == "attn_v")
-                                   and use_more_bits(int(parts[1]), num_layers)):
+    if name == "output.weight" or (
+        parts[0] == "blk"
+        and (parts[2].startswith("ffn_down") or parts[2] == "attn_v")
+        and use_more_bits(int(parts[1]), num_layers)
+    ):
         return T.Q6_K
     return wanted
 
@@ -387,8 +470,15 @@ def _tensor_type(name: str, array: np.ndarray, wanted: GGMLQuantizationType, for
     return qtype
 
 
-def save_gguf(model: HybridLM, path: str | os.PathLike, tensor_type: str = "f32", *,
-              tokenizer: bool = True, arch: str | None = None, progress: bool = False) -> None:
+def save_gguf(
+    model: HybridLM,
+    path: str | os.PathLike,
+    tensor_type: str = "f32",
+    *,
+    tokenizer: bool = True,
+    arch: str | None = None,
+    progress: bool = False,
+) -> None:
     """Writes `model` as the GGUF file llama.cpp's converter would write for the same weights.
 
     Args:
@@ -415,26 +505,35 @@ def save_gguf(model: HybridLM, path: str | os.PathLike, tensor_type: str = "f32"
     arch = arch or gguf_architecture(config)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch={arch!r}; supported: {list(SUPPORTED_ARCHS)}")
-    pattern = tuple("full_attention" if (i + 1) % config.full_attention_interval == 0 else "linear_attention"
-                    for i in range(config.num_layers))
+    pattern = tuple(
+        "full_attention" if (i + 1) % config.full_attention_interval == 0 else "linear_attention"
+        for i in range(config.num_layers)
+    )
     if config.layer_types != pattern:
-        raise ValueError("GGUF stores the layer pattern as full_attention_interval; this config's explicit "
-                         "layer_types do not follow it")
+        raise ValueError(
+            "GGUF stores the layer pattern as full_attention_interval; this config's explicit "
+            "layer_types do not follow it"
+        )
     if config.gdn.key_dim != config.gdn.value_dim:
-        raise ValueError(f"GGUF stores one ssm.state_size: key_dim={config.gdn.key_dim} != "
-                         f"value_dim={config.gdn.value_dim}")
+        raise ValueError(
+            f"GGUF stores one ssm.state_size: key_dim={config.gdn.key_dim} != "
+            f"value_dim={config.gdn.value_dim}"
+        )
     wanted, file_type = _TENSOR_TYPES[tensor_type]
     writer = gguf.GGUFWriter(os.fspath(path), arch)
     _write_metadata(writer, config, arch, file_type)
     if tokenizer and config.vocab_size == _qwen_vocab_size():
         from hybridlm.checkpoints.gguf_tokenizer import write_tokenizer
+
         write_tokenizer(writer)
     params = {path_: var for path_, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     for src in tqdm(list(gguf_sources(config, arch)), desc="writing GGUF", disable=not progress, leave=False):
         values = [_as_numpy(params[p].get_value()) for p in src.params]
-        for name, array in zip(src.tensors, src.save(*values)):
+        for name, array in zip(src.tensors, src.save(*values), strict=False):
             array = np.ascontiguousarray(array, np.float32)
-            qtype = _tensor_type(name, array, _mix_type(tensor_type, name, config.num_layers, wanted), src.f32)
+            qtype = _tensor_type(
+                name, array, _mix_type(tensor_type, name, config.num_layers, wanted), src.f32
+            )
             if qtype == T.F32:
                 writer.add_tensor(name, array)
             elif qtype == T.F16:
@@ -455,6 +554,7 @@ def _as_numpy(value) -> np.ndarray:
 
 def _qwen_vocab_size() -> int:
     from hybridlm.tokenizer import QWEN35_VOCAB_SIZE
+
     return QWEN35_VOCAB_SIZE
 
 
@@ -494,4 +594,3 @@ def _write_metadata(w: gguf.GGUFWriter, config: ModelConfig, arch: str, file_typ
         sections = list(a.mrope_sections or (a.rotary_dim // 2,))
         w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-

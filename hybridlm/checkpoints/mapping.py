@@ -21,9 +21,9 @@ Path = tuple[str | int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class ParamSource:
-    path: Path                                   # nnx path in HybridLM, e.g. ("layers", 0, "mixer", "qkv_proj")
-    tensors: tuple[str, ...]                     # checkpoint tensor names read (in this order)
-    build: Callable[..., np.ndarray]             # f(*arrays) -> parameter array in hybridlm layout
+    path: Path  # nnx path in HybridLM, e.g. ("layers", 0, "mixer", "qkv_proj")
+    tensors: tuple[str, ...]  # checkpoint tensor names read (in this order)
+    build: Callable[..., np.ndarray]  # f(*arrays) -> parameter array in hybridlm layout
 
 
 def _t(x):
@@ -44,10 +44,10 @@ def ungroup_qkvz(w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, np.nda
     r = g.num_v_heads // g.num_k_heads
     per = 2 * g.key_dim + 2 * r * g.value_dim
     w = w.reshape(g.num_k_heads, per, -1)
-    q = w[:, :g.key_dim]
-    k = w[:, g.key_dim:2 * g.key_dim]
-    v = w[:, 2 * g.key_dim:2 * g.key_dim + r * g.value_dim]
-    z = w[:, 2 * g.key_dim + r * g.value_dim:]
+    q = w[:, : g.key_dim]
+    k = w[:, g.key_dim : 2 * g.key_dim]
+    v = w[:, 2 * g.key_dim : 2 * g.key_dim + r * g.value_dim]
+    z = w[:, 2 * g.key_dim + r * g.value_dim :]
     flat = lambda x: x.reshape(-1, x.shape[-1])
     return np.concatenate([flat(q), flat(k), flat(v)], axis=0), flat(z)
 
@@ -90,7 +90,7 @@ def hf_sources(config: ModelConfig, names: set[str], *, prefix: str) -> Iterator
 
 
 def _gdn_sources(config, names, hf, m) -> Iterator[ParamSource]:
-    if hf + "in_proj_qkvz.weight" in names:   # Qwen3-Next fused, grouped per k-head
+    if hf + "in_proj_qkvz.weight" in names:  # Qwen3-Next fused, grouped per k-head
         qkvz = (hf + "in_proj_qkvz.weight",)
         ba = (hf + "in_proj_ba.weight",)
         yield ParamSource(m + ("qkv_proj",), qkvz, lambda w: _t(ungroup_qkvz(w, config)[0]))
@@ -111,28 +111,47 @@ def _gdn_sources(config, names, hf, m) -> Iterator[ParamSource]:
 
 def _ffn_sources(config, names, hf, f) -> Iterator[ParamSource]:
     if config.moe is None:
-        yield ParamSource(f + ("gate_up",), (hf + "gate_proj.weight", hf + "up_proj.weight"),
-                          lambda g, u: _t(np.concatenate([g, u], axis=0)))
+        yield ParamSource(
+            f + ("gate_up",),
+            (hf + "gate_proj.weight", hf + "up_proj.weight"),
+            lambda g, u: _t(np.concatenate([g, u], axis=0)),
+        )
         yield ParamSource(f + ("down",), (hf + "down_proj.weight",), _t)
         return
     e = config.moe.num_experts
     yield ParamSource(f + ("router",), (hf + "gate.weight",), _t)
-    if hf + "experts.gate_up_proj" in names:   # transformers 5.x fused layout [E, 2F, H] / [E, H, F]
-        yield ParamSource(f + ("experts_gate_up",), (hf + "experts.gate_up_proj",),
-                          lambda w: np.ascontiguousarray(w.transpose(0, 2, 1)))
-        yield ParamSource(f + ("experts_down",), (hf + "experts.down_proj",),
-                          lambda w: np.ascontiguousarray(w.transpose(0, 2, 1)))
-    else:   # per-expert Linear weights [F, H] / [H, F]
+    if hf + "experts.gate_up_proj" in names:  # transformers 5.x fused layout [E, 2F, H] / [E, H, F]
+        yield ParamSource(
+            f + ("experts_gate_up",),
+            (hf + "experts.gate_up_proj",),
+            lambda w: np.ascontiguousarray(w.transpose(0, 2, 1)),
+        )
+        yield ParamSource(
+            f + ("experts_down",),
+            (hf + "experts.down_proj",),
+            lambda w: np.ascontiguousarray(w.transpose(0, 2, 1)),
+        )
+    else:  # per-expert Linear weights [F, H] / [H, F]
         gate_up = tuple(hf + f"experts.{j}.{p}.weight" for j in range(e) for p in ("gate_proj", "up_proj"))
-        yield ParamSource(f + ("experts_gate_up",), gate_up, lambda *ws: np.stack(
-            [np.concatenate([ws[2 * j], ws[2 * j + 1]], axis=0).T for j in range(len(ws) // 2)]))
+        yield ParamSource(
+            f + ("experts_gate_up",),
+            gate_up,
+            lambda *ws: np.stack(
+                [np.concatenate([ws[2 * j], ws[2 * j + 1]], axis=0).T for j in range(len(ws) // 2)]
+            ),
+        )
         down = tuple(hf + f"experts.{j}.down_proj.weight" for j in range(e))
         yield ParamSource(f + ("experts_down",), down, lambda *ws: np.stack([w.T for w in ws]))
     s = hf + "shared_expert."
-    yield ParamSource(f + ("shared_gate_up",), (s + "gate_proj.weight", s + "up_proj.weight"),
-                      lambda g, u: _t(np.concatenate([g, u], axis=0)))
+    yield ParamSource(
+        f + ("shared_gate_up",),
+        (s + "gate_proj.weight", s + "up_proj.weight"),
+        lambda g, u: _t(np.concatenate([g, u], axis=0)),
+    )
     yield ParamSource(f + ("shared_down",), (s + "down_proj.weight",), _t)
-    yield ParamSource(f + ("shared_token_gate",), (hf + "shared_expert_gate.weight",), lambda w: w.reshape(-1))
+    yield ParamSource(
+        f + ("shared_token_gate",), (hf + "shared_expert_gate.weight",), lambda w: w.reshape(-1)
+    )
 
 
 # Tensors a text-only model never reads.
@@ -145,6 +164,7 @@ IGNORED_HF_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 # Arrays on the GGUF side are numpy-order (the reverse of ggml's `ne`), i.e. torch layout: a matrix is
 # [out, in], an expert tensor is [experts, out, in].
 
+
 @dataclasses.dataclass(frozen=True)
 class GGUFSource:
     """One row of the GGUF table: parameters <-> GGUF tensors, with the converter's transform both ways.
@@ -153,12 +173,14 @@ class GGUFSource:
     `ssm_ba` makes two parameters from one tensor.
     """
 
-    params: tuple[Path, ...]                            # nnx paths in HybridLM
-    tensors: tuple[str, ...]                            # GGUF tensor names
-    load: Callable[..., tuple[np.ndarray, ...]]         # f(*tensors) -> params (hybridlm layout)
-    save: Callable[..., tuple[np.ndarray, ...]] | None  # f(*params) -> tensors; None: read-only (legacy layout)
-    f32: bool = False                                   # the converter always writes these in F32
-    experts: bool = False                               # routed-expert weights (`keep_quantized="experts"`)
+    params: tuple[Path, ...]  # nnx paths in HybridLM
+    tensors: tuple[str, ...]  # GGUF tensor names
+    load: Callable[..., tuple[np.ndarray, ...]]  # f(*tensors) -> params (hybridlm layout)
+    save: (
+        Callable[..., tuple[np.ndarray, ...]] | None
+    )  # f(*params) -> tensors; None: read-only (legacy layout)
+    f32: bool = False  # the converter always writes these in F32
+    experts: bool = False  # routed-expert weights (`keep_quantized="experts"`)
 
 
 def v_head_order(config: ModelConfig, arch: str) -> np.ndarray | None:
@@ -186,7 +208,9 @@ def _permuter(order: np.ndarray | None, head_size: int, start: int = 0):
     def apply(idx):
         def f(x):
             return np.concatenate([x[:start], x[start:][idx]], axis=0) if start else x[idx]
+
         return f
+
     return apply(fwd), apply(inv)
 
 
@@ -218,7 +242,9 @@ def a_log_from_ssm_a(ssm_a: np.ndarray) -> np.ndarray:
 
     target = -np.asarray(ssm_a, np.float32)
     if not (np.isfinite(target).all() and (target > 0).all()):
-        raise ValueError(f"ssm_a must be finite and negative, got values in [{-target.max()}, {-target.min()}]")
+        raise ValueError(
+            f"ssm_a must be finite and negative, got values in [{-target.max()}, {-target.min()}]"
+        )
     x = np.log(target.astype(np.float64)).astype(np.float32)
     best, done = x.copy(), np.asarray(jnp.exp(x)) == target
     for step in (1, -1, 2, -2):
@@ -255,7 +281,7 @@ def gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) 
         `save_gguf` writes (llama.cpp's current converter).
     """
     names = set() if names is None else names
-    plus1, minus1 = (lambda x: x + 1.0), (lambda x: x - 1.0)   # zero-centred norms: GGUF stores 1 + w
+    plus1, minus1 = (lambda x: x + 1.0), (lambda x: x - 1.0)  # zero-centred norms: GGUF stores 1 + w
     yield GGUFSource((("embed",),), ("token_embd.weight",), _one(_same), _one(_same))
     yield GGUFSource((("final_norm", "scale"),), ("output_norm.weight",), _one(minus1), _one(plus1), f32=True)
     if not config.tie_word_embeddings:
@@ -263,19 +289,33 @@ def gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) 
     for i, layer_type in enumerate(config.layer_types):
         b = f"blk.{i}."
         ours: Path = ("layers", i)
-        yield GGUFSource((ours + ("input_norm", "scale"),), (b + "attn_norm.weight",), _one(minus1), _one(plus1),
-                         f32=True)
-        yield GGUFSource((ours + ("post_norm", "scale"),), (b + "post_attention_norm.weight",), _one(minus1),
-                         _one(plus1), f32=True)
+        yield GGUFSource(
+            (ours + ("input_norm", "scale"),), (b + "attn_norm.weight",), _one(minus1), _one(plus1), f32=True
+        )
+        yield GGUFSource(
+            (ours + ("post_norm", "scale"),),
+            (b + "post_attention_norm.weight",),
+            _one(minus1),
+            _one(plus1),
+            f32=True,
+        )
         m = ours + ("mixer",)
         if layer_type == "linear_attention":
             yield from _gguf_gdn(config, arch, names, b, m)
         else:
-            for proj, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
-                               ("o_proj", "attn_output")):
+            for proj, name in (
+                ("q_proj", "attn_q"),
+                ("k_proj", "attn_k"),
+                ("v_proj", "attn_v"),
+                ("o_proj", "attn_output"),
+            ):
                 yield GGUFSource((m + (proj,),), (b + name + ".weight",), _one(_t), _one(_t))
-            yield GGUFSource((m + ("q_norm",),), (b + "attn_q_norm.weight",), _one(minus1), _one(plus1), f32=True)
-            yield GGUFSource((m + ("k_norm",),), (b + "attn_k_norm.weight",), _one(minus1), _one(plus1), f32=True)
+            yield GGUFSource(
+                (m + ("q_norm",),), (b + "attn_q_norm.weight",), _one(minus1), _one(plus1), f32=True
+            )
+            yield GGUFSource(
+                (m + ("k_norm",),), (b + "attn_k_norm.weight",), _one(minus1), _one(plus1), f32=True
+            )
         yield from _gguf_ffn(config, names, b, ours + ("ffn",))
 
 
@@ -283,63 +323,123 @@ def _gguf_gdn(config, arch, names, b, m) -> Iterator[GGUFSource]:
     g = config.gdn
     order = v_head_order(config, arch)
     key_rows = 2 * g.num_k_heads * g.key_dim
-    qkv_to, qkv_from = _permuter(order, g.value_dim, start=key_rows)   # V rows/channels of [Q | K | V]
-    val_to, val_from = _permuter(order, g.value_dim)                     # z rows, out_proj columns
-    head_to, head_from = _permuter(order, 1)                             # per-v-head vectors
-    if arch == "qwen3next" and b + "ssm_in.weight" in names:            # legacy: fused qkvz, grouped per k-head
-        yield GGUFSource((m + ("qkv_proj",), m + ("output_gate_proj",)), (b + "ssm_in.weight",),
-                         lambda w: tuple(_t(x) for x in ungroup_qkvz(w, config)), None)
+    qkv_to, qkv_from = _permuter(order, g.value_dim, start=key_rows)  # V rows/channels of [Q | K | V]
+    val_to, val_from = _permuter(order, g.value_dim)  # z rows, out_proj columns
+    head_to, head_from = _permuter(order, 1)  # per-v-head vectors
+    if arch == "qwen3next" and b + "ssm_in.weight" in names:  # legacy: fused qkvz, grouped per k-head
+        yield GGUFSource(
+            (m + ("qkv_proj",), m + ("output_gate_proj",)),
+            (b + "ssm_in.weight",),
+            lambda w: tuple(_t(x) for x in ungroup_qkvz(w, config)),
+            None,
+        )
     else:
-        yield GGUFSource((m + ("qkv_proj",),), (b + "attn_qkv.weight",),
-                         _one(lambda w: _t(qkv_from(w))), _one(lambda w: qkv_to(_t(w))))
-        yield GGUFSource((m + ("output_gate_proj",),), (b + "attn_gate.weight",),
-                         _one(lambda w: _t(val_from(w))), _one(lambda w: val_to(_t(w))))
+        yield GGUFSource(
+            (m + ("qkv_proj",),),
+            (b + "attn_qkv.weight",),
+            _one(lambda w: _t(qkv_from(w))),
+            _one(lambda w: qkv_to(_t(w))),
+        )
+        yield GGUFSource(
+            (m + ("output_gate_proj",),),
+            (b + "attn_gate.weight",),
+            _one(lambda w: _t(val_from(w))),
+            _one(lambda w: val_to(_t(w))),
+        )
     if arch == "qwen3next":
-        yield GGUFSource((m + ("beta_proj",), m + ("decay_proj",)), (b + "ssm_ba.weight",),
-                         lambda w: tuple(_t(x) for x in ungroup_ba(w, config)),
-                         lambda bw, aw: (group_ba(_t(bw), _t(aw), config),))
+        yield GGUFSource(
+            (m + ("beta_proj",), m + ("decay_proj",)),
+            (b + "ssm_ba.weight",),
+            lambda w: tuple(_t(x) for x in ungroup_ba(w, config)),
+            lambda bw, aw: (group_ba(_t(bw), _t(aw), config),),
+        )
     else:
-        yield GGUFSource((m + ("beta_proj",),), (b + "ssm_beta.weight",),
-                         _one(lambda w: _t(head_from(w))), _one(lambda w: head_to(_t(w))))
-        yield GGUFSource((m + ("decay_proj",),), (b + "ssm_alpha.weight",),
-                         _one(lambda w: _t(head_from(w))), _one(lambda w: head_to(_t(w))))
+        yield GGUFSource(
+            (m + ("beta_proj",),),
+            (b + "ssm_beta.weight",),
+            _one(lambda w: _t(head_from(w))),
+            _one(lambda w: head_to(_t(w))),
+        )
+        yield GGUFSource(
+            (m + ("decay_proj",),),
+            (b + "ssm_alpha.weight",),
+            _one(lambda w: _t(head_from(w))),
+            _one(lambda w: head_to(_t(w))),
+        )
     # ssm_a = -exp(A_log); our log_decay_rate is A_log.
-    yield GGUFSource((m + ("log_decay_rate",),), (b + "ssm_a",),
-                     _one(lambda a: a_log_from_ssm_a(head_from(a))),
-                     _one(lambda x: head_to(ssm_a_from_a_log(x))), f32=True)
-    yield GGUFSource((m + ("delta_time_bias",),), (b + "ssm_dt.bias",),
-                     _one(head_from), _one(head_to), f32=True)
+    yield GGUFSource(
+        (m + ("log_decay_rate",),),
+        (b + "ssm_a",),
+        _one(lambda a: a_log_from_ssm_a(head_from(a))),
+        _one(lambda x: head_to(ssm_a_from_a_log(x))),
+        f32=True,
+    )
+    yield GGUFSource(
+        (m + ("delta_time_bias",),), (b + "ssm_dt.bias",), _one(head_from), _one(head_to), f32=True
+    )
     # conv: ours [kernel, channels]; GGUF numpy [channels, kernel] (ne [kernel, channels]).
-    yield GGUFSource((m + ("conv_weight",),), (b + "ssm_conv1d.weight",),
-                     _one(lambda w: _t(qkv_from(w.reshape(w.shape[0], -1)))), _one(lambda w: qkv_to(_t(w))),
-                     f32=True)
+    yield GGUFSource(
+        (m + ("conv_weight",),),
+        (b + "ssm_conv1d.weight",),
+        _one(lambda w: _t(qkv_from(w.reshape(w.shape[0], -1)))),
+        _one(lambda w: qkv_to(_t(w))),
+        f32=True,
+    )
     yield GGUFSource((m + ("output_norm",),), (b + "ssm_norm.weight",), _one(_same), _one(_same), f32=True)
     # out_proj: ours [v_heads*value_dim, hidden] = torch columns; reorder our rows.
-    yield GGUFSource((m + ("out_proj",),), (b + "ssm_out.weight",),
-                     _one(lambda w: val_from(_t(w))), _one(lambda w: _t(val_to(w))))
+    yield GGUFSource(
+        (m + ("out_proj",),),
+        (b + "ssm_out.weight",),
+        _one(lambda w: val_from(_t(w))),
+        _one(lambda w: _t(val_to(w))),
+    )
 
 
 def _gguf_ffn(config, names, b, f) -> Iterator[GGUFSource]:
-    concat_t = lambda g, u: _t(np.concatenate([g, u], axis=0))   # gate, up [ffn, hidden] -> [hidden, 2*ffn]
+    concat_t = lambda g, u: _t(np.concatenate([g, u], axis=0))  # gate, up [ffn, hidden] -> [hidden, 2*ffn]
     if config.moe is None:
-        yield GGUFSource((f + ("gate_up",),), (b + "ffn_gate.weight", b + "ffn_up.weight"),
-                         _one(concat_t), _gate_up_split)
+        yield GGUFSource(
+            (f + ("gate_up",),), (b + "ffn_gate.weight", b + "ffn_up.weight"), _one(concat_t), _gate_up_split
+        )
         yield GGUFSource((f + ("down",),), (b + "ffn_down.weight",), _one(_t), _one(_t))
         return
     yield GGUFSource((f + ("router",),), (b + "ffn_gate_inp.weight",), _one(_t), _one(_t), f32=True)
-    if b + "ffn_gate_up_exps.weight" in names:   # fused variant: [experts, 2*ffn, hidden], gate rows first
-        yield GGUFSource((f + ("experts_gate_up",),), (b + "ffn_gate_up_exps.weight",), _one(_experts_t),
-                         _one(_experts_t), experts=True)
+    if b + "ffn_gate_up_exps.weight" in names:  # fused variant: [experts, 2*ffn, hidden], gate rows first
+        yield GGUFSource(
+            (f + ("experts_gate_up",),),
+            (b + "ffn_gate_up_exps.weight",),
+            _one(_experts_t),
+            _one(_experts_t),
+            experts=True,
+        )
     else:
         e_ffn = config.moe.expert_ffn_dim
-        yield GGUFSource((f + ("experts_gate_up",),), (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
-                         _one(lambda g, u: _experts_t(np.concatenate([g, u], axis=1))),
-                         lambda w: (_experts_t(w[..., :e_ffn]), _experts_t(w[..., e_ffn:])), experts=True)
-    yield GGUFSource((f + ("experts_down",),), (b + "ffn_down_exps.weight",), _one(_experts_t),
-                     _one(_experts_t), experts=True)
-    yield GGUFSource((f + ("shared_gate_up",),), (b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"),
-                     _one(concat_t), _gate_up_split)
+        yield GGUFSource(
+            (f + ("experts_gate_up",),),
+            (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
+            _one(lambda g, u: _experts_t(np.concatenate([g, u], axis=1))),
+            lambda w: (_experts_t(w[..., :e_ffn]), _experts_t(w[..., e_ffn:])),
+            experts=True,
+        )
+    yield GGUFSource(
+        (f + ("experts_down",),),
+        (b + "ffn_down_exps.weight",),
+        _one(_experts_t),
+        _one(_experts_t),
+        experts=True,
+    )
+    yield GGUFSource(
+        (f + ("shared_gate_up",),),
+        (b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"),
+        _one(concat_t),
+        _gate_up_split,
+    )
     yield GGUFSource((f + ("shared_down",),), (b + "ffn_down_shexp.weight",), _one(_t), _one(_t))
     # torch [1, hidden] squeezed by the converter to 1-D [hidden] (older files: ne [hidden, 1]).
-    yield GGUFSource((f + ("shared_token_gate",),), (b + "ffn_gate_inp_shexp.weight",),
-                     _one(lambda w: w.reshape(-1)), _one(_same), f32=True)
+    yield GGUFSource(
+        (f + ("shared_token_gate",),),
+        (b + "ffn_gate_inp_shexp.weight",),
+        _one(lambda w: w.reshape(-1)),
+        _one(_same),
+        f32=True,
+    )

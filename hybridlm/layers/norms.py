@@ -46,7 +46,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
         self.eps = eps
-        self.scale = nnx.Param(jnp.zeros((dim,), dtype))   # [dim]
+        self.scale = nnx.Param(jnp.zeros((dim,), dtype))  # [dim]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps)

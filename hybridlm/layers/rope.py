@@ -23,7 +23,7 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[j
       cos, sin: [..., seq, rotary_dim // 2] float32, angle_i = pos * theta^(-2i / rotary_dim).
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq     # [..., seq, rotary_dim/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., seq, rotary_dim/2]
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -40,6 +40,6 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     half = cos.shape[-1]
     if cos.ndim == 2:
         cos, sin = cos[None], sin[None]
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)   # [b, t, 1, half]
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)  # [b, t, 1, half]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)

@@ -35,12 +35,18 @@ def check_groups(group_sizes, row_groups, m: int, groups: int) -> None:
         `[m]` integers.
     """
     if (group_sizes is None) == (row_groups is None):
-        raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
+        raise ValueError(
+            "give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)"
+        )
     if group_sizes is not None and group_sizes.shape != (groups,):
         raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected ({groups},)")
-    if row_groups is not None and (row_groups.shape != (m,) or not jnp.issubdtype(row_groups.dtype, jnp.integer)):
-        raise ValueError(f"row_groups must be [{m}] integers (one group per row of the product), got "
-                         f"{row_groups.dtype} {row_groups.shape}")
+    if row_groups is not None and (
+        row_groups.shape != (m,) or not jnp.issubdtype(row_groups.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"row_groups must be [{m}] integers (one group per row of the product), got "
+            f"{row_groups.dtype} {row_groups.shape}"
+        )
 
 
 def groups_of_rows(group_sizes: jax.Array, m: int) -> jax.Array:
@@ -49,24 +55,25 @@ def groups_of_rows(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
-def _rowwise(lhs: jax.Array, rhs_f32: jax.Array, group_sizes: jax.Array | None,
-             gid: jax.Array | None = None) -> jax.Array:
+def _rowwise(
+    lhs: jax.Array, rhs_f32: jax.Array, group_sizes: jax.Array | None, gid: jax.Array | None = None
+) -> jax.Array:
     """out[i] = lhs[i] @ rhs[group(i)] in f32, zero for rows in no group. [m, k] x [g, k, n] -> [m, n].
     The groups come from group_sizes (sorted rows) or, when it is None, from gid `[m]` (any order)."""
     m, k = lhs.shape
     groups, _, n = rhs_f32.shape
     check_groups(group_sizes, gid, m, groups)
-    gid = groups_of_rows(group_sizes, m) if gid is None else gid.astype(jnp.int32)   # [m]
+    gid = groups_of_rows(group_sizes, m) if gid is None else gid.astype(jnp.int32)  # [m]
     valid = (gid >= 0) & (gid < groups)
     pad = -m % _ROWS_PER_BATCH
     x = jnp.pad(lhs.astype(jnp.float32), ((0, pad), (0, 0))).reshape(-1, _ROWS_PER_BATCH, k)
     g = jnp.pad(jnp.clip(gid, 0, groups - 1), (0, pad)).reshape(-1, _ROWS_PER_BATCH)
 
     def batch(args):
-        xb, gb = args                                                  # [r, k], [r]
+        xb, gb = args  # [r, k], [r]
         return jnp.einsum("rk,rkn->rn", xb, rhs_f32[gb], precision=jax.lax.Precision.HIGHEST)
 
-    out = jax.lax.map(batch, (x, g)).reshape(-1, n)[:m]                # [m, n]
+    out = jax.lax.map(batch, (x, g)).reshape(-1, n)[:m]  # [m, n]
     return jnp.where(valid[:, None], out, 0.0)
 
 
@@ -75,12 +82,20 @@ def _as_f32(rhs) -> jax.Array:
 
 
 def _gathered(lhs, lhs_index):
-    return lhs if lhs_index is None else lhs[lhs_index]   # jnp's gather clamps out-of-range indices
+    return lhs if lhs_index is None else lhs[lhs_index]  # jnp's gather clamps out-of-range indices
 
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
-def gmm_reference(lhs, rhs, group_sizes=None, *, row_groups=None, lhs_index=None, preferred_element_type=None,
-                  interpret=None) -> jax.Array:
+def gmm_reference(
+    lhs,
+    rhs,
+    group_sizes=None,
+    *,
+    row_groups=None,
+    lhs_index=None,
+    preferred_element_type=None,
+    interpret=None,
+) -> jax.Array:
     """Grouped matmul, float32 accumulation, only each row's own group.
 
     Args:
@@ -104,8 +119,16 @@ def gmm_reference(lhs, rhs, group_sizes=None, *, row_groups=None, lhs_index=None
 
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
-def gmm_swiglu_reference(lhs, w_gate_up, group_sizes=None, *, row_groups=None, lhs_index=None,
-                         preferred_element_type=None, interpret=None) -> jax.Array:
+def gmm_swiglu_reference(
+    lhs,
+    w_gate_up,
+    group_sizes=None,
+    *,
+    row_groups=None,
+    lhs_index=None,
+    preferred_element_type=None,
+    interpret=None,
+) -> jax.Array:
     """silu(x @ W_gate) * (x @ W_up) per row's group, float32 throughout.
 
     Args:
@@ -125,6 +148,6 @@ def gmm_swiglu_reference(lhs, w_gate_up, group_sizes=None, *, row_groups=None, l
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    h = _rowwise(_gathered(lhs, lhs_index), _as_f32(w_gate_up), group_sizes, row_groups)   # [m, 2 * ffn]
+    h = _rowwise(_gathered(lhs, lhs_index), _as_f32(w_gate_up), group_sizes, row_groups)  # [m, 2 * ffn]
     gate, up = jnp.split(h, 2, axis=-1)
     return (jax.nn.silu(gate) * up).astype(out_dtype)

@@ -43,22 +43,41 @@ class Workload:
 
 
 # Qwen3.5/3.6-35B-A3B experts: hidden 2048, expert ffn 512 (gate+up = 1024 columns), 256 experts, top-8.
-WORKLOADS = {w.name: w for w in [
-    Workload(name="tiny_router", m=64, k=64, n=64, groups=8, tags=("ci_tests",)),
-    Workload(name="tiny_partial", m=70, k=64, n=48, groups=8, layout="partial", routed_rows=53,
-             tags=("ci_tests",)),
-    Workload(name="tiny_one_group", m=40, k=32, n=32, groups=4, layout="one_group", tags=("ci_tests",)),
-    Workload(name="tiny_empty", m=48, k=64, n=32, groups=16, layout="empty_groups", tags=("ci_tests",)),
-    Workload(name="tiny_first_last", m=33, k=64, n=32, groups=4, layout="first_last", tags=("ci_tests",)),
-    Workload(name="tiny_all_padding", m=24, k=32, n=32, groups=4, layout="all_padding", routed_rows=0,
-             tags=("ci_tests",)),
-    Workload(name="tiny_512_groups", m=96, k=32, n=32, groups=512, tags=("ci_tests",)),
-    # Prefill: 8192 tokens x top-8 = 65536 routed rows; gate_up (n = 2 * 512) and down (k = 512).
-    Workload(name="prefill_gate_up", m=65536, k=2048, n=1024, groups=256, tags=("primary",)),
-    Workload(name="prefill_down", m=65536, k=512, n=2048, groups=256, tags=("primary",)),
-    # 512 tokens x top-8: every expert's weights are read for ~16 rows each: weight-read bound.
-    Workload(name="small_gate_up", m=4096, k=2048, n=1024, groups=256, tags=("primary", "weight_bound")),
-]}
+WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload(name="tiny_router", m=64, k=64, n=64, groups=8, tags=("ci_tests",)),
+        Workload(
+            name="tiny_partial",
+            m=70,
+            k=64,
+            n=48,
+            groups=8,
+            layout="partial",
+            routed_rows=53,
+            tags=("ci_tests",),
+        ),
+        Workload(name="tiny_one_group", m=40, k=32, n=32, groups=4, layout="one_group", tags=("ci_tests",)),
+        Workload(name="tiny_empty", m=48, k=64, n=32, groups=16, layout="empty_groups", tags=("ci_tests",)),
+        Workload(name="tiny_first_last", m=33, k=64, n=32, groups=4, layout="first_last", tags=("ci_tests",)),
+        Workload(
+            name="tiny_all_padding",
+            m=24,
+            k=32,
+            n=32,
+            groups=4,
+            layout="all_padding",
+            routed_rows=0,
+            tags=("ci_tests",),
+        ),
+        Workload(name="tiny_512_groups", m=96, k=32, n=32, groups=512, tags=("ci_tests",)),
+        # Prefill: 8192 tokens x top-8 = 65536 routed rows; gate_up (n = 2 * 512) and down (k = 512).
+        Workload(name="prefill_gate_up", m=65536, k=2048, n=1024, groups=256, tags=("primary",)),
+        Workload(name="prefill_down", m=65536, k=512, n=2048, groups=256, tags=("primary",)),
+        # 512 tokens x top-8: every expert's weights are read for ~16 rows each: weight-read bound.
+        Workload(name="small_gate_up", m=4096, k=2048, n=1024, groups=256, tags=("primary", "weight_bound")),
+    ]
+}
 
 
 def group_sizes_for(w: Workload, seed: int = 1) -> np.ndarray:
@@ -74,12 +93,12 @@ def group_sizes_for(w: Workload, seed: int = 1) -> np.ndarray:
     elif w.layout == "one_group":
         sizes = np.zeros(g, np.int64)
         sizes[g // 2] = routed
-    elif w.layout == "empty_groups":     # every other group empty, the rest skewed
+    elif w.layout == "empty_groups":  # every other group empty, the rest skewed
         live = np.arange(0, g, 2)
         p = np.random.default_rng(0).dirichlet(np.ones(live.size) * 0.5)
         sizes = np.zeros(g, np.int64)
         sizes[live] = np.random.default_rng(seed).multinomial(routed, p)
-    elif w.layout == "first_last":       # only the first and the last group
+    elif w.layout == "first_last":  # only the first and the last group
         sizes = np.zeros(g, np.int64)
         sizes[0], sizes[-1] = routed // 3, routed - routed // 3
     elif w.layout == "all_padding":
@@ -90,8 +109,15 @@ def group_sizes_for(w: Workload, seed: int = 1) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def make_inputs(w: Workload, *, dtype=jnp.bfloat16, weights: Literal["float", "int8", "int4"] = "float",
-                swiglu: bool = False, seed: int = 0, on_device_rng: bool = False):
+def make_inputs(
+    w: Workload,
+    *,
+    dtype=jnp.bfloat16,
+    weights: Literal["float", "int8", "int4"] = "float",
+    swiglu: bool = False,
+    seed: int = 0,
+    on_device_rng: bool = False,
+):
     """Random (lhs, rhs, group_sizes) for `w`.
 
     Args:

@@ -27,4 +27,4 @@ def test_single_row_is_padded_and_vectors_are_not():
     x, w = jnp.ones((1, 1, 16)), jnp.ones((16, 4))
     assert f"f32[{SINGLE_ROW_PAD},16]" in jax.jit(linear).lower(x, w).as_text(dialect="hlo")
     one_column = jax.jit(linear).lower(x, jnp.ones((16, 1))).as_text(dialect="hlo")
-    assert f"[{SINGLE_ROW_PAD},16]" not in one_column   # a dot of two vectors stays one
+    assert f"[{SINGLE_ROW_PAD},16]" not in one_column  # a dot of two vectors stays one
