@@ -324,7 +324,7 @@ def _print_report(r: dict) -> None:
     print(f"model          {r['model']}  [{r['dtype']}, {r['device']}, JAX {r['jax_version']}]")
     print(f"prompt tokens  {r['prompt_tokens']}  in {r['chunks']} chunk(s) of {r['chunk_size']}")
     note = "after warm-up" if r["compile_excluded"] else "includes compilation"
-    print(f"TTFT ({note}) {r['ttft_s']:.3f} s")
+    print(f"TTFT           {r['ttft_s']:.3f} s ({note})")
     print(f"prefill        {r['prefill_tokens_per_s']:.1f} tokens/s")
     if "phase_seconds" in r:
         total = sum(r["phase_seconds"].values()) or 1.0
