@@ -1,4 +1,4 @@
-"""Named grouped-matmul workloads and their inputs, shared by the tests and benchmarks/grouped_matmul.py.
+"""Named grouped-matmul workloads and their inputs, shared by the tests and `python -m benchmarks gmm`.
 
 Group sizes are drawn like a real top-k router: expert probabilities from a Dirichlet(2.0) over the groups,
 then a multinomial of the routed rows (the same recipe as the peer timings in shared/peers/tokamax_gmm.py).

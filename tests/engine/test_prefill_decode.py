@@ -217,7 +217,7 @@ def test_sample_top_k_and_top_p_restrict_support():
 
 
 def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
-    """Experts placed by jax.device_put (committed), the rest not, as benchmarks/offload.py builds its model:
+    """Experts placed by jax.device_put (committed), the rest not, as the offload benchmark builds its model:
     the runner commits its weights and the states, so a second prefill chunk and the decode steps after the
     first compile nothing (they compiled again inside the decode loop before, ~10 s at full size)."""
     from hybridlm.engine import phases

@@ -1,8 +1,8 @@
 """The matrix-vector grouped matmul (`pallas_gemv`, decode's few rows with their groups named) against float64
 numpy.
 
-The kernel runs in the Pallas interpreter on CPU; its PTX dequantization is checked by lowering for an H100
-(its outputs were checked against the reference on the GPU by benchmarks/moe_decode.py --gemv-sweep).
+The kernel runs in the Pallas interpreter on CPU; its PTX dequantization is checked by lowering for an sm_90
+GPU (on a GPU, `python -m pytest tests/pallas_kernels` runs it compiled).
 """
 
 import re
