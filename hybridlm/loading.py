@@ -25,8 +25,8 @@ def load(
       expert_format: HF directories only: "int8" / "int4" quantizes the routed experts as they load
         (`hybridlm.model.quantize_experts`); None keeps them in `dtype`.
       progress: show a progress bar for large checkpoints.
-      expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter as it loads,
-        the model holding 1-element placeholders instead (`hybridlm.model.loaded_value`; used by
+      expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter as it
+        loads, the model holding 1-element placeholders instead (`hybridlm.model.loaded_value`; used by
         `hybridlm.offload.load_offloaded`).
 
     Raises:

@@ -1,6 +1,7 @@
 """The hybrid model: embedding -> layers (Gated DeltaNet or gated attention, each + MoE) -> norm -> lm head.
 
-    x = E[ids];  for each layer: h = x + Mixer(RMSNorm(x));  x = h + FFN(RMSNorm(h));  logits = RMSNorm(x) W_lm
+    x = E[ids];  for each layer: h = x + Mixer(RMSNorm(x));  x = h + FFN(RMSNorm(h));
+    logits = RMSNorm(x) W_lm
 Source: HF `Qwen3_5MoeTextModel.forward`, `Qwen3_5MoeDecoderLayer.forward`; spec §2.
 """
 
@@ -63,8 +64,8 @@ def check_token_ids(ids, vocab_size: int) -> None:
 
 
 def head_logits(final_norm, head_weight: jax.Array, hidden: jax.Array) -> jax.Array:
-    """final_norm(hidden) @ head_weight: [..., hidden] -> [..., vocab] float32 (`HybridLM.logits`, and programs that
-    hold the head's pieces without the model, e.g. the offload runner's decode step)."""
+    """final_norm(hidden) @ head_weight: [..., hidden] -> [..., vocab] float32 (`HybridLM.logits`, and
+    programs that hold the head's pieces without the model, e.g. the offload runner's decode step)."""
     return (final_norm(hidden) @ head_weight).astype(jnp.float32)
 
 
@@ -118,8 +119,8 @@ EXPERT_PARAMS = ("experts_gate_up", "experts_down")  # the routed experts' param
 
 def loaded_value(path: tuple, value, dtype, expert_sink=None):
     """What a checkpoint loader sets parameter `path` (e.g. ("layers", i, "ffn", name)) to: `value`, or, for a
-    routed-expert parameter (EXPERT_PARAMS) when an `expert_sink` is given, a 1-element `dtype` placeholder after
-    handing `value` to expert_sink(layer, name, value) (`hybridlm.offload.load_offloaded`)."""
+    routed-expert parameter (EXPERT_PARAMS) when an `expert_sink` is given, a 1-element `dtype` placeholder
+    after handing `value` to expert_sink(layer, name, value) (`hybridlm.offload.load_offloaded`)."""
     if expert_sink is None or path[-1] not in EXPERT_PARAMS:
         return value
     expert_sink(path[1], path[-1], value)
@@ -139,8 +140,8 @@ def init_random(
       seed: PRNG seed (same seed, same weights).
       dtype: parameter and activation dtype (jnp.float32 or jnp.bfloat16).
       expert_format: None keeps routed-expert weights in `dtype`; "int8" or "int4" stores them as
-        `QuantizedWeights` (per-32 blocks along the input dim), quantized tensor by tensor so the full-precision
-        experts never exist all at once (a 35B model with int8 experts fits an 80 GB GPU).
+        `QuantizedWeights` (per-32 blocks along the input dim), quantized tensor by tensor so the
+        full-precision experts never exist all at once (a 35B model with int8 experts fits an 80 GB GPU).
 
     Raises:
       ValueError: unknown expert_format.
@@ -200,8 +201,8 @@ def _random_param(name: str, rng, shape: tuple[int, ...], xp):
 
 @functools.partial(jax.jit, static_argnums=1)
 def quantize_experts(w: jax.Array, expert_format: str):
-    """Routed-expert weights [experts, k, n] as `QuantizedWeights`: "int8" (`quantize_int8`, symmetric, Q8_0-like)
-    or "int4" (`quantize_int4`, scale and offset, Q4_1-like), blocks of 32 along k."""
+    """Routed-expert weights [experts, k, n] as `QuantizedWeights`: "int8" (`quantize_int8`, symmetric,
+    Q8_0-like) or "int4" (`quantize_int4`, scale and offset, Q4_1-like), blocks of 32 along k."""
     from pallas_kernels.quantized import quantize_int4, quantize_int8
 
     return (quantize_int8 if expert_format == "int8" else quantize_int4)(w)

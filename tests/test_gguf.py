@@ -1,5 +1,6 @@
 """GGUF: HF fixture -> save_gguf -> load reproduces the logits; every tensor type dequantizes like the gguf
-package; keep_quantized="experts" keeps Q8_0 / Q4_K experts packed; written files pass the gguf reader and dump.
+package; keep_quantized="experts" keeps Q8_0 / Q4_K experts packed;
+written files pass the gguf reader and dump.
 """
 
 import subprocess
@@ -224,8 +225,8 @@ def test_quantized_weights_from_raw_blocks_are_exact(qtype):
 
 
 def test_quantized_weights_concatenate_blocks_of_two_sizes():
-    """A gate in Q6_K beside an up in Q8_0: one 8-bit tensor with Q8_0's scales repeated per 16 elements; 8-bit
-    beside 4-bit refused; a type with no exact layout refused."""
+    """A gate in Q6_K beside an up in Q8_0: one 8-bit tensor with Q8_0's scales repeated per 16 elements;
+    8-bit beside 4-bit refused; a type with no exact layout refused."""
     rng = np.random.default_rng(4)
     gate, up = (_random_raw(t, rows=2 * 3, blocks=1, rng=rng).reshape(2, 3, -1) for t in (T.Q6_K, T.Q8_0))
     up = np.concatenate(
@@ -317,9 +318,9 @@ def test_use_more_bits_is_llama_quantize_rule():
 
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
 def test_keep_quantized_k_m_mixes(k256_model, forward, tmp_path, mix):
-    """Q4_K_M / Q5_K_M-like files: Q4_K / Q5_K experts, with Q6_K ffn_down in the layers of `use_more_bits`. Every
-    expert stays quantized (Q5_K as int8 with offsets, the Q6_K downs as int8 with a float32 scale per 16) with
-    the file's exact weights."""
+    """Q4_K_M / Q5_K_M-like files: Q4_K / Q5_K experts, with Q6_K ffn_down in the layers of `use_more_bits`.
+    Every expert stays quantized (Q5_K as int8 with offsets, the Q6_K downs as int8 with a float32 scale per
+    16) with the file's exact weights."""
     path = tmp_path / f"k256-{mix}.gguf"
     save_gguf(k256_model, path, mix)
     header = read_header(path)
@@ -375,7 +376,8 @@ def test_unsupported_arch_and_type_are_named(tmp_path):
 
 def rewrite_f32_gguf(model, path, rewrite):
     """Writes `model` as F32 GGUF at `path` with every tensor passed through rewrite(name, data, all tensors),
-    which returns (name, data) or None to drop it; the metadata is kept (as older converters' files differ)."""
+    which returns (name, data) or None to drop it;
+    the metadata is kept (as older converters' files differ)."""
     src = path.with_name(path.stem + ".src.gguf")
     save_gguf(model, src, "f32")
     reader = gguf.GGUFReader(src)
@@ -402,7 +404,8 @@ def rewrite_f32_gguf(model, path, rewrite):
 
 
 def test_loader_accepts_fused_gate_up_experts(gguf_case, forward, tmp_path):
-    """Files converted with the fuse option carry ffn_gate_up_exps [experts, 2*ffn, hidden] (gate rows first)."""
+    """Files converted with the fuse option carry ffn_gate_up_exps
+    [experts, 2*ffn, hidden] (gate rows first)."""
     model, ids, want, _ = gguf_case["qwen35moe_text"]
 
     def fuse(name, data, tensors):
@@ -433,7 +436,10 @@ def test_dense_qwen35_round_trip(forward, tmp_path):
 # the tokenizer stored in the file
 # ----------------------------------------------------------------------------------------------------------
 TOKENIZER_TEXTS = [
-    "Hello, world! <|im_start|>user\nCiao, come stai? 你好世界 🤖🎉 naïve café\t\t  x\r\n\r\n<think>ok</think><|im_end|>",
+    (
+        "Hello, world! <|im_start|>user\nCiao, come stai? 你好世界 🤖🎉 naïve café\t\t  x\r\n\r\n"
+        "<think>ok</think><|im_end|>"
+    ),
     "e\u0301 Å Å ﬁ",  # combining accent (NFC), angstrom sign vs letter, a ligature
     "   leading spaces and trailing   \n\n\n",
     "12345 3.14159 ١٢٣ ⅷ",
@@ -504,7 +510,8 @@ def test_gguf_without_tokenizer_and_small_vocab(gguf_case, tmp_path):
 
 
 def test_loader_accepts_legacy_qwen3next_ssm_in(gguf_case, forward, tmp_path):
-    """Older Qwen3-Next GGUFs carry the fused, per-k-head grouped `ssm_in` (qkvz) instead of attn_qkv + attn_gate."""
+    """Older Qwen3-Next GGUFs carry the fused, per-k-head grouped `ssm_in` (qkvz)
+    instead of attn_qkv + attn_gate."""
     model, ids, want, _ = gguf_case["qwen3next"]
     g = model.config.gdn
     r = g.num_v_heads // g.num_k_heads

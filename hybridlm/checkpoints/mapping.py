@@ -1,10 +1,11 @@
-"""The one table between hybridlm parameter paths and checkpoint tensor names, with the transforms between them.
+"""The one table between hybridlm parameter paths and checkpoint tensor names,
+with the transforms between them.
 
-A `ParamSource` says, for one parameter of `HybridLM` (its nnx path), which HF tensors it is built from and how
-(transpose, stacking per-expert tensors, un-grouping Qwen3-Next's fused projections). Loaders read only the
-tensors a parameter needs, one parameter at a time. A `GGUFSource` does the same for llama.cpp GGUF names, in
-both directions (the converter's transform for `save_gguf`, its inverse for loading). Checkpoint names appear
-only in this module.
+A `ParamSource` says, for one parameter of `HybridLM` (its nnx path), which HF tensors it is built from and
+how (transpose, stacking per-expert tensors, un-grouping Qwen3-Next's fused projections). Loaders read only
+the tensors a parameter needs, one parameter at a time. A `GGUFSource` does the same for llama.cpp GGUF names,
+in both directions (the converter's transform for `save_gguf`, its inverse for loading). Checkpoint names
+appear only in this module.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def _same(x):
 
 
 def ungroup_qkvz(w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Qwen3-Next `in_proj_qkvz` [out, hidden], grouped per k-head as [q_g | k_g | v_g (r heads) | z_g (r heads)],
-    -> (flat [Q | K | V] rows [conv_dim, hidden], z rows [v_heads*value_dim, hidden]) in natural head order.
+    """Qwen3-Next `in_proj_qkvz` [out, hidden], grouped per k-head as
+    [q_g | k_g | v_g (r heads) | z_g (r heads)], -> (flat [Q | K | V] rows [conv_dim, hidden],
+    z rows [v_heads*value_dim, hidden]) in natural head order.
 
     Source: HF `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`; spec §4.1.
     """
@@ -53,7 +55,8 @@ def ungroup_qkvz(w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, np.nda
 
 
 def ungroup_ba(w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Qwen3-Next `in_proj_ba` [2*v_heads, hidden], grouped per k-head as [b (r) | a (r)] -> (b rows, a rows)."""
+    """Qwen3-Next `in_proj_ba` [2*v_heads, hidden], grouped per k-head as [b (r) | a (r)]
+    -> (b rows, a rows)."""
     g = config.gdn
     r = g.num_v_heads // g.num_k_heads
     w = w.reshape(g.num_k_heads, 2 * r, -1)
@@ -65,7 +68,8 @@ def hf_sources(config: ModelConfig, names: set[str], *, prefix: str) -> Iterator
 
     Args:
       config: the model's configuration.
-      names: tensor names present in the checkpoint (chooses fused vs split and per-expert vs stacked layouts).
+      names: tensor names present in the checkpoint (chooses fused vs split and per-expert vs stacked
+        layouts).
       prefix: the text model's prefix, "model." or "model.language_model.".
     """
     yield ParamSource(("embed",), (f"{prefix}embed_tokens.weight",), _same)
@@ -169,8 +173,8 @@ IGNORED_HF_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 class GGUFSource:
     """One row of the GGUF table: parameters <-> GGUF tensors, with the converter's transform both ways.
 
-    Most rows are one parameter <-> one tensor; gate/up halves make one parameter from two tensors, and Qwen3-Next's
-    `ssm_ba` makes two parameters from one tensor.
+    Most rows are one parameter <-> one tensor; gate/up halves make one parameter from two tensors, and
+    Qwen3-Next's `ssm_ba` makes two parameters from one tensor.
     """
 
     params: tuple[Path, ...]  # nnx paths in HybridLM
@@ -215,7 +219,8 @@ def _permuter(order: np.ndarray | None, head_size: int, start: int = 0):
 
 
 def group_ba(b: np.ndarray, a: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """Inverse of `ungroup_ba`: b, a rows [v_heads, hidden] -> Qwen3-Next grouped [b (r) | a (r)] per k-head."""
+    """Inverse of `ungroup_ba`: b, a rows [v_heads, hidden] -> Qwen3-Next grouped [b (r) | a (r)]
+    per k-head."""
     g = config.gdn
     r = g.num_v_heads // g.num_k_heads
     grouped = np.concatenate([b.reshape(g.num_k_heads, r, -1), a.reshape(g.num_k_heads, r, -1)], axis=1)
@@ -223,7 +228,8 @@ def group_ba(b: np.ndarray, a: np.ndarray, config: ModelConfig) -> np.ndarray:
 
 
 def ssm_a_from_a_log(a_log: np.ndarray) -> np.ndarray:
-    """ssm_a = -exp(A_log) in float32, with XLA's exp (the one the model uses), so that loading gets A_log back."""
+    """ssm_a = -exp(A_log) in float32, with XLA's exp (the one the model uses),
+    so that loading gets A_log back."""
     import jax.numpy as jnp
 
     return -np.asarray(jnp.exp(jnp.asarray(a_log, jnp.float32)))
@@ -232,8 +238,9 @@ def ssm_a_from_a_log(a_log: np.ndarray) -> np.ndarray:
 def a_log_from_ssm_a(ssm_a: np.ndarray) -> np.ndarray:
     """A_log = log(-ssm_a) in float32, nudged by up to 2 ulps so that `jnp.exp(A_log) == -ssm_a` exactly.
 
-    The model computes -exp(A_log) with XLA's float32 exp; the nudge makes it reproduce the file's ssm_a bit for
-    bit (on the backend that loads), so an F32 GGUF round trip gives the same decays as the original weights.
+    The model computes -exp(A_log) with XLA's float32 exp; the nudge makes it reproduce the file's ssm_a bit
+    for bit (on the backend that loads), so an F32 GGUF round trip gives the same decays as the original
+    weights.
 
     Raises:
       ValueError: ssm_a has a value >= 0 or not finite (a decay rate must be negative).

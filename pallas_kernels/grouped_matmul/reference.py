@@ -4,9 +4,9 @@ Row i of lhs belongs to group g when starts[g] <= i < ends[g], with ends = cumsu
 starts = ends - group_sizes (rows are sorted by group). Then
     out[i] = lhs[i] @ rhs[g]                     (gmm)
     out[i] = silu(lhs[i] @ Wg[g]) * (lhs[i] @ Wu[g]),  [Wg | Wu] = w_gate_up[g]   (gmm_swiglu)
-and rows i >= sum(group_sizes) belong to no group and give zeros. Instead of group_sizes, `row_groups` may give
-each row's group directly (rows in any order, as a decode step's few (token, expert) pairs come unsorted); a
-value outside [0, groups) then gives a zero row.
+and rows i >= sum(group_sizes) belong to no group and give zeros. Instead of group_sizes, `row_groups` may
+give each row's group directly (rows in any order, as a decode step's few (token, expert) pairs come
+unsorted); a value outside [0, groups) then gives a zero row.
 
 It computes only each row's own group (m * k * n multiply-adds, not groups times that): rows are processed
 in fixed-size batches, each row gathering its group's matrix. Everything is float32 at Precision.HIGHEST.

@@ -98,8 +98,9 @@ def test_check_rejects_bad_layouts():
 
 
 def test_common_format_and_reencode_are_exact():
-    """Q4_K-like (4-bit, float32 per 32), Q6_K-like (int8, float32 per 16) and Q8_0 (int8, float16 per 32) weights
-    in one format: int8 with float32 scales and offsets per 16, each dequantizing to its own weights bit for bit."""
+    """Q4_K-like (4-bit, float32 per 32), Q6_K-like (int8, float32 per 16) and Q8_0 (int8, float16 per 32)
+    weights in one format: int8 with float32 scales and offsets per 16, each dequantizing to its own weights
+    bit for bit."""
     w = random_weights((2, 64, 8))
     formats = [
         quantize_int4(w, scale_dtype=jnp.float32),
