@@ -5,9 +5,9 @@ the `{arch}.*` metadata, then reads tensors one table row at a time (`mapping.gg
 memory-mapped file (with the byte layout `gguf.GGUFReader` presents), dequantizes each with the gguf package's
 numpy dequantizers and undoes the converter's transforms (norm +1, ssm_a = -exp(A_log), V-head reorder,
 transposes). Peak host memory is the model plus the dequantized tensors of one table row.
-`gguf.GGUFReader` itself is not used for loading: it builds numpy views per metadata array element and needs
-~55 s for the 750k tokenizer strings that `save_gguf` writes for the Qwen3.5 vocabulary, where our parser
-takes ~1 s; the tests check that written files pass `GGUFReader` and the gguf dump tool.
+`gguf.GGUFReader` itself is not used for loading: it builds a numpy view per metadata array element, which
+makes the Qwen3.5 vocabulary's 750k tokenizer strings slow to read; the tests check that written files pass
+`GGUFReader` and the gguf dump tool.
 `save_gguf` applies the converter's transforms and writes what llama.cpp's `convert_hf_to_gguf.py` writes for
 the same weights (names, shapes, F32 rules, metadata, tokenizer).
 Spec: ../shared/spec/qwen35-hybrid-moe.md §10, §12.
@@ -292,17 +292,7 @@ def load_gguf(
     header = read_header(path)
     config = config_from_gguf(header)
     arch = _architecture(header)
-    if config.num_layers > len(header.tensors):  # bounds the work below (model building, table rows)
-        raise GGUFError(
-            f"the metadata implies {config.num_layers} layers; the file has only "
-            f"{len(header.tensors)} tensors"
-        )
-    for info in header.tensors.values():
-        if info.type not in gguf_quants.SUPPORTED_TYPES:
-            raise GGUFError(
-                f"tensor {info.name!r} has type {info.type.name}, which is not supported; supported: "
-                f"{[t.name for t in gguf_quants.SUPPORTED_TYPES]}"
-            )
+    _check_tensor_table(header, config)
     if dtype is None:
         embed = header.tensors.get("token_embd.weight")
         dtype = jnp.float32 if embed is not None and embed.type == T.F32 else jnp.bfloat16
@@ -331,24 +321,12 @@ def load_gguf(
                 f"{['.'.join(map(str, p)) for p in src.params]}"
             )
         used.update(src.tensors)
-        if keep_quantized == "experts" and src.experts:
-            qw = _keep(src, header, mapped)
-            if qw is not None:
-                _check_shape(src, 0, qw.shape, wants[0].shape)
-                variables[src.params[0]].set_value(
-                    loaded_value(src.params[0], qw, wants[0].dtype, expert_sink)
-                )
-                continue
-        arrays = [
-            gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
-            for n in src.tensors
-        ]
-        try:
-            values = src.load(*arrays)
-        except (ValueError, IndexError) as e:
-            raise GGUFError(f"tensor(s) {list(src.tensors)} do not fit {arch} metadata: {e}") from None
-        del arrays
-        for i, (value, want) in enumerate(zip(values, wants, strict=False)):
+        kept = _keep(src, header, mapped) if keep_quantized == "experts" and src.experts else None
+        if kept is not None:
+            _check_shape(src, 0, kept.shape, wants[0].shape)
+            variables[src.params[0]].set_value(loaded_value(src.params[0], kept, wants[0].dtype, expert_sink))
+            continue
+        for i, (value, want) in enumerate(zip(_dequantized(src, header, mapped, arch), wants, strict=False)):
             _check_shape(src, i, value.shape, want.shape)
             variables[src.params[i]].set_value(
                 loaded_value(src.params[i], jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink)
@@ -359,6 +337,42 @@ def load_gguf(
             f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
         )
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
+
+
+def _check_tensor_table(header, config) -> None:
+    """Refuses a tensor table that cannot hold the model (bounding the work of building it) or that has a
+    tensor type the loader cannot read.
+
+    Raises:
+      GGUFError: naming the layer and tensor counts, or the tensor and its type.
+    """
+    if config.num_layers > len(header.tensors):
+        raise GGUFError(
+            f"the metadata implies {config.num_layers} layers; the file has only "
+            f"{len(header.tensors)} tensors"
+        )
+    for info in header.tensors.values():
+        if info.type not in gguf_quants.SUPPORTED_TYPES:
+            raise GGUFError(
+                f"tensor {info.name!r} has type {info.type.name}, which is not supported; supported: "
+                f"{[t.name for t in gguf_quants.SUPPORTED_TYPES]}"
+            )
+
+
+def _dequantized(src, header, mapped, arch) -> tuple:
+    """The parameter values of one table row: its tensors dequantized, then the converter's transforms undone.
+
+    Raises:
+      GGUFError: the tensors do not fit the architecture's metadata (names them).
+    """
+    arrays = [
+        gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
+        for n in src.tensors
+    ]
+    try:
+        return src.load(*arrays)
+    except (ValueError, IndexError) as e:
+        raise GGUFError(f"tensor(s) {list(src.tensors)} do not fit {arch} metadata: {e}") from None
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
