@@ -155,9 +155,8 @@ def routed_experts(
     # [tokens*top_k, ffn], then [tokens*top_k, hidden]
     h = gmm_swiglu(x, gate_up, **groups, lhs_index=token_of_row, implementation=implementation)
     y = gmm(h.astype(x.dtype), down, **groups, implementation=implementation)
-    if (
-        sort
-    ):  # un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows)
+    # un-permute by gathering through the inverse permutation (a scatter of int32 indices, not of rows)
+    if sort:
         inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
         y = y[inverse]
     out = jnp.einsum(

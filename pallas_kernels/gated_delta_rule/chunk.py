@@ -31,9 +31,21 @@ BACKENDS = ("triton", "mosaic")
     jax.jit, static_argnames=("backend", "scale", "chunk_size", "interpret", "config", "max_seqlen")
 )
 def gated_delta_rule_pallas(
-    query, key, value, log_decay, beta, *, backend, initial_state=None, scale=None, chunk_size=64,
-    cu_seqlens=None, max_seqlen=None, interpret=None, config=None,
-):  # fmt: skip
+    query,
+    key,
+    value,
+    log_decay,
+    beta,
+    *,
+    backend,
+    initial_state=None,
+    scale=None,
+    chunk_size=64,
+    cu_seqlens=None,
+    max_seqlen=None,
+    interpret=None,
+    config=None,
+):
     """The gated delta rule by the Pallas stages; arguments and results as `api.gated_delta_rule`.
 
     Args:

@@ -387,9 +387,8 @@ def walk_kernel(
             plgpu.barrier_arrive(free0.at[s])
             return lc(state)
 
-        if (
-            packed == "own_grid"
-        ):  # the mask only in the first and last chunk: the step is the walk's critical path
+        # the mask only in the first and last chunk: the step is the walk's critical path
+        if packed == "own_grid":
             state = state0
             for first_n, stop_n, which in walk_parts:
                 state = lax.fori_loop(first_n, stop_n, functools.partial(step, which=which), state)

@@ -72,9 +72,8 @@ def dequantize_asm(codes, scale, offset=None, *, part, int8_fma=False, f32=False
     lines = [".reg .b32 t, m, f<4>, n<4>;", _ASM_CODES[part], _asm_byte_to_float(0, fma8)[0]]
     for i in range(4):
         lines.append(_asm_byte_to_float(i, fma8)[1])
-        if (
-            fma8
-        ):  # 2**15 + 128 + code, one fma (the four products by -(2**15 + 128) are one where scales agree)
+        # 2**15 + 128 + code, one fma (the four products by -(2**15 + 128) are one where scales agree)
+        if fma8:
             lines.append(f"mul.rn.f32 n{i}, ${3 + i}, 0fC7008000; fma.rn.f32 f{i}, f{i}, ${3 + i}, n{i};")
         elif part == 8:  # 2**23 + 128 + code: the int8 bias times an f32 scale is not exact, so two steps
             lines.append(f"sub.rn.f32 f{i}, f{i}, 0f4B000080; mul.rn.f32 f{i}, f{i}, ${3 + i};")

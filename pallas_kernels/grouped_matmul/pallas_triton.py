@@ -149,9 +149,8 @@ def _heuristic_k_major(rows_per_group: float, bits: int, swiglu: bool) -> Config
 def _heuristic(rows_per_group: float, bits: int | None, swiglu: bool) -> Config:
     if bits == 4 and not swiglu and rows_per_group <= 32:  # 4-bit down product, weight-read bound
         return Config(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4)
-    if (
-        bits == 4 and rows_per_group <= 32
-    ):  # 4-bit gate_up, weight-read bound: weights as the register operand
+    # 4-bit gate_up, weight-read bound: weights as the register operand
+    if bits == 4 and rows_per_group <= 32:
         return Config(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_operands=True)
     if bits is not None and rows_per_group <= 64:  # weight-read bound: small chunks and n-tiles
         return Config(
