@@ -35,7 +35,7 @@ def load_offloaded(
         host memory (`hybridlm.checkpoints.gguf_quants.KEEPABLE_TYPES`) (`QuantizedWeights`, dequantized
         inside the kernels); None stores them dequantized, in `dtype`. Ignored for HF directories.
       expert_format: HF directories: None keeps the experts in `dtype`; "int8" / "int4" quantizes each layer's
-        experts as it loads (`hybridlm.model.quantize_experts`), e.g. a bf16 checkpoint's 67 GB of Qwen3.6
+        experts as it loads (`hybridlm.model.quantize_experts`), e.g. a bf16 checkpoint's 64 GB of Qwen3.6
         experts to ~20 GB of 4-bit ones. GGUF files: must be None (their own quantization is kept).
       dtype: parameter dtype, as `hybridlm.load`.
       parts: pinned host buffers a layer (`OffloadConfig.host_parts`; None: `default_host_parts()`).
