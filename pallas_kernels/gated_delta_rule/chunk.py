@@ -60,19 +60,12 @@ def gated_delta_rule_pallas(
       NotImplementedError: "mosaic" where `state_pass_mosaic.refusal` gives a reason.
     """
     inputs = (query, key, value, log_decay, beta)
-    _, seq, _, key_dim, v_heads, value_dim, num_states = common.check_shapes(
-        *inputs, initial_state, cu_seqlens
-    )
+    dims = common.check_shapes(*inputs, initial_state, cu_seqlens)
+    _, seq, _, key_dim, v_heads, value_dim, num_states = dims
     if cu_seqlens is not None and max_seqlen is not None:  # packed -> padded batch, one walk per sequence
-        if max_seqlen < 1:
-            raise ValueError(f"max_seqlen={max_seqlen} must be >= 1")
         static = dict(backend=backend, scale=scale, chunk_size=chunk_size, interpret=interpret, config=config)
-        max_len = -(-max_seqlen // chunk_size) * chunk_size
-        batched, overflow = common.packed_to_batch(inputs, cu_seqlens, max_len)
-        out, final_state = gated_delta_rule_pallas(*batched, initial_state=initial_state, **static)
-        out = common.batch_to_packed(out, cu_seqlens, seq)
-        nan = jnp.asarray(jnp.nan, jnp.float32)
-        return jnp.where(overflow, nan.astype(out.dtype), out), jnp.where(overflow, nan, final_state)
+        run = functools.partial(gated_delta_rule_pallas, **static)
+        return common.run_as_padded_batch(run, inputs, initial_state, cu_seqlens, max_seqlen, chunk_size)
     for name, x in (("chunk_size", chunk_size), ("key_dim", key_dim), ("value_dim", value_dim)):
         if not common.is_pow2(x) or x < 16:
             raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas Triton kernels")

@@ -279,3 +279,28 @@ def batch_to_packed(output, cu_seqlens, seq: int):
     flat = output.reshape((num_seqs * max_len,) + output.shape[2:])
     index = jnp.clip(token_seq * max_len + token - cu[token_seq], 0, num_seqs * max_len - 1)
     return jnp.take(flat, index, axis=0)[None]
+
+
+def run_as_padded_batch(run, inputs, initial_state, cu_seqlens, max_seqlen: int, chunk_size: int):
+    """Packed sequences run as a zero-padded batch, one walk per sequence.
+
+    Args:
+      run: `run(q, k, v, g, beta, initial_state=...)` -> (output, final state) on the batch.
+      inputs: (query, key, value, log_decay, beta), packed [1, seq, ...].
+      max_seqlen: static bound (tokens) on the sequences' lengths, rounded up to whole chunks.
+
+    Returns:
+      The output repacked [1, seq, ...] and the final states; both NaN where a sequence is longer than
+      max_seqlen.
+
+    Raises:
+      ValueError: max_seqlen < 1.
+    """
+    if max_seqlen < 1:
+        raise ValueError(f"max_seqlen={max_seqlen} must be >= 1")
+    max_len = -(-max_seqlen // chunk_size) * chunk_size
+    batched, overflow = packed_to_batch(inputs, cu_seqlens, max_len)
+    out, final_state = run(*batched, initial_state=initial_state)
+    out = batch_to_packed(out, cu_seqlens, inputs[0].shape[1])
+    nan = jnp.asarray(jnp.nan, jnp.float32)
+    return jnp.where(overflow, nan.astype(out.dtype), out), jnp.where(overflow, nan, final_state)
