@@ -7,7 +7,7 @@ from typing import Literal
 import jax
 import numpy as np
 
-from pallas_kernels import tuning
+from pallas_kernels import dispatch, tuning
 from pallas_kernels.gated_delta_rule import chunk, chunked, decode_step, reference
 
 Implementation = Literal["reference", "chunked", "triton", "mosaic"]
@@ -93,40 +93,31 @@ def gated_delta_rule(
     """
     if implementation is None:
         implementation = GPU_DEFAULT if jax.default_backend() == "gpu" else "chunked"
-    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-    if not names or any(name not in _IMPLEMENTATIONS for name in names):
-        raise ValueError(f"unknown implementation {implementation!r}; choose from {sorted(_IMPLEMENTATIONS)}")
+    names = dispatch.implementation_names(implementation, _IMPLEMENTATIONS)
     if max_seqlen is not None and cu_seqlens is not None and not isinstance(cu_seqlens, jax.core.Tracer):
         cu = np.asarray(cu_seqlens)
         longest = int(np.max(cu[1:] - cu[:-1], initial=0))
         if longest > max_seqlen:
             raise ValueError(f"max_seqlen={max_seqlen} but cu_seqlens has a sequence of {longest} tokens")
-    refusals = []
-    for name in names:
-        extra = (
-            {"max_seqlen": int(max_seqlen)}
-            if name in _PALLAS and max_seqlen is not None and cu_seqlens is not None
-            else {}
+    padded = max_seqlen is not None and cu_seqlens is not None
+
+    def call(name):
+        extra = {"max_seqlen": int(max_seqlen)} if name in _PALLAS and padded else {}
+        return _IMPLEMENTATIONS[name](
+            query,
+            key,
+            value,
+            log_decay,
+            beta,
+            initial_state=initial_state,
+            scale=scale,
+            chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens,
+            interpret=interpret,
+            **extra,
         )
-        try:
-            return _IMPLEMENTATIONS[name](
-                query,
-                key,
-                value,
-                log_decay,
-                beta,
-                initial_state=initial_state,
-                scale=scale,
-                chunk_size=chunk_size,
-                cu_seqlens=cu_seqlens,
-                interpret=interpret,
-                **extra,
-            )
-        except NotImplementedError as error:
-            if len(names) == 1:
-                raise
-            refusals.append(f"{name}: {error}")
-    raise NotImplementedError(f"no implementation of {names} takes this call; " + "; ".join(refusals))
+
+    return dispatch.first_accepted(names, call)
 
 
 def gated_delta_rule_step(

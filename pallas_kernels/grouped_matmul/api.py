@@ -8,6 +8,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.grouped_matmul import pallas_gemv, pallas_triton, reference
 from pallas_kernels.quantized import QuantizedWeights
 
@@ -43,19 +44,8 @@ def _run(
         implementation = default_implementation(
             lhs, rhs, row_groups=kwargs["row_groups"], lhs_index=kwargs["lhs_index"]
         )
-    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-    for name in names:
-        if name not in table:
-            raise ValueError(f"unknown implementation {name!r}; choose from {sorted(table)}")
-    if len(names) == 1:  # a single choice never falls back
-        return table[names[0]](lhs, rhs, group_sizes, **kwargs)
-    refusals = []
-    for name in names:
-        try:
-            return table[name](lhs, rhs, group_sizes, **kwargs)
-        except NotImplementedError as e:
-            refusals.append(f"{name}: {e}")
-    raise NotImplementedError("every implementation refused: " + "; ".join(refusals))
+    names = dispatch.implementation_names(implementation, table)
+    return dispatch.first_accepted(names, lambda name: table[name](lhs, rhs, group_sizes, **kwargs))
 
 
 def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
