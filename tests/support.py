@@ -1,15 +1,12 @@
 """Constants and checks shared by the test modules (imported as `support`; fixtures live in conftest.py)."""
 
-import importlib.util
 import pathlib
-import sys
 
 import numpy as np
 
 from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
 HF_FIXTURES = ("qwen35moe_text", "qwen35moe_full", "qwen3next")
 
 # A model whose every matrix row is a multiple of 256, so Q4_K, Q5_K and Q6_K apply to all of them (the
@@ -45,15 +42,3 @@ def lowered_for_h100(fn, *args, **kwargs) -> str:
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
         traced = jax.jit(functools.partial(fn, **kwargs)).trace(*args)
         return traced.lower(lowering_platforms=("cuda",)).as_text()
-
-
-def load_benchmark(name: str):
-    """The script benchmarks/<name>.py as a module (its sibling scripts importable), for smoke tests and for
-    tests that share a benchmark's reference computation."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.append(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
