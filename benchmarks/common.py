@@ -85,10 +85,6 @@ def _round(v):
     return v
 
 
-def implementation_label(implementation: str | None) -> str:
-    return "default" if implementation in (None, "default") else implementation
-
-
 def implementation_arg(label: str) -> str | None:
     """A CLI implementation name as the api's `implementation=` ("default" -> None: the device's best)."""
     return None if label == "default" else label
