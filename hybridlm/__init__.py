@@ -4,6 +4,7 @@ Public surface: configuration (`ModelConfig`, `get_config`), the model (`HybridL
 the engine (`prefill`, `generate`, `decode_step`) and the tokenizer (`Tokenizer`).
 """
 
+from hybridlm import compile_cache
 from hybridlm.checkpoints.gguf import save_gguf
 from hybridlm.config import PRESETS, AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig, get_config
 from hybridlm.engine import LayerwiseRunner, PrefillResult, decode_step, generate, prefill
@@ -30,3 +31,6 @@ __all__ = [
     "save_gguf",
 ]
 __version__ = "0.1.0"
+
+# Later processes read compiled programs back from disk (`compile_cache`; HYBRIDLM_COMPILE_CACHE=off).
+compile_cache.enable()

@@ -15,18 +15,21 @@ Spec: ../shared/spec/qwen35-hybrid-moe.md §10, §12.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import math
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 from tqdm.auto import tqdm
 
-from hybridlm.checkpoints import gguf_quants
-from hybridlm.checkpoints.gguf_header import GGUFError, Header, TensorInfo, read_header
+from hybridlm.checkpoints import gguf_device, gguf_quants
+from hybridlm.checkpoints.gguf_header import GGUFError, Header, read_header
 from hybridlm.checkpoints.mapping import gguf_sources
 from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
 from hybridlm.model import HybridLM, loaded_value
@@ -263,8 +266,13 @@ def load_gguf(
     keep_quantized: str | None = None,
     progress: bool = True,
     expert_sink=None,
+    check_finite: bool = True,
 ) -> HybridLM:
     """Loads a llama.cpp GGUF file of a `qwen35moe`, `qwen35` or `qwen3next` model.
+
+    Tensors are read with `pread` a few ahead of their use (`read_ahead`), so the file's pages never count
+    in the process's resident set; F32/F16/BF16/Q8_0 matrices are dequantized on the device
+    (`gguf_device`), other types with the gguf package's numpy dequantizers.
 
     Args:
       path: the .gguf file (one file; split `-00001-of-0000N` files are not supported).
@@ -273,18 +281,22 @@ def load_gguf(
         Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL or IQ4_XS (as 8-bit) or as Q4_0, Q4_1 or Q4_K (as 4-bit)
         `QuantizedWeights`, exactly (`gguf_quants.to_quantized_weights`); other types (F16, BF16, Q8_K), or
         input dims that do not split into whole 4-bit halves, are dequantized.
-      progress: show a progress bar over tensors.
+      progress: show a progress bar over bytes read.
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
-        ("experts_gate_up" / "experts_down", a `QuantizedWeights` or a device array [experts, ...]) as soon as
-        it is loaded; the model then holds 1-element placeholders for them (`hybridlm.offload.load_offloaded`
-        packs them into pinned host memory one layer at a time).
+        ("experts_gate_up" / "experts_down": a `QuantizedWeights`, a device array [experts, ...], or, when
+        every expert tensor of the file is Q4_K and keep_quantized="experts", the file's own blocks as
+        host `gguf_device.Q4KBlocks`) as soon as it is read; the model then holds 1-element placeholders
+        for them (`hybridlm.offload.load_offloaded` packs them into pinned host memory a layer at a time).
+      check_finite: refuse a file whose float weights or quantization scales hold NaN or Inf.
 
     Returns:
       The model. A GDN model in Qwen3.5 GGUF order gets its V heads back in HF (grouped) order.
 
     Raises:
       GGUFError: (a ValueError) a malformed or hostile file, an unsupported architecture or tensor type,
-        missing, extra or mis-shaped tensors; the message names the key or tensor.
+        missing, extra or mis-shaped tensors, NaN/Inf weights (check_finite); the message names the key or
+        tensor.
+      OSError: the file could not be read.
     """
     path = os.fspath(path)
     if keep_quantized not in (None, "experts"):
@@ -296,47 +308,142 @@ def load_gguf(
     if dtype is None:
         embed = header.tensors.get("token_embd.weight")
         dtype = jnp.float32 if embed is not None and embed.type == T.F32 else jnp.bfloat16
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
     names = set(header.tensors)
     sources = list(gguf_sources(config, arch, names))
-    used = set()
-    for src in tqdm(
-        sources, desc=f"loading {os.path.basename(path)}", unit="tensor", disable=not progress, leave=False
-    ):
-        missing = [n for n in src.tensors if n not in names]
-        if missing:
-            raise GGUFError(
-                f"GGUF file lacks tensor {missing[0]!r} (architecture {arch}, {config.num_layers} layers)"
-            )
-        wants = [variables[p].get_value() for p in src.params]
-        want_count = sum(math.prod(w.shape) for w in wants)
-        got_count = sum(math.prod(header.tensors[n].ne) for n in src.tensors)
-        if got_count != want_count:
-            raise GGUFError(
-                f"tensor(s) {list(src.tensors)} with ne={[list(header.tensors[n].ne) for n in src.tensors]}"
-                f" hold {got_count} values; the metadata implies {want_count} for "
-                f"{['.'.join(map(str, p)) for p in src.params]}"
-            )
-        used.update(src.tensors)
-        kept = _keep(src, header, mapped) if keep_quantized == "experts" and src.experts else None
-        if kept is not None:
-            _check_shape(src, 0, kept.shape, wants[0].shape)
-            variables[src.params[0]].set_value(loaded_value(src.params[0], kept, wants[0].dtype, expert_sink))
-            continue
-        for i, (value, want) in enumerate(zip(_dequantized(src, header, mapped, arch), wants, strict=False)):
-            _check_shape(src, i, value.shape, want.shape)
-            variables[src.params[i]].set_value(
-                loaded_value(src.params[i], jnp.asarray(value, dtype=want.dtype), want.dtype, expert_sink)
-            )
+    for src in sources:
+        _check_source(src, header, variables, arch, config)
+    used = {n for src in sources for n in src.tensors}
     extra = sorted(n for n in names - used if _is_trunk_tensor(n, config.num_layers))
     if extra:
         raise GGUFError(
             f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
         )
+    keep = keep_quantized == "experts"
+    raw_q4k = keep and all(
+        header.tensors[n].type == T.Q4_K for src in sources if src.experts for n in src.tensors
+    )
+    finite: list[tuple[str, object]] = []
+    total = sum(header.tensors[n].nbytes for n in used)
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=total,
+            desc=f"loading {os.path.basename(path)}",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not progress,
+            leave=False,
+        ) as bar,
+    ):
+        previous = None
+        for src, raws in read_ahead(f.fileno(), header, sources):
+            wants = [variables[p].get_value() for p in src.params]
+            values = _source_values(src, raws, header, wants, arch, keep, raw_q4k, expert_sink is not None)
+            for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
+                _check_shape(src, i, value.shape, want.shape)
+                if check_finite:
+                    finite.append((src.tensors[0], _all_finite(value)))
+                variables[param].set_value(loaded_value(param, value, want.dtype, expert_sink))
+            # one source in flight: the host buffers of older ones are free before more are read
+            jax.block_until_ready(previous)
+            previous = [v for v in values if not isinstance(v, gguf_device.Q4KBlocks)]
+            bar.update(sum(r.nbytes for r in raws))
+    if check_finite:
+        _raise_if_not_finite(finite)
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
+
+
+def read_ahead(fd: int, header: Header, sources, max_bytes: int = 1 << 30, workers: int = 4):
+    """Yields (source, [its tensors' bytes uint8 [nbytes]]) in order, reading up to `max_bytes` ahead with
+    `workers` threads (`pread` releases the GIL; the page cache serves several readers at once)."""
+    pending: collections.deque = collections.deque()
+    ahead = 0
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        it = iter(sources)
+        for src in it:
+            infos = [header.tensors[n] for n in src.tensors]
+            pending.append((src, [pool.submit(gguf_device.read_tensor, fd, t) for t in infos]))
+            ahead += sum(t.nbytes for t in infos)
+            while ahead > max_bytes or (pending and len(pending) > 64):
+                done, futures = pending.popleft()
+                raws = [fut.result() for fut in futures]
+                ahead -= sum(r.nbytes for r in raws)
+                yield done, raws
+        while pending:
+            done, futures = pending.popleft()
+            yield done, [fut.result() for fut in futures]
+
+
+def _check_source(src, header, variables, arch, config) -> None:
+    """Refuses a table row whose tensors are missing or hold another number of values than its parameters."""
+    missing = [n for n in src.tensors if n not in header.tensors]
+    if missing:
+        raise GGUFError(
+            f"GGUF file lacks tensor {missing[0]!r} (architecture {arch}, {config.num_layers} layers)"
+        )
+    want_count = sum(math.prod(variables[p].get_value().shape) for p in src.params)
+    got_count = sum(math.prod(header.tensors[n].ne) for n in src.tensors)
+    if got_count != want_count:
+        raise GGUFError(
+            f"tensor(s) {list(src.tensors)} with ne={[list(header.tensors[n].ne) for n in src.tensors]}"
+            f" hold {got_count} values; the metadata implies {want_count} for "
+            f"{['.'.join(map(str, p)) for p in src.params]}"
+        )
+
+
+def _source_values(src, raws, header, wants, arch, keep, raw_q4k, to_sink) -> tuple:
+    """The parameter values of one table row from its tensors' bytes: kept expert blocks, device-dequantized
+    matrices, or numpy-dequantized small and rare-type tensors, the converter's transforms undone."""
+    infos = [header.tensors[n] for n in src.tensors]
+    if keep and src.experts and raw_q4k:
+        blocks = np.concatenate(
+            [r.reshape(t.ne[2], t.ne[1], -1) for r, t in zip(raws, infos, strict=True)], axis=1
+        )
+        kept = gguf_device.Q4KBlocks(blocks, infos[0].ne[0])
+        return (kept if to_sink else kept.to_quantized(),)
+    if keep and src.experts:
+        kept = _keep(src, header, raws)
+        if kept is not None:
+            return (kept,)
+    on_device = not src.f32 and all(t.type in gguf_device.DEVICE_TYPES for t in infos)
+    if on_device:
+        arrays = [gguf_device.dequantize_on_device(r, t) for r, t in zip(raws, infos, strict=True)]
+    else:
+        arrays = [
+            gguf_quants.dequantize(gguf_device.host_view(r, t), t.type)
+            for r, t in zip(raws, infos, strict=True)
+        ]
+    try:
+        values = src.load(*arrays)
+    except (ValueError, IndexError) as e:
+        raise GGUFError(f"tensor(s) {list(src.tensors)} do not fit {arch} metadata: {e}") from None
+    return tuple(jnp.asarray(v, dtype=w.dtype) for v, w in zip(values, wants, strict=False))
+
+
+def _all_finite(value):
+    """A device boolean (or a host bool) saying that `value` holds no NaN/Inf (scales and offsets only, for
+    quantized weights)."""
+    if isinstance(value, gguf_device.Q4KBlocks):
+        d = np.ascontiguousarray(value.data.reshape(-1, gguf_device.Q4_K_BYTES)[:, :4]).view(np.float16)
+        return bool(np.isfinite(d).all())
+    if isinstance(value, QuantizedWeights):
+        parts = [value.scales] + ([] if value.offsets is None else [value.offsets])
+        return jnp.all(jnp.stack([jnp.isfinite(p).all() for p in parts]))
+    return jnp.isfinite(value).all()
+
+
+def _raise_if_not_finite(finite: list[tuple[str, object]]) -> None:
+    flags = jax.device_get([flag for _, flag in finite])
+    for (name, _), ok in zip(finite, flags, strict=True):
+        if not ok:
+            raise GGUFError(
+                f"tensor {name!r} holds NaN or Inf values (a corrupted file?); "
+                "check_finite=False loads it anyway"
+            )
 
 
 def _check_tensor_table(header, config) -> None:
@@ -359,22 +466,6 @@ def _check_tensor_table(header, config) -> None:
             )
 
 
-def _dequantized(src, header, mapped, arch) -> tuple:
-    """The parameter values of one table row: its tensors dequantized, then the converter's transforms undone.
-
-    Raises:
-      GGUFError: the tensors do not fit the architecture's metadata (names them).
-    """
-    arrays = [
-        gguf_quants.dequantize(tensor_data(mapped, header.tensors[n]), header.tensors[n].type)
-        for n in src.tensors
-    ]
-    try:
-        return src.load(*arrays)
-    except (ValueError, IndexError) as e:
-        raise GGUFError(f"tensor(s) {list(src.tensors)} do not fit {arch} metadata: {e}") from None
-
-
 def load_gguf_tokenizer(path: str | os.PathLike):
     """The tokenizer stored in a GGUF file (`tokenizer.ggml.*`, via the HF `tokenizers` library), or None when
     the file has none; same interface as `hybridlm.tokenizer.Tokenizer` (encode / decode / eos_token_id).
@@ -395,19 +486,7 @@ def _check_shape(src, i, got, want):
         )
 
 
-def tensor_data(mapped: np.ndarray, info: TensorInfo) -> np.ndarray:
-    """A tensor's bytes in the memory-mapped file, as `gguf.GGUFReader` presents them: F32/F16 typed in numpy
-    shape (reversed ne), other types uint8 `[..., rows, bytes_per_row]`. No copy."""
-    raw = mapped[info.offset : info.offset + info.nbytes]
-    if info.type == T.F32:
-        return raw.view(np.float32).reshape(info.shape)
-    if info.type == T.F16:
-        return raw.view(np.float16).reshape(info.shape)
-    block, type_size = GGML_QUANT_SIZES[info.type]
-    return raw.reshape(*info.shape[:-1], info.ne[0] // block * type_size)
-
-
-def _keep(src, header: Header, mapped) -> QuantizedWeights | None:
+def _keep(src, header: Header, raws) -> QuantizedWeights | None:
     """The expert parameter of `src` as QuantizedWeights, or None when its tensors cannot be kept exactly."""
     infos = [header.tensors[n] for n in src.tensors]
     if not all(gguf_quants.can_keep(t.type, t.ne[0]) and len(t.ne) == 3 for t in infos):
@@ -415,7 +494,9 @@ def _keep(src, header: Header, mapped) -> QuantizedWeights | None:
     bits = {gguf_quants.KEPT_BITS[t.type] for t in infos}
     if len(bits) != 1:
         return None
-    return gguf_quants.to_quantized_weights([(tensor_data(mapped, t), t.type) for t in infos])
+    return gguf_quants.to_quantized_weights(
+        [(gguf_device.host_view(r, t), t.type) for r, t in zip(raws, infos, strict=True)]
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

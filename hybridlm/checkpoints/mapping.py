@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
+import jax.numpy as jnp
 import numpy as np
 
 from hybridlm.config import ModelConfig
@@ -27,8 +28,13 @@ class ParamSource:
     build: Callable[..., np.ndarray]  # f(*arrays) -> parameter array in hybridlm layout
 
 
+def _xp(x):
+    """numpy for host arrays, jax.numpy for device ones: the GGUF transforms run where the tensor is."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def _t(x):
-    return np.ascontiguousarray(x.T)
+    return np.ascontiguousarray(x.T) if isinstance(x, np.ndarray) else x.T
 
 
 def _same(x):
@@ -51,7 +57,7 @@ def ungroup_qkvz(w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, np.nda
     v = w[:, 2 * g.key_dim : 2 * g.key_dim + r * g.value_dim]
     z = w[:, 2 * g.key_dim + r * g.value_dim :]
     flat = lambda x: x.reshape(-1, x.shape[-1])
-    return np.concatenate([flat(q), flat(k), flat(v)], axis=0), flat(z)
+    return _xp(w).concatenate([flat(q), flat(k), flat(v)], axis=0), flat(z)
 
 
 def ungroup_ba(w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -211,7 +217,7 @@ def _permuter(order: np.ndarray | None, head_size: int, start: int = 0):
 
     def apply(idx):
         def f(x):
-            return np.concatenate([x[:start], x[start:][idx]], axis=0) if start else x[idx]
+            return _xp(x).concatenate([x[:start], x[start:][idx]], axis=0) if start else x[idx]
 
         return f
 
@@ -275,7 +281,9 @@ def _gate_up_split(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _experts_t(w: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    return (
+        np.ascontiguousarray(np.swapaxes(w, -1, -2)) if isinstance(w, np.ndarray) else jnp.swapaxes(w, -1, -2)
+    )
 
 
 def gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) -> Iterator[GGUFSource]:
@@ -403,7 +411,8 @@ def _gguf_gdn(config, arch, names, b, m) -> Iterator[GGUFSource]:
 
 
 def _gguf_ffn(config, names, b, f) -> Iterator[GGUFSource]:
-    concat_t = lambda g, u: _t(np.concatenate([g, u], axis=0))  # gate, up [ffn, hidden] -> [hidden, 2*ffn]
+    # gate, up [ffn, hidden] -> [hidden, 2*ffn]
+    concat_t = lambda g, u: _t(_xp(g).concatenate([g, u], axis=0))
     if config.moe is None:
         yield GGUFSource(
             (f + ("gate_up",),), (b + "ffn_gate.weight", b + "ffn_up.weight"), _one(concat_t), _gate_up_split
@@ -424,7 +433,7 @@ def _gguf_ffn(config, names, b, f) -> Iterator[GGUFSource]:
         yield GGUFSource(
             (f + ("experts_gate_up",),),
             (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
-            _one(lambda g, u: _experts_t(np.concatenate([g, u], axis=1))),
+            _one(lambda g, u: _experts_t(_xp(g).concatenate([g, u], axis=1))),
             lambda w: (_experts_t(w[..., :e_ffn]), _experts_t(w[..., e_ffn:])),
             experts=True,
         )

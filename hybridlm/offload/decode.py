@@ -230,7 +230,7 @@ class PagedDecoder:
                 cache.write(buf, [cache.slot_of[(layer, e)] for e in ids])
             s = stats.layers[layer]
             s.prefetched += len(experts)
-            s.bytes_h2d += len(experts) * res.expert_bytes
+            s.bytes_h2d += len(experts) * res.copy_bytes
         table = np.stack([cache.slot_table(layer, missing=-1) for layer in range(res.num_layers)])
         resident = (table >= 0).sum(axis=1)
         sources = tuple(
@@ -251,5 +251,5 @@ class PagedDecoder:
             s.lookups += self.lookups
             s.hits += hits
             s.misses += misses
-            s.bytes_h2d += misses * self.residency.expert_bytes
+            s.bytes_h2d += misses * self.residency.copy_bytes
         return out

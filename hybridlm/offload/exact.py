@@ -96,7 +96,7 @@ class ExactMode:
         table, groups, copies = self.index_table(i, [e for _, e in keys], demand + issue)
         for j, (bufs, m) in enumerate(copies):
             res.cache.copy_rows(bufs, table, self.batch_ids[j], self.table_at, m)
-        s.bytes_h2d += len(demand) * res.expert_bytes
+        s.bytes_h2d += len(demand) * res.copy_bytes
         res.count_prefetch(issue, stats)
         if chunk.stream_layers:  # whole next layers: staged, as in whole-layer mode
             depth = res.config.prefetch_depth

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridlm.checkpoints.gguf_device import Q4_K_BYTES as Q4_K_BLOCK_BYTES
+from hybridlm.checkpoints.gguf_device import QK_K as Q4_K_BLOCK_VALUES
+from hybridlm.checkpoints.gguf_device import Q4KBlocks, q4_k_to_quantized
 from hybridlm.offload.policies import POLICIES, Key, make_policy, static_pinned_keys
 
 _UNITS = {
@@ -75,33 +78,65 @@ class ExpertLayout:
     """Byte layout of one expert: the leaves of (gate_up[e], down[e]) packed back to back.
 
     Attributes:
-      treedef: pytree structure of (gate_up, down) (arrays or `QuantizedWeights`).
+      treedef: pytree structure of (gate_up, down) (arrays or `QuantizedWeights`) as the device holds it.
       shapes: per leaf, its shape without the expert axis.
       dtypes: per leaf, its dtype.
+      q4_k: per parameter (gate_up, down), the input dim k where the host holds it as the GGUF file's own
+        Q4_K blocks (4.5 bits a weight) that `unpack` expands into the kernels' 4-bit `QuantizedWeights` on
+        the device, else None; () when no parameter is.
     """
 
     treedef: jax.tree_util.PyTreeDef
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
+    q4_k: tuple[int | None, ...] = ()
 
     @classmethod
     def of(cls, gate_up, down) -> ExpertLayout:
-        """Layout of the experts of `gate_up` [experts, ...] and `down` [experts, ...] (arrays or
-        QuantizedWeights)."""
-        leaves, treedef = jax.tree_util.tree_flatten((gate_up, down))
+        """Layout of the experts of `gate_up` [experts, ...] and `down` [experts, ...] (arrays,
+        QuantizedWeights, or `gguf_device.Q4KBlocks`, which stay Q4_K blocks on the host)."""
+        params = (gate_up, down)
+        q4_k = tuple(p.k if isinstance(p, Q4KBlocks) else None for p in params)
+        unpacked = [
+            jax.eval_shape(lambda x, k=p.k: q4_k_to_quantized(x, k), p.data)
+            if isinstance(p, Q4KBlocks)
+            else p
+            for p in params
+        ]
+        leaves, treedef = jax.tree_util.tree_flatten(tuple(unpacked))
         return cls(
             treedef,
             tuple(tuple(leaf.shape[1:]) for leaf in leaves),
             tuple(np.dtype(leaf.dtype) for leaf in leaves),
+            q4_k if any(k is not None for k in q4_k) else (),
         )
 
     @property
     def leaf_nbytes(self) -> tuple[int, ...]:
         return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=False))
 
+    def _param_spans(self) -> list[tuple[int | None, int, int]]:
+        """Per parameter: (Q4_K k or None, its leaf count, its bytes on the host)."""
+        out, leaf = [], 0
+        for i, sub in enumerate(self.treedef.children()):
+            n = sub.num_leaves
+            k = self.q4_k[i] if self.q4_k else None
+            if k is None:
+                size = sum(self.leaf_nbytes[leaf : leaf + n])
+            else:  # values [out, k/2] uint8: out rows of k/256 Q4_K blocks
+                size = self.shapes[leaf][0] * (k // Q4_K_BLOCK_VALUES) * Q4_K_BLOCK_BYTES
+            out.append((k, n, size))
+            leaf += n
+        return out
+
     @property
     def nbytes(self) -> int:
-        """Bytes of one expert (what one host -> device copy moves)."""
+        """Bytes of one expert on the host (what one host -> device copy moves)."""
+        return sum(size for _, _, size in self._param_spans())
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of one expert unpacked on the device (a pool slot)."""
         return sum(self.leaf_nbytes)
 
     def pack_numpy(self, leaves_e: list[np.ndarray]) -> np.ndarray:
@@ -109,7 +144,12 @@ class ExpertLayout:
         return np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves_e])
 
     def pack(self, leaves: list[jax.Array]) -> jax.Array:
-        """Leaves with an expert axis [experts, ...] (device) -> uint8 [experts, nbytes] (traceable)."""
+        """Leaves with an expert axis [experts, ...] (device) -> uint8 [experts, nbytes] (traceable).
+
+        Raises:
+          ValueError: a layout with Q4_K parameters (they are packed from the file's blocks)."""
+        if self.q4_k:
+            raise ValueError("a layout of Q4_K blocks is packed from the file's blocks, not from weights")
         parts = []
         for x in leaves:
             b = x.reshape(x.shape[0], -1)
@@ -121,17 +161,33 @@ class ExpertLayout:
         return jnp.concatenate(parts, axis=1)
 
     def unpack(self, packed: jax.Array):
-        """uint8 [n, nbytes] -> the (gate_up, down) pytree with leading axis n (traceable)."""
+        """uint8 [n, nbytes] -> the (gate_up, down) pytree with leading axis n (traceable); Q4_K parameters
+        are expanded into the kernels' `QuantizedWeights`."""
         n = packed.shape[0]
-        out, offset = [], 0
-        for shape, dtype, size in zip(self.shapes, self.dtypes, self.leaf_nbytes, strict=False):
+        out, offset, leaf = [], 0, 0
+        for k, count, size in self._param_spans():
             b = packed[:, offset : offset + size]
             offset += size
-            if dtype.itemsize == 1:
-                leaf = jax.lax.bitcast_convert_type(b, dtype)
-            else:
-                leaf = jax.lax.bitcast_convert_type(b.reshape(n, -1, dtype.itemsize), dtype)
-            out.append(leaf.reshape((n,) + shape))
+            if k is not None:
+                qw = q4_k_to_quantized(b.reshape(n, self.shapes[leaf][0], -1), k)
+                out.extend(jax.tree_util.tree_leaves(qw))
+                leaf += count
+                continue
+            at = 0
+            for shape, dtype, nb in zip(
+                self.shapes[leaf : leaf + count],
+                self.dtypes[leaf : leaf + count],
+                self.leaf_nbytes[leaf : leaf + count],
+                strict=True,
+            ):
+                x = b[:, at : at + nb]
+                at += nb
+                if dtype.itemsize == 1:
+                    x = jax.lax.bitcast_convert_type(x, dtype)
+                else:
+                    x = jax.lax.bitcast_convert_type(x.reshape(n, -1, dtype.itemsize), dtype)
+                out.append(x.reshape((n,) + shape))
+            leaf += count
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     def zeros(self, n: int, sharding):
@@ -230,7 +286,7 @@ class ExpertCache:
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.layout.nbytes
+        return self.num_slots * self.layout.device_nbytes
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridlm.checkpoints.gguf_device import Q4KBlocks
 from hybridlm.model import EXPERT_PARAMS, HybridLM
 from hybridlm.offload.config import MIXED_FORMATS, default_host_parts
 from hybridlm.offload.expert_cache import ExpertLayout, format_bytes
@@ -43,6 +44,16 @@ def measure_h2d_gbps(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
         jax.block_until_ready(jax.device_put(x, device_sharding()))
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times) / 1e9
+
+
+def _host_rows(param) -> np.ndarray:
+    """A parameter's host bytes, uint8 [experts, bytes an expert].
+
+    Raises:
+      ValueError: a parameter that is not host Q4_K blocks beside one that is."""
+    if not isinstance(param, Q4KBlocks) or not isinstance(param.data, np.ndarray):
+        raise ValueError("Q4_K blocks pack only beside Q4_K blocks on the host (both parameters)")
+    return param.data.reshape(param.data.shape[0], -1)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -132,9 +143,10 @@ class HostExperts:
     def pack_layer(
         gate_up, down, host_sharding=None, parts: int | None = None
     ) -> tuple[ExpertLayout, list[jax.Array]]:
-        """One layer's experts (device arrays or QuantizedWeights [experts, ...]) -> (layout, `parts` pinned
-        buffers uint8 [~experts / parts, nbytes]; fewer where the layer has fewer experts). Packs on the
-        device (bitcasts, no host round trip). parts None: `default_host_parts()`.
+        """One layer's experts (device arrays or QuantizedWeights [experts, ...], or host `Q4KBlocks` for both
+        parameters) -> (layout, `parts` pinned buffers uint8 [~experts / parts, nbytes]; fewer where the layer
+        has fewer experts). Packs on the device (bitcasts, no host round trip), Q4_K blocks on the host.
+        parts None: `default_host_parts()`.
 
         Raises:
           ValueError: parts < 1."""
@@ -142,7 +154,10 @@ class HostExperts:
         if parts < 1:
             raise ValueError(f"parts={parts}: a layer needs at least one host buffer")
         layout = ExpertLayout.of(gate_up, down)
-        packed = _pack_layer(layout, gate_up, down)
+        if layout.q4_k:  # the file's Q4_K blocks, on the host: one copy into the expert-major buffer
+            packed = np.concatenate([_host_rows(p) for p in (gate_up, down)], axis=1)
+        else:
+            packed = _pack_layer(layout, gate_up, down)
         bounds = np.linspace(0, packed.shape[0], min(parts, packed.shape[0]) + 1).astype(int)
         pieces = [packed[a:b] for a, b in itertools.pairwise(bounds)]
         return layout, list(jax.device_put(pieces, host_sharding or pinned_host_sharding()))
@@ -325,6 +340,16 @@ def describe_layout(layout: ExpertLayout) -> str:
         else f"{q.dtype.name}{list(q.shape[1:])}"
         for q in _params(layout)
     ]
+    if layout.q4_k:
+        kinds = [
+            f"the file's Q4_K blocks, unpacked on the device to {kind}" if k is not None else kind
+            for kind, k in zip(kinds, layout.q4_k, strict=True)
+        ]
+        return (
+            ", ".join(f"{n} {k}" for n, k in zip(names, kinds, strict=False))
+            + f", {format_bytes(layout.nbytes)} an expert on the host, "
+            f"{format_bytes(layout.device_nbytes)} on the device"
+        )
     return (
         ", ".join(f"{n} {k}" for n, k in zip(names, kinds, strict=False))
         + f", {format_bytes(layout.nbytes)} an expert"

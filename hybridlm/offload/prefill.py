@@ -104,7 +104,7 @@ class WholeLayerMode:
         protected = set(keys) | set(res.staged) | {k for q in res.queue for k in res.part_keys(*q)}
         demand = res.lookup(keys, s, protected)
         batches = res.stage(demand)
-        s.bytes_h2d += len(demand) * res.expert_bytes
+        s.bytes_h2d += len(demand) * res.copy_bytes
         if chunk.stream_layers:
             ahead = range(
                 i + 1, min(i + 1 + config.prefetch_depth, i + num_layers if chunk.more else num_layers)

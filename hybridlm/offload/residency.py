@@ -61,7 +61,12 @@ class Residency:
     ):
         self.host, self.config = host, config
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        self.budget, self.expert_bytes = budget, host.layout.nbytes
+        # a pool slot holds an expert unpacked; a copy moves its host bytes (fewer for Q4_K blocks)
+        self.budget, self.expert_bytes, self.copy_bytes = (
+            budget,
+            host.layout.device_nbytes,
+            host.layout.nbytes,
+        )
         self.total_slots = budget // self.expert_bytes
         self.sharding = sharding
         self.cache: ExpertCache | None = None
@@ -222,7 +227,7 @@ class Residency:
             self.cache.speculative.add(key)
             s = stats.layers[key[0]]
             s.prefetched += 1
-            s.bytes_h2d += self.expert_bytes
+            s.bytes_h2d += self.copy_bytes
 
     def record_prefetch(self, pending: Staged, stats: CacheStats) -> None:
         for key in pending.keys:
@@ -277,7 +282,7 @@ class Residency:
             s.hits += lookups
         else:
             s.misses += lookups
-            s.bytes_h2d += self.num_experts * self.expert_bytes
+            s.bytes_h2d += self.num_experts * self.copy_bytes
             self.held[layer] = self.host.unpack_layer(layer, self.sharding)
         return self.held[layer]
 

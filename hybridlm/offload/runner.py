@@ -79,7 +79,7 @@ class OffloadedRunner(LayerwiseRunner):
         self.num_layers = self.config.num_layers
         self._check_device_memory(config.device_memory_bytes)
         layout = self._layout(model, host_experts)
-        self.expert_bytes = layout.nbytes
+        self.expert_bytes = layout.device_nbytes  # a pool slot; a copy moves layout.nbytes
         self.total_slots = self.budget // self.expert_bytes
         # before copying anything to the host
         check_budget(
@@ -211,6 +211,8 @@ class OffloadedRunner(LayerwiseRunner):
         pool = {
             "budget_bytes": self.budget,
             "expert_bytes": self.expert_bytes,
+            "host_expert_bytes": self.host.layout.nbytes,
+            "pinned_host_bytes": self.host.nbytes,
             "policy": config.cache_policy,
             "prefetch": config.prefetch,
             "prefetch_depth": config.prefetch_depth,

@@ -117,6 +117,40 @@ def _offloaded_vs_whole(model, host, whole):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
+def test_q4_k_experts_stay_the_files_blocks_in_host_memory(mixed_gguf):
+    """A file whose experts are all Q4_K keeps them in pinned host memory as its own blocks (144 bytes a
+    256 weights: 4.5 bits a weight), unpacked on the device into exactly the weights of the model loaded
+    whole; the offloaded logits are the whole model's and the copies count the compact bytes."""
+    path = mixed_gguf("q4_k")
+    model, host = load_offloaded(path, dtype=jnp.float32, progress=False, parts=2)
+    whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    moe, hidden = K256.moe, K256.hidden_dim
+    weights = 3 * moe.expert_ffn_dim * hidden
+    assert host.layout.q4_k == (hidden, moe.expert_ffn_dim)
+    assert (
+        host.layout.nbytes == weights * 144 // 256 and host.nbytes == 4 * moe.num_experts * host.layout.nbytes
+    )
+    assert host.layout.device_nbytes == weights * 3 // 4  # unpacked: 4-bit codes, float32 scale+offset per 32
+    for i in range(K256.num_layers):
+        ffn = whole.layers[i].ffn
+        want = jax.tree_util.tree_leaves((ffn.experts_gate_up.get_value(), ffn.experts_down.get_value()))
+        for got, w in zip(jax.tree_util.tree_leaves(host.unpack_layer(i)), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    _offloaded_vs_whole(model, host, whole)
+    runner = OffloadedRunner(
+        model,
+        OffloadConfig(expert_budget=2 * host.num_experts * host.layout.device_nbytes),
+        host_experts=host,
+    )
+    hybridlm.prefill(runner, np.arange(1, 30) % K256.vocab_size, chunk_size=8)
+    pool = runner.stats()["pool"]
+    assert (
+        pool["host_expert_bytes"] == host.layout.nbytes and pool["expert_bytes"] == host.layout.device_nbytes
+    )
+    assert "Q4_K blocks" in pool["expert_format"]
+    assert runner.stats()["prefill"]["bytes_h2d"] % host.layout.nbytes == 0
+
+
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
 def test_mixed_formats_widened_exactly(mixed_gguf, mix):
     """By default the layers' two formats are widened into one that holds both (downs: int8 with a float32

@@ -1,0 +1,138 @@
+"""GGUF tensors read with `pread` and decoded on the JAX device: the fast loading path.
+
+A tensor's bytes go from the file (page cache) into one host buffer per tensor and straight to the device,
+where F32 / F16 / BF16 / Q8_0 are dequantized and Q4_K routed experts become `QuantizedWeights` by integer
+and exact float32 operations (the same values as the numpy path, `gguf_quants`). Reading with `pread` rather
+than a memory map keeps the file's pages out of the process's resident set.
+Block layouts: ggml `ggml-common.h` (block_q8_0, block_q4_K) and `get_scale_min_k4`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from hybridlm.checkpoints.gguf_header import TensorInfo
+from pallas_kernels.quantized import QuantizedWeights
+
+__all__ = [
+    "DEVICE_TYPES",
+    "Q4KBlocks",
+    "dequantize_on_device",
+    "q4_k_to_quantized",
+    "read_tensor",
+]
+
+T = GGMLQuantizationType
+QK_K = 256
+Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of packed 6-bit scales and mins, 128 bytes of nibbles
+DEVICE_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0)  # dequantized by `dequantize_on_device`
+
+
+def read_tensor(fd: int, info: TensorInfo) -> np.ndarray:
+    """The tensor's bytes, uint8 [nbytes], read with `os.preadv` (no memory map, so no file pages in RSS).
+
+    Raises:
+      OSError: the read failed or returned fewer bytes than the tensor table promises."""
+    buf = np.empty(info.nbytes, np.uint8)
+    view, done = memoryview(buf), 0
+    while done < info.nbytes:
+        got = os.preadv(fd, [view[done:]], info.offset + done)
+        if got <= 0:
+            raise OSError(f"tensor {info.name!r}: read {done} of {info.nbytes} bytes (file changed?)")
+        done += got
+    return buf
+
+
+def host_view(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """`raw` bytes as `gguf.GGUFReader` presents the tensor: F32/F16 typed in numpy shape, other types uint8
+    [..., rows, bytes_per_row] (what `gguf_quants.dequantize` takes). No copy."""
+    if info.type == T.F32:
+        return raw.view(np.float32).reshape(info.shape)
+    if info.type == T.F16:
+        return raw.view(np.float16).reshape(info.shape)
+    block, type_size = GGML_QUANT_SIZES[info.type]
+    return raw.reshape(*info.shape[:-1], info.ne[0] // block * type_size)
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "shape"))
+def _dequantize(raw: jax.Array, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> jax.Array:
+    if qtype == T.F32:
+        return jax.lax.bitcast_convert_type(raw.reshape(-1, 4), jnp.float32).reshape(shape)
+    if qtype in (T.F16, T.BF16):
+        half = jnp.float16 if qtype == T.F16 else jnp.bfloat16
+        return jax.lax.bitcast_convert_type(raw.reshape(-1, 2), half).astype(jnp.float32).reshape(shape)
+    blocks = raw.reshape(-1, 34)  # Q8_0: float16 d, int8 q[32]; value = d * q, as gguf computes it
+    d = jax.lax.bitcast_convert_type(blocks[:, :2], jnp.float16).astype(jnp.float32)
+    q = jax.lax.bitcast_convert_type(blocks[:, 2:], jnp.int8).astype(jnp.float32)
+    return (q * d[:, None]).reshape(shape)
+
+
+def dequantize_on_device(raw: np.ndarray, info: TensorInfo) -> jax.Array:
+    """A tensor of a `DEVICE_TYPES` type, from its bytes uint8 [nbytes] to float32 on the default device in
+    numpy shape (reversed ne); bit for bit what `gguf_quants.dequantize` gives (one exact or one rounded
+    product a value)."""
+    return _dequantize(jnp.asarray(raw), info.type, info.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4KBlocks:
+    """Routed-expert weights kept as the file's own Q4_K blocks, 4.5 bits a weight.
+
+    Attributes:
+      data: uint8 [experts, out, k // 256 * 144] (numpy on the host or a device array): each output row's
+        super-blocks in file order; several GGUF tensors (gate, up) concatenated along `out`.
+      k: the input dim (a multiple of 256).
+    """
+
+    data: np.ndarray | jax.Array
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """`(experts, k, out)` of the weights the blocks stand for (as `QuantizedWeights.shape`)."""
+        return (self.data.shape[0], self.k, self.data.shape[1])
+
+    def to_quantized(self) -> QuantizedWeights:
+        """The `QuantizedWeights` the kernels read (`q4_k_to_quantized`), on the device."""
+        return q4_k_to_quantized(jnp.asarray(self.data), self.k)
+
+
+def q4_k_to_quantized(raw: jax.Array, k: int) -> QuantizedWeights:
+    """Q4_K blocks uint8 [n, out, k // 256 * 144] -> k-major 4-bit `QuantizedWeights` [n, k, out] with float32
+    scale d*sc and offset -dmin*m per 32 (traceable; what `gguf_quants.to_quantized_weights` computes on the
+    host, exactly: the products of an 11-bit float16 mantissa and a 6-bit integer are exact in float32).
+
+    Raises:
+      ValueError: k not a multiple of 256, or `raw` of another row size."""
+    n, out, row = raw.shape
+    if k % QK_K or row != k // QK_K * Q4_K_BYTES:
+        raise ValueError(f"Q4_K rows of {row} bytes do not hold k={k} (a multiple of 256) values")
+    nb = k // QK_K
+    b = raw.reshape(n, out, nb, Q4_K_BYTES)
+    dd = jax.lax.bitcast_convert_type(b[..., :4].reshape(n, out, nb, 2, 2), jnp.float16)
+    d, dmin = dd[..., 0].astype(jnp.float32), dd[..., 1].astype(jnp.float32)  # [n, out, nb]
+    s = b[..., 4:16].astype(jnp.int32)  # get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-7
+    lo_sc, lo_m, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = jnp.concatenate([lo_sc & 0x3F, (mix & 0x0F) | ((lo_sc >> 6) << 4)], axis=-1)  # [n, out, nb, 8]
+    m = jnp.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 6) << 4)], axis=-1)
+    scales = (d[..., None] * sc.astype(jnp.float32)).reshape(n, out, nb * 8)
+    offsets = (-(dmin[..., None] * m.astype(jnp.float32))).reshape(n, out, nb * 8)
+    qs = b[..., 16:].reshape(n, out, nb, 4, 1, 32)  # sub-blocks 2i (low nibbles) and 2i+1 (high) share 32
+    codes = ((qs >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & 0x0F).reshape(n, out, k)
+    half = k // 2
+    values = codes[..., :half] | (codes[..., half:] << 4)  # split-half packing along k
+    return QuantizedWeights(
+        values=values.astype(jnp.uint8),
+        scales=jnp.swapaxes(scales, 1, 2),
+        offsets=jnp.swapaxes(offsets, 1, 2),
+        bits=4,
+        block_size=32,
+        k_major=True,
+    )
