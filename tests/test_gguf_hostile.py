@@ -2,6 +2,7 @@
 without allocating more than the file's size; a hypothesis property test corrupts headers and tensor tables.
 """
 
+import re
 import struct
 import time
 import tracemalloc
@@ -9,6 +10,7 @@ import tracemalloc
 import gguf
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -97,8 +99,9 @@ def _rewrite(
         if tensors and t.name in tensors:
             data = tensors[t.name]
         writer.add_tensor(t.name, data, raw_dtype=t.tensor_type if data.dtype == np.uint8 else None)
-    for n, d in (extra or {}).items():
-        writer.add_tensor(n, d)
+    for n, d in (extra or {}).items():  # an array, or (uint8 array, quantized type)
+        data, raw_dtype = d if isinstance(d, tuple) else (d, None)
+        writer.add_tensor(n, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -128,6 +131,68 @@ def test_mtp_block_is_ignored(valid_file, tmp_path):
     assert load_gguf(path, progress=False).config.num_layers == 4
 
 
+def test_real_mtp_block_is_skipped(valid_file, tmp_path):
+    """A file with a whole MTP block (an attention layer's tensors plus nextn.*, as llama.cpp's converter
+    writes it, spec §11) loads as the trunk alone, with the same weights as the file without it."""
+    reader = gguf.GGUFReader(_write(tmp_path, valid_file[0], "plain.gguf"))
+    extra = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.3."):  # layer 3 is an attention layer, as an MTP block is
+            data = np.asarray(t.data)
+            extra["blk.4." + t.name[6:]] = (data, t.tensor_type) if data.dtype == np.uint8 else data
+    hidden = MICRO.hidden_dim
+    extra["blk.4.nextn.eh_proj.weight"] = np.zeros((hidden, 2 * hidden), np.float32)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        extra[f"blk.4.nextn.{norm}.weight"] = np.ones(hidden, np.float32)
+    path = _rewrite(
+        tmp_path,
+        valid_file,
+        metadata={"qwen35moe.block_count": (5, V.UINT32), "qwen35moe.nextn_predict_layers": (1, V.UINT32)},
+        extra=extra,
+    )
+    with_mtp = load_gguf(path, progress=False)
+    plain = load_gguf(tmp_path / "plain.gguf", progress=False)
+    assert with_mtp.config == plain.config and with_mtp.config.num_layers == 4
+    for (name, a), (_, b) in zip(_params(with_mtp), _params(plain), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def _params(model):
+    return [(p, np.asarray(v.get_value())) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+@pytest.mark.parametrize(
+    "metadata,extra,match",
+    [  # the issue's fuzz case: block_count 4 -> 2 loaded 2 of 4 layers
+        (
+            {"qwen35moe.block_count": (2, V.UINT32)},
+            {},
+            r"tensors lie in blocks past qwen35moe.block_count=2.*blk\.2\.",
+        ),
+        (
+            {"qwen35moe.block_count": (3, V.UINT32), "qwen35moe.nextn_predict_layers": (1, V.UINT32)},
+            {},
+            r"past qwen35moe.block_count=3 and qwen35moe.nextn_predict_layers=1.*blk\.3\.",
+        ),
+        ({"qwen35moe.nextn_predict_layers": (1, V.UINT32)}, {}, r"block 3 is an MTP block.*no nextn"),
+        ({"qwen35moe.block_count": (6, V.UINT32)}, {}, r"6 trunk layers.*no tensor of block 4"),
+        (
+            {"qwen35moe.nextn_predict_layers": (4, V.UINT32)},
+            {},
+            r"nextn_predict_layers' = 4 is out of range \[0, 3\]",
+        ),
+        ({}, {"blk.1.nextn.enorm.weight": np.ones(32, np.float32)}, r"trunk block 1 holds MTP tensors"),
+        (
+            {"qwen35moe.nextn_predict_layers": (0, V.UINT32)},
+            {"blk.4.nextn.enorm.weight": np.ones(32, np.float32)},
+            r"past qwen35moe.block_count=4 and qwen35moe.nextn_predict_layers=0.*blk\.4\.nextn",
+        ),
+    ],
+)
+def test_blocks_disagree_with_block_count(valid_file, tmp_path, metadata, extra, match):
+    _load_refused(_rewrite(tmp_path, valid_file, metadata=metadata, extra=extra), match)
+
+
 def test_shape_disagrees_with_metadata(valid_file, tmp_path):
     path = _rewrite(tmp_path, valid_file, tensors={"blk.0.ssm_norm.weight": np.ones(32, np.float32)})
     _load_refused(path, "blk.0.ssm_norm.weight")
@@ -145,13 +210,55 @@ def test_shape_disagrees_with_metadata(valid_file, tmp_path):
         ("qwen35moe.embedding_length", 0, V.UINT32, "embedding_length"),
         ("qwen35moe.block_count", 2**24, V.UINT32, "block_count|layers|parameters"),
         ("qwen35moe.attention.head_count", 3, V.UINT32, "values"),
-        ("qwen35moe.ssm.group_count", 3, V.UINT32, "inconsistent"),
+        ("qwen35moe.ssm.group_count", 3, V.UINT32, r"time_step_rank=2 is not a multiple of .*group_count=3"),
+        (
+            "qwen35moe.attention.head_count_kv",
+            3,
+            V.UINT32,
+            r"head_count=2 is not a multiple of .*head_count_kv=3",
+        ),
         ("general.architecture", "llama", V.STRING, "unsupported GGUF architecture 'llama'"),
         ("general.alignment", 48, V.UINT32, "alignment"),
     ],
 )
 def test_wrong_metadata(valid_file, tmp_path, key, value, vtype, match):
     _load_refused(_rewrite(tmp_path, valid_file, metadata={key: (value, vtype)}), match)
+
+
+@pytest.mark.parametrize(
+    "key,value,vtype,accepted",
+    [  # values outside the physical ranges; MICRO has 4 layers, 4 experts, 2 heads
+        ("attention.layer_norm_rms_epsilon", 1e30, V.FLOAT32, r"\(0, 0.01\]"),  # the issue's fuzz case
+        ("attention.layer_norm_rms_epsilon", 0.0, V.FLOAT32, r"\(0, 0.01\]"),
+        ("attention.layer_norm_rms_epsilon", -1e-6, V.FLOAT64, r"\(0, 0.01\]"),
+        ("attention.layer_norm_rms_epsilon", float("inf"), V.FLOAT32, r"\(0, 0.01\]"),
+        ("rope.freq_base", 0.5, V.FLOAT32, r"\[1, 1e\+09\]"),
+        ("rope.freq_base", 1e12, V.FLOAT32, r"\[1, 1e\+09\]"),
+        ("rope.freq_base", float("nan"), V.FLOAT32, r"\[1, 1e\+09\]"),
+        ("context_length", 0, V.UINT32, r"\[1, 16777216\]"),
+        ("context_length", 2**24 + 1, V.UINT32, r"\[1, 16777216\]"),
+        ("expert_count", 0, V.UINT32, r"\[1, 4096\]"),
+        ("expert_count", 5000, V.UINT32, r"\[1, 4096\]"),
+        ("expert_used_count", 0, V.UINT32, r"\[1, 4\]"),
+        ("expert_used_count", 5, V.UINT32, r"\[1, 4\]"),
+        ("attention.head_count", 2000, V.UINT32, r"\[1, 1024\]"),
+        ("attention.head_count_kv", 0, V.UINT32, r"\[1, 1024\]"),
+        ("attention.key_length", 0, V.UINT32, r"\[1, 4096\]"),
+        ("attention.key_length", 8192, V.UINT32, r"\[1, 4096\]"),
+        ("rope.dimension_count", 17, V.UINT32, r"\[1, 16\]"),
+        ("ssm.state_size", 0, V.UINT32, r"\[1, 4096\]"),
+        ("ssm.time_step_rank", 4096, V.UINT32, r"\[1, 1024\]"),
+        ("ssm.group_count", 0, V.UINT32, r"\[1, 1024\]"),
+        ("ssm.conv_kernel", 0, V.UINT32, r"\[1, 16\]"),
+        ("ssm.conv_kernel", 17, V.UINT32, r"\[1, 16\]"),
+        ("full_attention_interval", 0, V.UINT32, r"\[1, 4\]"),
+        ("full_attention_interval", 5, V.UINT32, r"\[1, 4\]"),
+    ],
+)
+def test_metadata_outside_physical_range(valid_file, tmp_path, key, value, vtype, accepted):
+    full = f"qwen35moe.{key}"
+    path = _rewrite(tmp_path, valid_file, metadata={full: (value, vtype)})
+    _load_refused(path, rf"metadata '{re.escape(full)}' = .* is out of range {accepted}")
 
 
 def _tensor_table_offset(data: bytes, header) -> int:
@@ -175,7 +282,7 @@ def _first_tensor_fields(data: bytes, header):
         (1, struct.pack("<Q", 2**62), "past the end|multiple of the block"),
         (1, struct.pack("<Q", 0), "zero dimension"),
         (2, struct.pack("<I", 999), "unknown type"),
-        (2, struct.pack("<I", 24), "I8.*not supported"),  # a valid ggml type, not one we load
+        (2, struct.pack("<I", 24), "I8"),  # a valid ggml type of another byte size
         (3, struct.pack("<Q", 2**40), "past the end"),
         (3, struct.pack("<Q", 3), "alignment"),
     ],

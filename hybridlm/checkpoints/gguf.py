@@ -25,13 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm.auto import tqdm
 
 from hybridlm.checkpoints import gguf_device, gguf_quants
 from hybridlm.checkpoints.gguf_header import GGUFError, Header, read_header
+from hybridlm.checkpoints.gguf_metadata import SUPPORTED_ARCHS, block_index, config_from_gguf
+from hybridlm.checkpoints.gguf_metadata import architecture as _architecture  # the name load_gguf uses
 from hybridlm.checkpoints.mapping import gguf_sources
-from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig
+from hybridlm.config import ModelConfig
 from hybridlm.model import HybridLM, loaded_value
 from pallas_kernels.quantized import QuantizedWeights
 
@@ -45,218 +47,16 @@ __all__ = [
 ]
 
 T = GGMLQuantizationType
-SUPPORTED_ARCHS = ("qwen35moe", "qwen35", "qwen3next")
-_INT_TYPES = (
-    GGUFValueType.UINT8,
-    GGUFValueType.INT8,
-    GGUFValueType.UINT16,
-    GGUFValueType.INT16,
-    GGUFValueType.UINT32,
-    GGUFValueType.INT32,
-    GGUFValueType.UINT64,
-    GGUFValueType.INT64,
-)
-_FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
-_MAX_DIM = 1 << 24  # no model dimension of these families comes near 16 M
-
-
-# ----------------------------------------------------------------------------------------------------------
-# metadata -> ModelConfig
-# ----------------------------------------------------------------------------------------------------------
-class _Meta:
-    """Typed access to `{arch}.*` metadata; every error names the key."""
-
-    def __init__(self, header: Header, arch: str):
-        self.md, self.arch = header.metadata, arch
-
-    def _get(self, key, required):
-        full = f"{self.arch}.{key}"
-        if full not in self.md:
-            if required:
-                raise GGUFError(f"GGUF metadata lacks required key {full!r}")
-            return None, None
-        return full, self.md[full]
-
-    def int(self, key, default=None, *, required=False, per_layer=False, minimum=1):
-        full, entry = self._get(key, required)
-        if entry is None:
-            return default
-        vtype, value = entry
-        if vtype == GGUFValueType.ARRAY and per_layer and value[0] in _INT_TYPES and value[1]:
-            values = {int(v) for v in value[1] if int(v) != 0}  # per-layer arrays: 0 marks layers without it
-            if len(values) != 1:
-                raise GGUFError(
-                    f"metadata {full!r} = {value[1][:8]}...: per-layer values that differ are not supported"
-                )
-            value = values.pop()
-        elif vtype not in _INT_TYPES:
-            raise GGUFError(f"metadata {full!r} must be an integer, got {vtype.name}")
-        if not minimum <= value <= _MAX_DIM:
-            raise GGUFError(f"metadata {full!r} = {value} is out of range [{minimum}, {_MAX_DIM}]")
-        return int(value)
-
-    def float(self, key, default=None, *, required=False):
-        full, entry = self._get(key, required)
-        if entry is None:
-            return default
-        vtype, value = entry
-        if vtype not in _FLOAT_TYPES or not math.isfinite(value) or value <= 0:
-            raise GGUFError(f"metadata {full!r} must be a positive finite float, got {vtype.name} {value!r}")
-        # float32 keys: the shortest decimal that round-trips (1e-06, not 9.99999997e-07), as written.
-        return float(str(np.float32(value))) if vtype == GGUFValueType.FLOAT32 else float(value)
-
-    def int_array(self, key):
-        full, entry = self._get(key, False)
-        if entry is None:
-            return None
-        vtype, value = entry
-        if vtype != GGUFValueType.ARRAY or value[0] not in _INT_TYPES + (GGUFValueType.BOOL,):
-            raise GGUFError(f"metadata {full!r} must be an integer array")
-        return [int(v) for v in value[1]]
-
-    def bool(self, key, default):
-        full, entry = self._get(key, False)
-        if entry is None:
-            return default
-        if entry[0] != GGUFValueType.BOOL:
-            raise GGUFError(f"metadata {full!r} must be a bool, got {entry[0].name}")
-        return bool(entry[1])
-
-
-def _architecture(header: Header) -> str:
-    entry = header.metadata.get("general.architecture")
-    if entry is None:
-        raise GGUFError("GGUF metadata lacks general.architecture")
-    if entry[0] != GGUFValueType.STRING:
-        raise GGUFError(f"general.architecture must be a string, got {entry[0].name}")
-    if entry[1] not in SUPPORTED_ARCHS:
-        raise GGUFError(f"unsupported GGUF architecture {entry[1]!r}; supported: {list(SUPPORTED_ARCHS)}")
-    return entry[1]
-
-
-def config_from_gguf(header: Header) -> ModelConfig:
-    """Builds the `ModelConfig` from a validated header's metadata
-    (and tensor shapes where metadata is optional).
-
-    Raises:
-      GGUFError: unsupported architecture, a missing required key, a key of the wrong type, or sizes that
-        disagree with each other.
-    """
-    arch = _architecture(header)
-    m = _Meta(header, arch)
-    block_count = m.int("block_count", required=True)
-    nextn = m.int("nextn_predict_layers", 0, minimum=0)
-    num_layers = block_count - nextn
-    if num_layers < 1:
-        raise GGUFError(
-            f"{arch}.block_count={block_count} minus nextn_predict_layers={nextn} leaves no layers"
-        )
-    hidden = m.int("embedding_length", required=True)
-    heads = m.int("attention.head_count", required=True, per_layer=True)
-    kv_heads = m.int("attention.head_count_kv", heads, per_layer=True)
-    head_dim = m.int("attention.key_length", hidden // heads)
-    value_len = m.int("attention.value_length", head_dim)
-    if value_len != head_dim:
-        raise GGUFError(f"{arch}.attention.value_length={value_len} != key_length={head_dim} (not supported)")
-    rope_dim = m.int("rope.dimension_count", head_dim)
-    sections = m.int_array("rope.dimension_sections")
-    if sections is not None:
-        while len(sections) > 1 and sections[-1] == 0:  # padded to 4 entries
-            sections = sections[:-1]
-        sections = tuple(sections) if arch != "qwen3next" else None
-    tok = header.tensors.get("token_embd.weight")
-    vocab = m.int("vocab_size", tok.ne[1] if tok is not None and len(tok.ne) == 2 else None)
-    if vocab is None:
-        raise GGUFError("cannot tell the vocabulary size: no token_embd.weight and no vocab_size key")
-    d_state = m.int("ssm.state_size", required=True)
-    v_heads = m.int("ssm.time_step_rank", required=True)
-    inner = m.int("ssm.inner_size", required=True)
-    if inner != v_heads * d_state:
-        raise GGUFError(
-            f"{arch}.ssm.inner_size={inner} != ssm.time_step_rank*ssm.state_size={v_heads * d_state}"
-        )
-    moe, dense_ffn = None, None
-    if arch == "qwen35":
-        dense_ffn = m.int("feed_forward_length", required=True, per_layer=True)
-    else:
-        shexp = header.tensors.get("blk.0.ffn_gate_shexp.weight")
-        moe = _config_part(
-            arch,
-            MoEConfig,
-            num_experts=m.int("expert_count", required=True),
-            top_k=m.int("expert_used_count", required=True),
-            expert_ffn_dim=m.int("expert_feed_forward_length", required=True),
-            shared_ffn_dim=m.int(
-                "expert_shared_feed_forward_length",
-                shexp.ne[1] if shexp is not None and len(shexp.ne) == 2 else 0,
-                minimum=0,
-            ),
-            normalize_top_k=m.bool("expert_weights_norm", True),
-        )
-    recurrent = m.int_array("attention.recurrent_layers")
-    layer_types = None
-    if recurrent is not None:
-        if len(recurrent) < num_layers:
-            raise GGUFError(
-                f"{arch}.attention.recurrent_layers has {len(recurrent)} entries for {num_layers} layers"
-            )
-        layer_types = tuple("linear_attention" if r else "full_attention" for r in recurrent[:num_layers])
-    try:
-        return ModelConfig(
-            name=_string(header, "general.name") or arch,
-            vocab_size=vocab,
-            hidden_dim=hidden,
-            num_layers=num_layers,
-            full_attention_interval=m.int("full_attention_interval", 4),
-            explicit_layer_types=layer_types,
-            rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", required=True),
-            tie_word_embeddings="output.weight" not in header.tensors,
-            max_position_embeddings=m.int("context_length", required=True),
-            attention=AttentionConfig(
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                rope_theta=m.float("rope.freq_base", 10_000.0),
-                partial_rotary_factor=rope_dim / head_dim,
-                mrope_sections=sections,
-            ),
-            gdn=GatedDeltaNetConfig(
-                num_k_heads=m.int("ssm.group_count", required=True),
-                num_v_heads=v_heads,
-                key_dim=d_state,
-                value_dim=d_state,
-                conv_kernel=m.int("ssm.conv_kernel", required=True),
-            ),
-            moe=moe,
-            dense_ffn_dim=dense_ffn,
-        )
-    except ValueError as e:
-        raise GGUFError(f"GGUF metadata of {arch!r} is inconsistent: {e}") from None
-
-
-def _config_part(arch, cls, **fields):
-    try:
-        return cls(**fields)
-    except ValueError as e:
-        raise GGUFError(f"GGUF metadata of {arch!r} is inconsistent: {e}") from None
-
-
-def _string(header: Header, key: str) -> str | None:
-    entry = header.metadata.get(key)
-    return entry[1] if entry is not None and entry[0] == GGUFValueType.STRING else None
 
 
 # ----------------------------------------------------------------------------------------------------------
 # load
 # ----------------------------------------------------------------------------------------------------------
 def _is_trunk_tensor(name: str, num_layers: int) -> bool:
-    """False for tensors the text trunk never reads (MTP / nextn blocks appended after the trunk)."""
-    if name.startswith("blk."):
-        try:
-            return int(name.split(".")[1]) < num_layers and ".nextn." not in name
-        except ValueError:
-            return True
-    return True
+    """False for the tensors of the MTP (nextn) blocks after the trunk, which the text trunk never reads;
+    `config_from_gguf` has refused files whose blocks past the trunk are anything else."""
+    index = block_index(name)
+    return index is None or index < num_layers
 
 
 def load_gguf(

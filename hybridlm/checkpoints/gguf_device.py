@@ -101,7 +101,7 @@ class Q4KBlocks:
 
     def to_quantized(self) -> QuantizedWeights:
         """The `QuantizedWeights` the kernels read (`q4_k_to_quantized`), on the device."""
-        return q4_k_to_quantized(jnp.asarray(self.data), self.k)
+        return _q4_k_to_quantized_jit(jnp.asarray(self.data), self.k)
 
 
 def q4_k_to_quantized(raw: jax.Array, k: int) -> QuantizedWeights:
@@ -136,3 +136,6 @@ def q4_k_to_quantized(raw: jax.Array, k: int) -> QuantizedWeights:
         block_size=32,
         k_major=True,
     )
+
+
+_q4_k_to_quantized_jit = jax.jit(q4_k_to_quantized, static_argnums=1)

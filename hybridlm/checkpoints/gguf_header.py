@@ -3,7 +3,8 @@
 `gguf.GGUFReader` trusts the counts and lengths in the file: a corrupted count can make it allocate huge
 arrays or loop for a very long time. This parser reads the same header with every count, string length and
 array length bounded by the bytes left in the file, and checks the tensor table (known types, 1..4 dimensions,
-sizes that fit, aligned offsets inside the file, no duplicates, no overlapping data), so that only a file that
+sizes that fit, aligned offsets inside the file, no duplicates) and that the tensors' byte sizes, which follow
+from their types and ne, tile the data region exactly as GGUF writers lay it out, so that only a file that
 passes is handed to the reader. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2
 and 3, little-endian).
 """
@@ -159,7 +160,8 @@ def read_header(path: str | os.PathLike) -> Header:
     Raises:
       GGUFError: wrong magic, unsupported version or byte order, truncated header, malformed metadata,
         duplicated keys or tensor names, unknown tensor types, absurd dimensions, tensor data outside the
-        file, misaligned or overlapping tensor data.
+        file, misaligned tensor data, or tensors that do not tile the data region (a gap, an overlap, or data
+        after the last tensor beyond alignment padding: a type or ne rewritten in the table).
     """
     path = os.fspath(path)
     size = os.path.getsize(path)
@@ -234,12 +236,58 @@ def read_header(path: str | os.PathLike) -> Header:
             )
         if start + nbytes > size:
             raise GGUFError(
-                f"tensor {name!r} (ne={list(ne)}, {qtype.name}, {nbytes} bytes at offset {start}) "
-                f"extends past the end of the file ({size} bytes)"
+                f"tensor {name!r} ({qtype.name}, ne={list(ne)}, {nbytes} bytes at file offset {start}) "
+                f"extends past the end of the file ({size} bytes): truncated file, or wrong type or shape"
             )
         tensors[name] = TensorInfo(name, ne, qtype, start, nbytes)
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
-    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
-        if start < end:
-            raise GGUFError(f"tensors {a!r} and {b!r} have overlapping data")
+    _check_tiling(tensors, data_offset, alignment, size)
     return Header(version, metadata, tensors, alignment, data_offset, size)
+
+
+def _describe(t: TensorInfo, data_offset: int) -> str:
+    where = t.offset - data_offset
+    return f"{t.name!r} ({t.type.name}, ne={list(t.ne)}, {t.nbytes} bytes at data offset {where})"
+
+
+def _check_tiling(tensors: dict[str, TensorInfo], data_offset: int, alignment: int, size: int) -> None:
+    """Checks that the tensors, in offset order, tile the data region as GGUF writers lay it out: the first at
+    data offset 0, each next one at the previous end rounded up to the alignment, the file ending within
+    alignment padding of the last. A type or ne rewritten in the table changes a tensor's byte size, so it
+    shows up here as a gap, an overlap or a wrong file end.
+
+    Raises:
+      GGUFError: naming the tensor whose span disagrees, its type and ne, and the expected vs found span.
+    """
+    if not tensors:
+        return
+    spans = sorted(tensors.values(), key=lambda t: (t.offset, t.name))
+    if spans[0].offset != data_offset:
+        raise GGUFError(
+            f"tensor data does not start at data offset 0: the first tensor "
+            f"{_describe(spans[0], data_offset)} leaves {spans[0].offset - data_offset} bytes before it "
+            f"unaccounted for"
+        )
+    for a, b in itertools.pairwise(spans):
+        end = a.offset + a.nbytes
+        expected = -(-end // alignment) * alignment
+        if b.offset < end:
+            raise GGUFError(
+                f"tensors {a.name!r} and {b.name!r} have overlapping data: {_describe(a, data_offset)} ends "
+                f"at data offset {end - data_offset}, {b.name!r} starts at {b.offset - data_offset} "
+                f"(a wrong type or shape in the tensor table?)"
+            )
+        if b.offset != expected:
+            raise GGUFError(
+                f"tensor {_describe(a, data_offset)} should span {expected - a.offset} bytes (with "
+                f"alignment padding) up to the next tensor, but the file gives it {b.offset - a.offset} "
+                f"(up to {b.name!r} at data offset {b.offset - data_offset}): wrong type or shape in the "
+                f"tensor table"
+            )
+    last = spans[-1]
+    end = last.offset + last.nbytes
+    if size - end >= alignment:
+        raise GGUFError(
+            f"the last tensor {_describe(last, data_offset)} ends at file offset {end}, but the file has "
+            f"{size} bytes: {size - end} bytes after it, more than alignment padding ({alignment - 1}); "
+            f"trailing data, or a wrong type or shape in the tensor table"
+        )
