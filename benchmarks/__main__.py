@@ -3,7 +3,7 @@
 import json
 import sys
 
-from benchmarks import registry
+from benchmarks import make_gguf, registry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.benchmark == "trace-summary":
         for summary in registry.trace_summaries(args.dirs, args.gap_ms, args.top):
             print(json.dumps(summary), flush=True)
+    elif args.benchmark == "make-gguf":
+        print(json.dumps(make_gguf.run(args)), flush=True)
     else:
         registry.run(args.benchmark, argv[1:])
     return 0

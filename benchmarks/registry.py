@@ -8,6 +8,7 @@
     python -m benchmarks decode --preset qwen3.6-35b-a3b --expert-format int4 --prompt-tokens 512 \
         --new-tokens 128
     python -m benchmarks offload --expert-format int4 --budget 12GiB --policy static --prompt-tokens 32768
+    python -m benchmarks make-gguf --preset qwen3.6-35b-a3b --out F.gguf [--experts q4_k --trunk q8_0]
 
 In Python (the experiments and tests): `records = registry.run("prefill", ["--preset", "tiny", ...])`.
 """
@@ -18,7 +19,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-from benchmarks import kernels, model_bench, offload_bench, traces
+from benchmarks import kernels, make_gguf, model_bench, offload_bench, traces
 from benchmarks.common import Recorder
 
 # The kernels' implementation names known to the benchmarks (`gdn-step` times every one by default; the others
@@ -111,7 +112,8 @@ BENCHMARKS: dict[str, Benchmark] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    """`python -m benchmarks NAME [args]`: one subcommand per benchmark, plus `list` and `trace-summary`."""
+    """`python -m benchmarks NAME [args]`: one subcommand per benchmark, plus `list`, `trace-summary` and
+    `make-gguf`."""
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="benchmark", required=True)
     sub.add_parser("list", help="the benchmarks, their workloads and implementations")
@@ -123,6 +125,7 @@ def parser() -> argparse.ArgumentParser:
         "--gap-ms", type=float, default=0.2, help="report compute-stream gaps longer than this"
     )
     summary.add_argument("--top", type=int, default=12)
+    make_gguf.add_arguments(sub.add_parser("make-gguf", help=make_gguf.HELP))
     for name, bench in BENCHMARKS.items():
         s = sub.add_parser(name, help=bench.help)
         bench.add_arguments(s)

@@ -302,7 +302,7 @@ def _keep(src, header: Header, raws) -> QuantizedWeights | None:
 # ----------------------------------------------------------------------------------------------------------
 # save
 # ----------------------------------------------------------------------------------------------------------
-_TENSOR_TYPES = {
+TENSOR_TYPES = {
     "f32": (T.F32, LlamaFileType.ALL_F32),
     "f16": (T.F16, LlamaFileType.MOSTLY_F16),
     "bf16": (T.BF16, LlamaFileType.MOSTLY_BF16),
@@ -333,7 +333,7 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def _mix_type(
+def mix_type(
     tensor_type: str, name: str, num_layers: int, wanted: GGMLQuantizationType
 ) -> GGMLQuantizationType:
     """The type `tensor_type` asks for tensor `name`: "q4_k_m" / "q5_k_m" as llama-quantize's Q4_K_M / Q5_K_M
@@ -358,11 +358,15 @@ def gguf_architecture(config: ModelConfig) -> str:
     return "qwen3next" if config.attention.mrope_sections is None else "qwen35moe"
 
 
-def _tensor_type(name: str, array: np.ndarray, wanted: GGMLQuantizationType, forced_f32: bool):
-    if forced_f32 or array.ndim == 1 or name.endswith("_norm.weight") or wanted == T.F32:
+def stored_type(
+    name: str, shape: tuple[int, ...], wanted: GGMLQuantizationType, forced_f32: bool
+) -> GGMLQuantizationType:
+    """The type `save_gguf` stores tensor `name` of numpy `shape` in: F32 by the converter's rules, else
+    `wanted`, or its fallback when the row length does not fit the block."""
+    if forced_f32 or len(shape) == 1 or name.endswith("_norm.weight") or wanted == T.F32:
         return T.F32
     qtype = wanted
-    while qtype not in (T.F16, T.F32) and array.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+    while qtype not in (T.F16, T.F32) and shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         qtype = _FALLBACK[qtype]
     return qtype
 
@@ -396,8 +400,8 @@ def save_gguf(
       ValueError: unknown tensor_type or arch, or a config GGUF cannot express (explicit layer types that are
         not the interval pattern).
     """
-    if tensor_type not in _TENSOR_TYPES:
-        raise ValueError(f"tensor_type={tensor_type!r}; choose from {sorted(_TENSOR_TYPES)}")
+    if tensor_type not in TENSOR_TYPES:
+        raise ValueError(f"tensor_type={tensor_type!r}; choose from {sorted(TENSOR_TYPES)}")
     config: ModelConfig = model.config
     arch = arch or gguf_architecture(config)
     if arch not in SUPPORTED_ARCHS:
@@ -416,9 +420,9 @@ def save_gguf(
             f"GGUF stores one ssm.state_size: key_dim={config.gdn.key_dim} != "
             f"value_dim={config.gdn.value_dim}"
         )
-    wanted, file_type = _TENSOR_TYPES[tensor_type]
+    wanted, file_type = TENSOR_TYPES[tensor_type]
     writer = gguf.GGUFWriter(os.fspath(path), arch)
-    _write_metadata(writer, config, arch, file_type)
+    write_metadata(writer, config, arch, file_type)
     if tokenizer and config.vocab_size == _qwen_vocab_size():
         from hybridlm.checkpoints.gguf_tokenizer import write_tokenizer
 
@@ -428,8 +432,8 @@ def save_gguf(
         values = [_as_numpy(params[p].get_value()) for p in src.params]
         for name, array in zip(src.tensors, src.save(*values), strict=False):
             array = np.ascontiguousarray(array, np.float32)
-            qtype = _tensor_type(
-                name, array, _mix_type(tensor_type, name, config.num_layers, wanted), src.f32
+            qtype = stored_type(
+                name, array.shape, mix_type(tensor_type, name, config.num_layers, wanted), src.f32
             )
             if qtype == T.F32:
                 writer.add_tensor(name, array)
@@ -455,7 +459,7 @@ def _qwen_vocab_size() -> int:
     return QWEN35_VOCAB_SIZE
 
 
-def _write_metadata(w: gguf.GGUFWriter, config: ModelConfig, arch: str, file_type) -> None:
+def write_metadata(w: gguf.GGUFWriter, config: ModelConfig, arch: str, file_type) -> None:
     """The `{arch}.*` keys of llama.cpp's converter (TextModel / Qwen2MoeModel / Qwen3NextModel /
     _Qwen35MRopeMixin `set_gguf_parameters`)."""
     a, g = config.attention, config.gdn

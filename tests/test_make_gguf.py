@@ -1,0 +1,169 @@
+"""`python -m benchmarks make-gguf`: random-weight GGUF files that read, load and run like `save_gguf`'s."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from gguf.constants import GGMLQuantizationType as T
+from support import K256, assert_finite
+
+import hybridlm
+from benchmarks import make_gguf
+from hybridlm.checkpoints.gguf import load_gguf_tokenizer, save_gguf
+from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, MoEConfig
+from pallas_kernels.quantized import QuantizedWeights
+
+PROMPT = [[1, 17, 42, 7, 300, 5, 99, 250]]
+# Relative tolerance on a tensor's standard deviation: scales are drawn from 256 random block scales per
+# tensor (d spread over a factor 1.5), so a tensor of a few thousand blocks lands within a few percent.
+STD_RTOL = 0.1
+
+
+def _tensors(path) -> dict[str, tuple[tuple[int, ...], T]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # GGUFReader warns on a malformed file
+        reader = gguf.GGUFReader(path)
+    return {t.name: (tuple(int(x) for x in t.shape), T(t.tensor_type)) for t in reader.tensors}
+
+
+def _metadata(path) -> dict:
+    """The key-value pairs, less the description (ours says the weights are random) and the reader's own."""
+    fields = gguf.GGUFReader(path).fields
+    skip = ("general.description", "GGUF.")
+    return {k: f.contents() for k, f in fields.items() if not k.startswith(skip)}
+
+
+@pytest.fixture(scope="module")
+def k256_file(tmp_path_factory):
+    """K256 (every row a multiple of 256) with Q4_K experts and a Q8_0 trunk, as the CLI writes by default."""
+    path = tmp_path_factory.mktemp("make_gguf") / "k256.gguf"
+    make_gguf.write_random_gguf(path, K256, seed=3, threads=2, progress=False)
+    return path
+
+
+@pytest.mark.parametrize("tensor_type", ["q4_k", "q8_0", "q4_k_m", "f16"])
+def test_header_matches_save_gguf(tmp_path, tensor_type):
+    """Same tensor names, ne and types, and the same metadata, as save_gguf writes for the same config and
+    type (experts and trunk both `tensor_type`)."""
+    config = K256.replace(num_layers=2)
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    make_gguf.write_random_gguf(ours, config, experts=tensor_type, trunk=tensor_type, progress=False)
+    save_gguf(hybridlm.init_random(config, seed=0), theirs, tensor_type)
+    assert _tensors(ours) == _tensors(theirs)
+    assert _metadata(ours) == _metadata(theirs)
+
+
+def test_header_matches_save_gguf_with_fallbacks(tmp_path):
+    """qwen3next layout and rows of 64 / 32 elements, where Q4_K falls back to Q5_0 and Q8_0 to F16."""
+    config = K256.replace(
+        num_layers=2,
+        hidden_dim=64,
+        attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=32),
+        gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=16),
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=48, shared_ffn_dim=32),
+    )
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    make_gguf.write_random_gguf(ours, config, experts="q4_k", trunk="q4_k", progress=False)
+    save_gguf(hybridlm.init_random(config, seed=0), theirs, "q4_k")
+    got = _tensors(ours)
+    assert got == _tensors(theirs)
+    assert {qtype for _, qtype in got.values()} >= {T.Q5_0, T.F16, T.F32}
+    assert _metadata(ours) == _metadata(theirs)
+
+
+def test_types_follow_experts_and_trunk(k256_file):
+    tensors = _tensors(k256_file)
+    for name, (_, qtype) in tensors.items():
+        if name.endswith("_exps.weight"):
+            assert qtype == T.Q4_K, name
+        elif qtype != T.F32:
+            assert qtype == T.Q8_0, name
+    assert tensors["token_embd.weight"][1] == T.Q8_0 and tensors["blk.0.ssm_a"][1] == T.F32
+
+
+def test_values_have_the_intended_spread(k256_file):
+    """Quantized matrices: mean ~0, std ~1/sqrt(fan_in) (router 2/sqrt, embedding 1); F32 tensors as
+    save_gguf writes an init_random model's (norms ~1 + 0.1 N, ssm_a in [-16, -1], dt bias in [-2, 1])."""
+    reader = gguf.GGUFReader(k256_file)
+    specs = {s.name: s for s in make_gguf.tensor_specs(K256)}
+    for t in reader.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+        assert_finite(x, t.name)
+        spec = specs[t.name]
+        if t.name.endswith("ssm_a"):
+            assert (x <= -1).all() and (x >= -16).all(), t.name
+        elif t.name.endswith("ssm_dt.bias"):
+            assert (x >= -2).all() and (x <= 1).all(), t.name
+        elif spec.role in ("scale", "q_norm", "k_norm", "output_norm"):
+            assert abs(x.mean() - 1) < 0.05 and 0.05 < x.std() < 0.15, t.name
+        else:
+            assert abs(x.std() / spec.std - 1) < STD_RTOL, (t.name, x.std(), spec.std)
+            assert abs(x.mean()) < 0.1 * spec.std, (t.name, x.mean())
+    assert specs["blk.0.ffn_down_exps.weight"].std == pytest.approx(1 / 16)  # fan_in = expert ffn 256
+
+
+@pytest.mark.parametrize("keep", ["experts", None])
+def test_loads_and_runs_finite(k256_file, forward, keep):
+    model = hybridlm.load(k256_file, keep_quantized=keep, dtype=jnp.float32, progress=False)
+    assert model.config.replace(name=K256.name) == K256
+    experts = model.layers[0].ffn.experts_gate_up.get_value()
+    assert isinstance(experts, QuantizedWeights) == (keep == "experts")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert_finite(leaf, jax.tree_util.keystr(path))
+    logits = np.asarray(forward(model, jnp.asarray(PROMPT)))
+    assert_finite(logits, "logits")
+    assert 0.1 < logits.std() < 10
+
+
+def test_same_seed_same_bytes(tmp_path):
+    config = K256.replace(num_layers=1)
+    paths = [tmp_path / f"{i}.gguf" for i in range(3)]
+    for path, seed, threads in zip(paths, (5, 5, 6), (1, 3, 2), strict=True):
+        make_gguf.write_random_gguf(path, config, seed=seed, threads=threads, progress=False)
+    assert paths[0].read_bytes() == paths[1].read_bytes() != paths[2].read_bytes()
+
+
+def test_cli_tiny_preset_with_tokenizer(tmp_path, forward):
+    """The real CLI on the tiny preset (Qwen3.5 vocabulary, so the tokenizer is written; hidden 64, so Q4_K
+    experts fall back to Q5_0): one JSON line, a file that loads with its tokenizer and runs finite."""
+    path = tmp_path / "tiny.gguf"
+    argv = ["make-gguf", "--preset", "tiny", "--layers", "2", "--out", str(path), "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["figures"]["file_bytes"] == path.stat().st_size and record["layers"] == 2
+    model = hybridlm.load(path, keep_quantized="experts", progress=False)
+    assert model.config.num_layers == 2
+    tok = load_gguf_tokenizer(path)
+    ids = tok.encode("Hello, world")
+    assert tok.decode(ids) == "Hello, world"
+    assert_finite(forward(model, jnp.asarray([ids])), "logits")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "nope"], "invalid choice"),
+        (["--preset", "tiny", "--layers", "0"], "positive"),
+        (["--preset", "tiny", "--experts", "q3_k"], "invalid choice"),
+        (["--preset", "tiny", "--out", "/no/such/dir/f.gguf"], "does not exist"),
+    ],
+)
+def test_cli_rejects_bad_input(tmp_path, argv, message):
+    if "--out" not in argv:
+        argv = [*argv, "--out", str(tmp_path / "f.gguf")]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "make-gguf", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
