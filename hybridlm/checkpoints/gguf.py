@@ -85,7 +85,7 @@ def load_gguf(
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
         ("experts_gate_up" / "experts_down": a `QuantizedWeights`, a device array [experts, ...], or, when
         every expert tensor of the file is Q4_K and keep_quantized="experts", the file's own blocks as
-        host `gguf_device.Q4KBlocks`) as soon as it is read; the model then holds 1-element placeholders
+        device `gguf_device.Q4KBlocks`) as soon as it is read; the model then holds 1-element placeholders
         for them (`hybridlm.offload.load_offloaded` packs them into pinned host memory a layer at a time).
       check_finite: refuse a file whose float weights or quantization scales hold NaN or Inf.
 
@@ -125,6 +125,14 @@ def load_gguf(
     raw_q4k = keep and all(
         header.tensors[n].type == T.Q4_K for src in sources if src.experts for n in src.tensors
     )
+
+    def on_device(src) -> bool:
+        """Whether a source's bytes go to the device as they are (kept Q4_K experts, matrices of
+        DEVICE_TYPES) rather than through numpy."""
+        if keep and src.experts:
+            return raw_q4k
+        return not src.f32 and all(header.tensors[n].type in gguf_device.DEVICE_TYPES for n in src.tensors)
+
     finite: list[tuple[str, object]] = []
     total = sum(header.tensors[n].nbytes for n in used)
     with (
@@ -140,7 +148,7 @@ def load_gguf(
         ) as bar,
     ):
         previous = None
-        for src, raws in read_ahead(f.fileno(), header, sources):
+        for src, raws in read_ahead(f.fileno(), header, sources, on_device):
             wants = [variables[p].get_value() for p in src.params]
             values = _source_values(src, raws, header, wants, arch, keep, raw_q4k, expert_sink is not None)
             for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
@@ -150,25 +158,34 @@ def load_gguf(
                 variables[param].set_value(loaded_value(param, value, want.dtype, expert_sink))
             # one source in flight: the host buffers of older ones are free before more are read
             jax.block_until_ready(previous)
-            previous = [v for v in values if not isinstance(v, gguf_device.Q4KBlocks)]
+            previous = [v.data if isinstance(v, gguf_device.Q4KBlocks) else v for v in values]
             bar.update(sum(r.nbytes for r in raws))
     if check_finite:
         _raise_if_not_finite(finite)
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
 
 
-def read_ahead(fd: int, header: Header, sources, max_bytes: int = 1 << 30, workers: int = 4):
+def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = 1 << 30, workers: int = 4):
     """Yields (source, [its tensors' bytes uint8 [nbytes]]) in order, reading up to `max_bytes` ahead with
-    `workers` threads (`pread` releases the GIL; the page cache serves several readers at once)."""
+    `workers` threads (`pread` and the host -> device copy release the GIL; the page cache serves several
+    readers at once). The bytes of a source with `on_device(source)` true arrive as device arrays, copied by
+    the reading thread, so that the host holds them only while they move."""
+
+    def read(info, device):
+        raw = gguf_device.read_tensor(fd, info)
+        if not device:
+            return raw
+        return jax.block_until_ready(jax.device_put(raw))  # the host buffer is free once this returns
+
     pending: collections.deque = collections.deque()
     ahead = 0
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        it = iter(sources)
-        for src in it:
+        for src in sources:
             infos = [header.tensors[n] for n in src.tensors]
-            pending.append((src, [pool.submit(gguf_device.read_tensor, fd, t) for t in infos]))
+            device = on_device(src)
+            pending.append((src, [pool.submit(read, t, device) for t in infos]))
             ahead += sum(t.nbytes for t in infos)
-            while ahead > max_bytes or (pending and len(pending) > 64):
+            while ahead > max_bytes or len(pending) > 64:
                 done, futures = pending.popleft()
                 raws = [fut.result() for fut in futures]
                 ahead -= sum(r.nbytes for r in raws)
@@ -200,7 +217,7 @@ def _source_values(src, raws, header, wants, arch, keep, raw_q4k, to_sink) -> tu
     matrices, or numpy-dequantized small and rare-type tensors, the converter's transforms undone."""
     infos = [header.tensors[n] for n in src.tensors]
     if keep and src.experts and raw_q4k:
-        blocks = np.concatenate(
+        blocks = jnp.concatenate(
             [r.reshape(t.ne[2], t.ne[1], -1) for r, t in zip(raws, infos, strict=True)], axis=1
         )
         kept = gguf_device.Q4KBlocks(blocks, infos[0].ne[0])
@@ -209,8 +226,7 @@ def _source_values(src, raws, header, wants, arch, keep, raw_q4k, to_sink) -> tu
         kept = _keep(src, header, raws)
         if kept is not None:
             return (kept,)
-    on_device = not src.f32 and all(t.type in gguf_device.DEVICE_TYPES for t in infos)
-    if on_device:
+    if isinstance(raws[0], jax.Array):  # `on_device`: F32/F16/BF16/Q8_0 matrices
         arrays = [gguf_device.dequantize_on_device(r, t) for r, t in zip(raws, infos, strict=True)]
     else:
         arrays = [
@@ -228,8 +244,7 @@ def _all_finite(value):
     """A device boolean (or a host bool) saying that `value` holds no NaN/Inf (scales and offsets only, for
     quantized weights)."""
     if isinstance(value, gguf_device.Q4KBlocks):
-        d = np.ascontiguousarray(value.data.reshape(-1, gguf_device.Q4_K_BYTES)[:, :4]).view(np.float16)
-        return bool(np.isfinite(d).all())
+        return gguf_device.scales_finite(value.data)
     if isinstance(value, QuantizedWeights):
         parts = [value.scales] + ([] if value.offsets is None else [value.offsets])
         return jnp.all(jnp.stack([jnp.isfinite(p).all() for p in parts]))

@@ -27,6 +27,7 @@ __all__ = [
     "dequantize_on_device",
     "q4_k_to_quantized",
     "read_tensor",
+    "scales_finite",
 ]
 
 T = GGMLQuantizationType
@@ -74,7 +75,7 @@ def _dequantize(raw: jax.Array, qtype: GGMLQuantizationType, shape: tuple[int, .
     return (q * d[:, None]).reshape(shape)
 
 
-def dequantize_on_device(raw: np.ndarray, info: TensorInfo) -> jax.Array:
+def dequantize_on_device(raw: np.ndarray | jax.Array, info: TensorInfo) -> jax.Array:
     """A tensor of a `DEVICE_TYPES` type, from its bytes uint8 [nbytes] to float32 on the default device in
     numpy shape (reversed ne); bit for bit what `gguf_quants.dequantize` gives (one exact or one rounded
     product a value)."""
@@ -139,3 +140,10 @@ def q4_k_to_quantized(raw: jax.Array, k: int) -> QuantizedWeights:
 
 
 _q4_k_to_quantized_jit = jax.jit(q4_k_to_quantized, static_argnums=1)
+
+
+@jax.jit
+def scales_finite(raw: jax.Array) -> jax.Array:
+    """Whether every Q4_K block of `raw` (uint8 [..., blocks * 144]) has finite float16 d and dmin."""
+    head = raw.reshape(-1, Q4_K_BYTES)[:, :4].reshape(-1, 2, 2)
+    return jnp.isfinite(jax.lax.bitcast_convert_type(head, jnp.float16)).all()

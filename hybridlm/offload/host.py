@@ -46,14 +46,19 @@ def measure_h2d_gbps(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _host_rows(param) -> np.ndarray:
-    """A parameter's host bytes, uint8 [experts, bytes an expert].
+def _blocks_of(param) -> jax.Array:
+    """A parameter's Q4_K bytes on the device, uint8 [experts, out, row bytes].
 
     Raises:
-      ValueError: a parameter that is not host Q4_K blocks beside one that is."""
-    if not isinstance(param, Q4KBlocks) or not isinstance(param.data, np.ndarray):
-        raise ValueError("Q4_K blocks pack only beside Q4_K blocks on the host (both parameters)")
-    return param.data.reshape(param.data.shape[0], -1)
+      ValueError: a parameter that is not Q4_K blocks beside one that is."""
+    if not isinstance(param, Q4KBlocks):
+        raise ValueError("Q4_K blocks pack only beside Q4_K blocks (both parameters)")
+    return jnp.asarray(param.data)
+
+
+@jax.jit
+def _pack_q4_k(gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    return jnp.concatenate([x.reshape(x.shape[0], -1) for x in (gate_up, down)], axis=1)  # [experts, nbytes]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -143,9 +148,9 @@ class HostExperts:
     def pack_layer(
         gate_up, down, host_sharding=None, parts: int | None = None
     ) -> tuple[ExpertLayout, list[jax.Array]]:
-        """One layer's experts (device arrays or QuantizedWeights [experts, ...], or host `Q4KBlocks` for both
+        """One layer's experts (device arrays or QuantizedWeights [experts, ...], or `Q4KBlocks` for both
         parameters) -> (layout, `parts` pinned buffers uint8 [~experts / parts, nbytes]; fewer where the layer
-        has fewer experts). Packs on the device (bitcasts, no host round trip), Q4_K blocks on the host.
+        has fewer experts). Packs on the device (bitcasts or concatenated Q4_K blocks, no host round trip).
         parts None: `default_host_parts()`.
 
         Raises:
@@ -154,8 +159,8 @@ class HostExperts:
         if parts < 1:
             raise ValueError(f"parts={parts}: a layer needs at least one host buffer")
         layout = ExpertLayout.of(gate_up, down)
-        if layout.q4_k:  # the file's Q4_K blocks, on the host: one copy into the expert-major buffer
-            packed = np.concatenate([_host_rows(p) for p in (gate_up, down)], axis=1)
+        if layout.q4_k:  # the file's Q4_K blocks: expert-major on the device, then into pinned memory
+            packed = _pack_q4_k(*(_blocks_of(p) for p in (gate_up, down)))
         else:
             packed = _pack_layer(layout, gate_up, down)
         bounds = np.linspace(0, packed.shape[0], min(parts, packed.shape[0]) + 1).astype(int)
