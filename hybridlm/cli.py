@@ -11,20 +11,68 @@ import json
 import os
 import sys
 
+EXAMPLES = """\
+examples:
+  # the main job on the built-in default: tiny preset, random weights, the prompt shipped with the package
+  hybridlm prefill
+  # a GGUF file (its own tokenizer; its 4- and 8-bit experts stay quantized) on a prompt of yours
+  hybridlm prefill --model Qwen3.6-35B-A3B-Q4_K_M.gguf --prompt-file notes.txt
+  # routed experts in pinned host memory, at most 12 GiB of them on the GPU at a time
+  hybridlm prefill --model Qwen3.6-35B-A3B-Q4_K_M.gguf --expert-budget 12GiB
+  # a full-size architecture with random weights (it needs the real model's memory); one JSON object out
+  hybridlm prefill --preset qwen3.6-35b-a3b --random-weights --json
+  # an answer: stops at the end-of-turn token (--ignore-eos: goes on), or after 64 tokens
+  hybridlm generate --model Qwen3.6-35B-A3B-Q4_K_M.gguf --prompt "Why is the sky blue?" --max-new-tokens 64
+
+Weights come from --model (an HF checkpoint directory or a .gguf file) or are random (--random-weights, of
+the --preset architecture, default tiny); --preset without --random-weights is an error. Errors are one line
+on stderr with exit status 2; Ctrl-C exits with status 130.
+"""
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs, printed as one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """argparse's own errors as one line (no usage block), like every other error of the CLI."""
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def version() -> str:
+    """hybridlm's installed version (package metadata), else the package's `__version__`."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("hybridlm")
+    except metadata.PackageNotFoundError:
+        import hybridlm
+
+        return getattr(hybridlm, "__version__", "unknown")
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
+    formatter = argparse.RawDescriptionHelpFormatter
+    p = _Parser(
+        prog="hybridlm", description=__doc__.splitlines()[0], epilog=EXAMPLES, formatter_class=formatter
+    )
+    p.add_argument("--version", action="version", version=f"hybridlm {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("prefill", "ingest a prompt; report TTFT and tokens/s (per phase with --profile)"),
         ("generate", "prefill, then decode new tokens"),
     ):
-        s = sub.add_parser(name, help=help_)
+        s = sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES, formatter_class=formatter)
         s.add_argument("--model", metavar="PATH", help="HF checkpoint directory or .gguf file")
         s.add_argument(
-            "--preset", default=None, help="named architecture (with --random-weights); default tiny"
+            "--preset",
+            default=None,
+            help="named architecture for --random-weights (default tiny); without --random-weights an error",
         )
-        s.add_argument("--random-weights", action="store_true", help="random weights for --preset")
+        s.add_argument(
+            "--random-weights", action="store_true", help="random weights of --preset (default tiny)"
+        )
         s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
         s.add_argument(
             "--expert-format",
@@ -42,10 +90,31 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
         s.add_argument("--prompt", help="prompt text (instead of --prompt-file)")
         s.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk size in tokens")
-        s.add_argument("--max-new-tokens", type=int, default=16 if name == "generate" else 0)
+        s.add_argument(
+            "--max-new-tokens",
+            type=int,
+            default=16 if name == "generate" else 0,
+            help="tokens to generate (>= 1; default 16)"
+            if name == "generate"
+            else "KV-cache room to reserve after the prompt (default 0)",
+        )
+        s.add_argument(
+            "--max-context",
+            type=int,
+            default=None,
+            metavar="N",
+            help="tokens the run may use, prompt and new tokens together (default: the model's "
+            "max_position_embeddings, which it cannot exceed)",
+        )
         s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
+        if name == "generate":
+            s.add_argument(
+                "--ignore-eos",
+                action="store_true",
+                help="go on to --max-new-tokens past the tokenizer's end-of-text / end-of-turn tokens",
+            )
         if name == "prefill":
             s.add_argument(
                 "--warmup",
@@ -57,45 +126,50 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also one pass synchronised after every phase: seconds per phase",
             )
-        s.add_argument(
-            "--expert-budget",
-            metavar="BYTES",
-            default=None,
-            help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
-            "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)",
-        )
-        s.add_argument(
-            "--mixed-formats",
-            choices=("widen", "smallest", "refuse"),
-            default="widen",
-            help="with --expert-budget, for a model whose layers store experts in different formats "
-            "(a Q4_K_M GGUF's Q6_K downs): widen into one format that holds each exactly (more "
-            "bytes), requantize into the smallest (not exact), or refuse",
-        )
-        s.add_argument(
-            "--cache-policy",
-            choices=("lru", "slru", "lfu", "static", "stream"),
-            default="slru",
-            help="expert cache eviction policy (with --expert-budget)",
-        )
-        s.add_argument(
-            "--prefetch",
-            choices=("auto", "router", "layer", "none"),
-            default="auto",
-            help="expert prefetch (with --expert-budget)",
-        )
-        s.add_argument(
-            "--host-parts",
-            type=int,
-            default=None,
-            metavar="N",
-            help="pinned host buffers a layer (with --expert-budget): several spread a layer's copy "
-            "over the prefill's programs, 1 lets decode copy experts with no control flow (faster "
-            "decode, slower prefill). Default: 1 for generate with --max-new-tokens >= "
-            "OffloadConfig.one_host_part_from_tokens, else the runner's",
-        )
+        _add_offload_arguments(s)
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def _add_offload_arguments(s: argparse.ArgumentParser) -> None:
+    """The expert-offload options of both commands."""
+    s.add_argument(
+        "--expert-budget",
+        metavar="BYTES",
+        default=None,
+        help="offload routed experts to pinned host memory with this device budget, e.g. 12GiB "
+        "(a --model loads its experts straight there; GGUF 4- and 8-bit ones kept quantized)",
+    )
+    s.add_argument(
+        "--mixed-formats",
+        choices=("widen", "smallest", "refuse"),
+        default="widen",
+        help="with --expert-budget, for a model whose layers store experts in different formats "
+        "(a Q4_K_M GGUF's Q6_K downs): widen into one format that holds each exactly (more "
+        "bytes), requantize into the smallest (not exact), or refuse",
+    )
+    s.add_argument(
+        "--cache-policy",
+        choices=("lru", "slru", "lfu", "static", "stream"),
+        default="slru",
+        help="expert cache eviction policy (with --expert-budget)",
+    )
+    s.add_argument(
+        "--prefetch",
+        choices=("auto", "router", "layer", "none"),
+        default="auto",
+        help="expert prefetch (with --expert-budget)",
+    )
+    s.add_argument(
+        "--host-parts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pinned host buffers a layer (with --expert-budget): several spread a layer's copy "
+        "over the prefill's programs, 1 lets decode copy experts with no control flow (faster "
+        "decode, slower prefill). Default: 1 for generate with --max-new-tokens >= "
+        "OffloadConfig.one_host_part_from_tokens, else the runner's",
+    )
 
 
 def host_parts_for(command: str, max_new_tokens: int, host_parts: int | None) -> int | None:
@@ -116,12 +190,8 @@ def _fail(msg: str) -> int:
     return 2
 
 
-class UsageError(Exception):
-    """A problem with the command line or its inputs, printed as one line with exit status 2."""
-
-
 def check_arguments(args: argparse.Namespace) -> None:
-    """Cheap checks before JAX is imported.
+    """Cheap checks before JAX is imported; reads --prompt-file into `args.prompt`.
 
     Raises:
       UsageError: options that cannot go together, or paths and values that cannot work.
@@ -130,33 +200,100 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     if args.model and (args.preset or args.random_weights):
         raise UsageError("--model cannot be combined with --preset/--random-weights")
+    if args.preset and args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
+    if args.preset and not args.random_weights:
+        raise UsageError(
+            f"--preset {args.preset} names an architecture, not weights: add --random-weights, or load "
+            "weights with --model PATH"
+        )
     if args.model and not os.path.exists(args.model):
         raise UsageError(f"model path not found: {args.model}")
     if args.model and args.expert_format and not os.path.isdir(args.model):
         raise UsageError(
             "--expert-format applies to HF checkpoint directories; a GGUF file keeps its own quantization"
         )
-    if args.preset and args.preset not in PRESETS:
-        raise UsageError(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
-    if args.prompt_file and not os.path.isfile(args.prompt_file):
-        raise UsageError(f"prompt file not found: {args.prompt_file}")
+    if args.prompt is not None and args.prompt_file:
+        raise UsageError("--prompt and --prompt-file cannot be combined")
     if args.chunk_size <= 0:
         raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
-    if args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens < (1 if args.command == "generate" else 0):
+        need = ">= 1 for generate" if args.command == "generate" else ">= 0"
+        raise UsageError(f"--max-new-tokens must be {need}, got {args.max_new_tokens}")
+    if args.max_context is not None and args.max_context < 1:
+        raise UsageError(f"--max-context must be positive, got {args.max_context}")
+    if args.prompt_file:
+        args.prompt = read_prompt_file(args.prompt_file)
+
+
+def read_prompt_file(path: str) -> str:
+    """The UTF-8 text of a prompt file (a leading byte-order mark dropped).
+
+    Raises:
+      UsageError: the path is missing or a directory, cannot be read, or is not UTF-8 text.
+    """
+    if os.path.isdir(path):
+        raise UsageError(f"prompt file {path} is a directory")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise UsageError(f"prompt file not found: {path}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read prompt file {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"prompt file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
+    if "\0" in text:  # valid UTF-8, but no text has NUL bytes: a binary file
+        raise UsageError(f"prompt file {path} is not text (byte 0x00 at offset {data.index(0)})")
+    return text.removeprefix("\ufeff")
+
+
+def check_context(config, prompt_tokens: int, args: argparse.Namespace) -> int:
+    """The run's context limit: `--max-context`, else the model's `max_position_embeddings`.
+
+    Raises:
+      UsageError: --max-context above max_position_embeddings, or the prompt (with --max-new-tokens) past the
+        limit.
+    """
+    model_max = config.max_position_embeddings
+    if args.max_context is not None and args.max_context > model_max:
+        raise UsageError(
+            f"--max-context {args.max_context} is above the model's max_position_embeddings ({model_max})"
+        )
+    limit = args.max_context or model_max
+    source = "--max-context" if args.max_context else "the model's max_position_embeddings; see --max-context"
+    if prompt_tokens > limit:
+        raise UsageError(
+            f"the prompt has {prompt_tokens} tokens, more than the context of {limit} ({source})"
+        )
+    if prompt_tokens + args.max_new_tokens > limit:
+        raise UsageError(
+            f"the prompt's {prompt_tokens} tokens + --max-new-tokens {args.max_new_tokens} exceed the "
+            f"context of {limit} ({source})"
+        )
+    return limit
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Runs the command line `argv` (default sys.argv[1:]); returns the exit status: 0, 2 for a usage or
+    input error (one line on stderr), 130 when interrupted (Ctrl-C)."""
     try:
+        args = _parser().parse_args(argv)
         check_arguments(args)  # before importing JAX
         report = _run(args)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            _print_report(report)
     except UsageError as e:
         return _fail(str(e))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_report(report)
+    except KeyboardInterrupt:
+        print("hybridlm: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -172,14 +309,19 @@ def _run(args: argparse.Namespace) -> dict:
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-', 1)}") from None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
-    if dtype is None:
+    if dtype is None:  # the documented default for every source, GGUF files and HF directories included
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     host_parts = host_parts_for(args.command, args.max_new_tokens, args.host_parts)
+    try:  # the model's shapes and the prompt first: a bad one is refused before minutes of loading
+        model_cfg, header = model_config(args)
+        tokenizer, ids = _prompt(args, model_cfg.vocab_size, header)
+    except (ValueError, KeyError, OSError) as e:
+        raise UsageError(_reason(e)) from None
+    check_context(model_cfg, len(ids), args)
     try:
         model, host_experts, source = _load_model(args, dtype, host_parts)
-        tokenizer, ids = _prompt(args, model.config.vocab_size)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise UsageError(str(e).strip("'\"")) from None
+    except (ValueError, KeyError, OSError) as e:  # GGUFError and CheckpointError are ValueErrors
+        raise UsageError(_reason(e)) from None
     if args.expert_budget is not None:
         from hybridlm.offload import OffloadConfig, OffloadedRunner
 
@@ -212,6 +354,39 @@ def _run(args: argparse.Namespace) -> dict:
     return report
 
 
+def _reason(e: BaseException) -> str:
+    """One line for an exception: an OSError's reason and path, else its message without KeyError quotes."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return " ".join(str(e).strip("'\"").split())
+
+
+def model_config(args: argparse.Namespace):
+    """(the `ModelConfig` the run will load, the GGUF header or None), read without loading any weights.
+
+    Raises:
+      ValueError: a malformed config.json or GGUF header (`GGUFError`), or an unsupported architecture.
+      OSError: the checkpoint cannot be read.
+    """
+    import hybridlm
+
+    if not args.model:
+        return hybridlm.get_config(args.preset or "tiny"), None
+    if os.path.isdir(args.model):
+        return hybridlm.ModelConfig.from_hf(args.model), None
+    from hybridlm.checkpoints.gguf import config_from_gguf
+    from hybridlm.checkpoints.gguf_header import read_header
+
+    with open(args.model, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(
+            f"{args.model} is neither an HF checkpoint directory nor a GGUF file (magic {magic!r})"
+        )
+    header = read_header(args.model)
+    return config_from_gguf(header), header
+
+
 def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
     """(model, host experts or None, a description of where the weights come from)."""
     import hybridlm
@@ -222,7 +397,7 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
 
         model, host_experts = load_offloaded(
             args.model,
-            dtype=None if args.dtype is None else dtype,
+            dtype=dtype,
             expert_format=args.expert_format,
             mixed_formats=args.mixed_formats,
             parts=host_parts,
@@ -231,7 +406,7 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
     if args.model:  # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
         model = hybridlm.load(
             args.model,
-            dtype=None if args.dtype is None else dtype,
+            dtype=dtype,
             expert_format=args.expert_format,
             keep_quantized=None if os.path.isdir(args.model) else "experts",
         )
@@ -241,27 +416,22 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
     return model, None, f"{config.name} (random weights, seed {args.seed})"
 
 
-def _prompt(args: argparse.Namespace, vocab_size: int):
-    """(tokenizer, prompt token ids): the GGUF file's own vocabulary where it has one, else Qwen's.
+def _prompt(args: argparse.Namespace, vocab_size: int, header=None):
+    """(tokenizer, prompt token ids): the GGUF file's own vocabulary where it has one (`header`), else Qwen's.
 
     Raises:
       UsageError: an empty prompt, or token ids the model's vocabulary does not have.
+      GGUFError: malformed tokenizer metadata.
     """
     from hybridlm.tokenizer import Tokenizer, default_prompt
 
     tokenizer = None
-    if args.model and args.model.endswith(".gguf"):
-        from hybridlm.checkpoints.gguf import load_gguf_tokenizer
+    if header is not None:
+        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
-        tokenizer = load_gguf_tokenizer(args.model)
+        tokenizer = tokenizer_from_gguf(args.model, header)
     tokenizer = tokenizer or Tokenizer()
-    if args.prompt is not None:
-        text = args.prompt
-    elif args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = default_prompt()
+    text = args.prompt if args.prompt is not None else default_prompt()  # check_arguments read --prompt-file
     ids = tokenizer.encode(text)
     if not ids:
         raise UsageError("the prompt is empty")
@@ -301,11 +471,12 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
     gen = hybridlm.generate(
         runner,
         ids,
-        max_new_tokens=max(args.max_new_tokens, 1),
+        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        eos_token_id=None if args.ignore_eos else tokenizer.stop_token_ids,
         chunk_size=args.chunk_size,
     )
     report = {
@@ -313,6 +484,7 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
         "compile_excluded": False,
         "new_tokens": gen.tokens[0].tolist(),
         "text": tokenizer.decode(gen.tokens[0]),
+        "stop_reason": gen.stop_reason,
         "decode_tokens_per_s": gen.decode_tokens_per_s,
     }
     if args.expert_budget is not None:
@@ -337,6 +509,7 @@ def _print_report(r: dict) -> None:
         print(f"next token     {r['next_token']['id']} {r['next_token']['text']!r}")
     if "text" in r:
         print(f"generated      {r['text']!r}")
+        print(f"stopped        at {r['stop_reason']} after {len(r['new_tokens'])} token(s)")
         print(f"decode         {r['decode_tokens_per_s']:.1f} tokens/s")
 
 

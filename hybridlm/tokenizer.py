@@ -45,6 +45,11 @@ class Tokenizer:
     def endoftext_id(self) -> int:
         return self._tok.eod_id
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a generation: <|im_end|> (end of turn) and <|endoftext|>."""
+        return (self.eos_token_id, self.endoftext_id)
+
 
 @functools.cache
 def default_tokenizer() -> Tokenizer:

@@ -146,6 +146,12 @@ class GGUFTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a generation: the file's eos and the end-of-turn / end-of-text tokens it has."""
+        ids = [self._eos] + [self._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
 
 def _array(header: Header, key: str, etype: GGUFValueType) -> list:
     entry = header.metadata.get(key)

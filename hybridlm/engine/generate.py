@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +41,11 @@ def decode_step(
 
 @dataclasses.dataclass
 class GenerateResult:
-    tokens: np.ndarray  # [batch, new_tokens] int32 (stops early at eos for batch 1)
+    tokens: np.ndarray  # [batch, new_tokens] int32, up to the step where every row has produced a stop token
     prefill: PrefillResult
     decode_s: float  # seconds spent in the decode loop
     first_step_s: float = 0.0  # of which the first decode step's (it compiles the step on a first call)
+    stop_reason: str = "length"  # "eos": every row produced a stop token; "length": max_new_tokens reached
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -65,7 +67,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> GenerateResult:
     """Prefills the prompt, then samples `max_new_tokens` tokens one at a time.
@@ -78,7 +80,8 @@ def generate(
       top_k: sample among the k most likely tokens (0: no limit).
       top_p: nucleus sampling mass (1.0: no limit).
       seed: PRNG seed for sampling.
-      eos_token_id: stop when every sequence produced it (None: never).
+      eos_token_id: stop token id(s): generation ends once every sequence has produced one of them (a row
+        that finished earlier goes on sampling until then; cut it at its first stop token). None: never.
       chunk_size: prefill chunk size in tokens.
 
     Raises:
@@ -88,12 +91,13 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     check_sampling(temperature, top_k, top_p)  # before the prefill's work
+    stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     key = jax.random.key(seed)
     states, logits, position = pre.states, pre.logits, pre.prompt_tokens
     out = []
-    first_step_s = 0.0
+    first_step_s, stop_reason, finished = 0.0, "length", None
     t0 = time.perf_counter()
     for i in range(max_new_tokens):
         sub = None
@@ -107,9 +111,17 @@ def generate(
             if i == 0:  # the first step compiles on a first call: timed apart
                 jax.block_until_ready(logits)
                 first_step_s = time.perf_counter() - t0
-        if eos_token_id is not None and bool(jnp.all(token == eos_token_id)):
-            break
+        if stop_ids.size:  # reading the token waits for it: only when there is something to stop at
+            hit = np.isin(np.asarray(token), stop_ids)
+            finished = hit if finished is None else finished | hit
+            if finished.all():
+                stop_reason = "eos"
+                break
     tokens = np.asarray(jnp.stack(out, axis=1))
     return GenerateResult(
-        tokens=tokens, prefill=pre, decode_s=time.perf_counter() - t0, first_step_s=first_step_s
+        tokens=tokens,
+        prefill=pre,
+        decode_s=time.perf_counter() - t0,
+        first_step_s=first_step_s,
+        stop_reason=stop_reason,
     )
