@@ -7,8 +7,8 @@ import os
 import jax
 
 from hybridlm.model import EXPERT_PARAMS, HybridLM
-from hybridlm.offload.config import MIXED_FORMATS
-from hybridlm.offload.host import HostExperts, host_experts_of_layers
+from hybridlm.offload.config import MIXED_FORMATS, default_host_parts
+from hybridlm.offload.host import HostExperts, host_experts_of_layers, reserve_pinned
 
 
 def load_offloaded(
@@ -64,6 +64,8 @@ def load_offloaded(
     if mixed_formats not in MIXED_FORMATS:  # before the file is read
         raise ValueError(f"unknown mixed_formats={mixed_formats!r}; choose from {MIXED_FORMATS}")
     path = os.fspath(path)
+    if not os.path.isdir(path) and os.path.isfile(path):  # the experts' bytes are known from the header
+        _reserve_for_gguf(path, parts)
     pending: dict[int, dict] = {}
     packed: dict[int, tuple] = {}
 
@@ -86,3 +88,21 @@ def load_offloaded(
     if model.config.moe is None:
         raise ValueError(f"{path} holds a dense model ({model.config.name}): there are no experts to offload")
     return model, host_experts_of_layers(packed, model.config.num_layers, mixed_formats)
+
+
+def _reserve_for_gguf(path: str, parts: int | None) -> None:
+    """Reserves pinned host memory for a GGUF file's routed experts (their bytes in the file: what Q4_K and
+    Q8_0 experts take in host memory) before they are packed (`reserve_pinned`)."""
+    from hybridlm.checkpoints.gguf_header import GGUFError, read_header
+
+    try:
+        header = read_header(path)
+    except GGUFError:
+        return  # the loader reports it
+    experts = [t for n, t in header.tensors.items() if "_exps." in n]
+    layers = {n.split(".")[1] for n in header.tensors if "_exps." in n}
+    if not experts or not layers:
+        return
+    total = sum(t.nbytes for t in experts)
+    parts = default_host_parts() if parts is None else parts
+    reserve_pinned(total, -(-total // (len(layers) * max(parts, 1))))
