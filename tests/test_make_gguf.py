@@ -168,7 +168,8 @@ def test_cli_tiny_preset_with_tokenizer(tmp_path, forward):
     "argv, message",
     [
         (["--preset", "nope"], "invalid choice"),
-        (["--preset", "tiny", "--layers", "0"], "positive"),
+        (["--preset", "tiny", "--layers", "0"], "at least 1"),
+        (["--preset", "tiny", "--seed", "-1"], "at least 0"),
         (["--preset", "tiny", "--experts", "q3_k"], "invalid choice"),
         (["--preset", "tiny", "--out", "/no/such/dir/f.gguf"], "does not exist"),
     ],
