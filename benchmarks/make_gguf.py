@@ -8,8 +8,9 @@ comes from `mapping.gguf_sources`, the types from `gguf.stored_type`), and the r
 the vocabulary is its 248 320 tokens. Nothing is quantized: quantized tensors are random bytes whose block
 scales are then set so that the weights have the spread `hybridlm.init_random` gives them (1/sqrt(fan_in) for
 projections), and F32 tensors (norms, ssm_a, dt bias, conv, router, shared-expert gate) get the values
-`save_gguf` writes for an `init_random` model. Tensors are generated in chunks by a thread pool and written in
-order, so memory stays at a few chunks per thread whatever the file's size.
+`save_gguf` writes for an `init_random` model. Tensors are generated in chunks by a thread pool, each chunk
+written at its own offset by the thread that made it, so memory stays at a few chunks per thread whatever the
+file's size.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ T = GGMLQuantizationType
 HELP = "write a GGUF file of a preset's shapes with random weights (Q4_K experts, Q8_0 trunk by default)"
 # The tensor types the generator can write (`TENSOR_TYPES` names whose types and fallbacks it draws).
 TYPE_NAMES = ("q4_k", "q4_k_m", "q6_k", "q8_0", "bf16", "f16", "f32")
-CHUNK_BYTES = (
-    16 << 20
-)  # one unit of work: large enough to amortise the per-chunk setup, small to bound memory
+# One unit of work: large enough to amortise the per-chunk setup, small enough to bound memory.
+CHUNK_BYTES = 16 << 20
 
 # Quantized blocks: (offset, length) of the bytes that hold the scales (the rest stays random codes), and the
 # RMS of the codes around their zero point for uniform random bits, so that std = scale * code_rms.
@@ -154,9 +154,8 @@ def _scale_table(qtype: GGMLQuantizationType, std: float, rng: np.random.Generat
         return (d16 * sub).astype(np.float16).view(np.uint8)
     dmin = (7.5 * d16.astype(np.float32)).astype(np.float16)
     sc = sub.astype(np.uint8)
-    m = np.clip(np.round(7.5 * d16.astype(np.float32) * sub / dmin.astype(np.float32)), 0, 63).astype(
-        np.uint8
-    )
+    ratio = 7.5 * d16.astype(np.float32) / dmin.astype(np.float32)  # ~1, off by dmin's rounding
+    m = np.clip(np.round(ratio * sub), 0, 63).astype(np.uint8)
     packed = np.empty((n, 12), np.uint8)  # ggml's get_scale_min_k4 layout (gguf_quants.quantize_q4_k)
     packed[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
@@ -251,7 +250,7 @@ def write_random_gguf(
       trunk: type of every other matrix (embedding, output, attention, GDN, shared expert).
       seed: the same seed gives the same bytes.
       tokenizer: write the Qwen3.5/3.6 tokenizer when the vocabulary has its size (248 320).
-      threads: generator threads; None: one per CPU.
+      threads: generator threads; None: `default_threads()`.
       progress: show a tqdm bar in bytes.
 
     Raises:
@@ -277,7 +276,7 @@ def write_random_gguf(
     data_start = writer.ggml_pad(out.tell(), writer.data_alignment)
     total = sum(writer.ggml_pad(s.nbytes, writer.data_alignment) for s in specs)
     os.ftruncate(out.fileno(), data_start + total)  # the file's final size; the alignment gaps stay zero
-    threads = threads or os.cpu_count() or 1
+    threads = threads or default_threads()
     bar = tqdm(
         total=sum(s.nbytes for s in specs),
         unit="B",
@@ -299,14 +298,27 @@ def write_random_gguf(
     return WriteResult(os.fspath(path), file_bytes, len(specs), time.perf_counter() - start)
 
 
+def default_threads() -> int:
+    """One generator thread per CPU this process may run on, at most 32 (memory is ~2 chunks per thread)."""
+    return max(
+        1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------
 # command line
 # ----------------------------------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _output_path(text: str) -> str:
@@ -324,9 +336,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=_output_path, metavar="F.gguf", help="the file to write")
     p.add_argument("--experts", default="q4_k", choices=TYPE_NAMES, help="routed-expert tensor type")
     p.add_argument("--trunk", default="q8_0", choices=TYPE_NAMES, help="type of every other matrix")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=_positive, default=None, metavar="N", help="write only N layers")
-    p.add_argument("--threads", type=_positive, default=None, help="generator threads (default: one per CPU)")
+    p.add_argument("--seed", type=_at_least(0), default=0, help="the same seed writes the same bytes")
+    p.add_argument("--layers", type=_at_least(1), default=None, metavar="N", help="write only N layers")
+    p.add_argument(
+        "--threads", type=_at_least(1), default=None, help="generator threads (default: one per CPU)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -335,7 +349,7 @@ def run(args: argparse.Namespace) -> dict:
     config = PRESETS[args.preset]
     if args.layers is not None:
         config = config.replace(num_layers=args.layers)
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or default_threads()
     result = write_random_gguf(
         args.out,
         config,
