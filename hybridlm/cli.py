@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
+import time
+
+_T_IMPORT = time.time()  # the fallback start of the command where /proc is not there
 
 EXAMPLES = """\
 examples:
@@ -318,6 +322,8 @@ def _run(args: argparse.Namespace) -> dict:
     except (ValueError, KeyError, OSError) as e:
         raise UsageError(_reason(e)) from None
     check_context(model_cfg, len(ids), args)
+    counters = hybridlm.compile_cache.counters()
+    t_load = time.perf_counter()
     try:
         model, host_experts, source = _load_model(args, dtype, host_parts)
     except (ValueError, KeyError, OSError) as e:  # GGUFError and CheckpointError are ValueErrors
@@ -339,19 +345,40 @@ def _run(args: argparse.Namespace) -> dict:
             raise UsageError(str(e)) from None
     else:
         runner = hybridlm.LayerwiseRunner(model)
+    load_s = time.perf_counter() - t_load  # to prefill-ready: weights placed, offload pool built
+    before = counters.snapshot()
     report = {
         "command": args.command,
         "model": source,
         "device": str(jax.devices()[0].device_kind),
         "jax_version": jax.__version__,
         "dtype": jnp.dtype(model.dtype).name,
+        "load_s": load_s,
     }
     report.update(
         _prefill_report(args, runner, ids, tokenizer)
         if args.command == "prefill"
         else _generate_report(args, runner, ids, tokenizer)
     )
+    after = counters.snapshot()
+    report["compile"] = {
+        "cache_dir": jax.config.jax_compilation_cache_dir or None,
+        **{k: after[k] - before[k] for k in after},
+    }
+    report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return report
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc), else since the CLI module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - _T_IMPORT
 
 
 def _reason(e: BaseException) -> str:
@@ -449,10 +476,18 @@ def _prefill_report(args: argparse.Namespace, runner, ids: list[int], tokenizer)
 
     import hybridlm
 
+    first_token_s = None
     if args.warmup:
         hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+        first_token_s = process_age_s()
     result = hybridlm.prefill(runner, ids, chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
-    report = {**result.summary(), "compile_excluded": args.warmup, "profiled": args.profile}
+    first_token_s = first_token_s or process_age_s()
+    report = {
+        **result.summary(),
+        "compile_excluded": args.warmup,
+        "profiled": args.profile,
+        "command_to_first_token_s": first_token_s,
+    }
     if args.expert_budget is not None:  # the timed pass's statistics, before the profiled pass
         report["offload"] = runner.stats()
     if args.profile:
@@ -468,6 +503,7 @@ def _prefill_report(args: argparse.Namespace, runner, ids: list[int], tokenizer)
 def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer) -> dict:
     import hybridlm
 
+    start = process_age_s()
     gen = hybridlm.generate(
         runner,
         ids,
@@ -486,6 +522,7 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
         "text": tokenizer.decode(gen.tokens[0]),
         "stop_reason": gen.stop_reason,
         "decode_tokens_per_s": gen.decode_tokens_per_s,
+        "command_to_first_token_s": start + gen.prefill.ttft_s,
     }
     if args.expert_budget is not None:
         report["offload"] = runner.stats()
@@ -496,7 +533,15 @@ def _print_report(r: dict) -> None:
     print(f"model          {r['model']}  [{r['dtype']}, {r['device']}, JAX {r['jax_version']}]")
     print(f"prompt tokens  {r['prompt_tokens']}  in {r['chunks']} chunk(s) of {r['chunk_size']}")
     note = "after warm-up" if r["compile_excluded"] else "includes compilation"
-    print(f"TTFT           {r['ttft_s']:.3f} s ({note})")
+    rss = r["peak_rss_bytes"] / 2**30
+    print(f"load           {r['load_s']:.2f} s to prefill-ready; peak host RSS {rss:.2f} GiB")
+    first = r["command_to_first_token_s"]
+    print(f"TTFT           {r['ttft_s']:.3f} s ({note}); command to first token {first:.2f} s")
+    c = r["compile"]
+    print(
+        f"compile        {c['compile_s']:.2f} s; persistent cache {c['cache_dir'] or 'off'} "
+        f"({c['cache_hits']} hits, {c['cache_misses']} misses)"
+    )
     print(f"prefill        {r['prefill_tokens_per_s']:.1f} tokens/s")
     if "phase_seconds" in r:
         total = sum(r["phase_seconds"].values()) or 1.0

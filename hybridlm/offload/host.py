@@ -66,6 +66,37 @@ def _pack_layer(layout: ExpertLayout, gate_up, down) -> jax.Array:
     return layout.pack(jax.tree_util.tree_leaves((gate_up, down)))  # [experts, nbytes] uint8
 
 
+# Structural: pinned regions are reserved in multiples of this.
+_REGION_UNIT = 256 * 2**20
+
+
+def reserve_pinned(total_bytes: int, buffer_bytes: int, sharding=None) -> list[int]:
+    """Lets XLA's pinned host memory hold `total_bytes` of buffers of up to `buffer_bytes` with little waste.
+
+    XLA's GPU client allocates pinned host memory in regions that double in size as it grows (a best-fit
+    allocator with growth), so packing a model's experts buffer by buffer can commit twice their bytes. This
+    asks for regions of increasing powers of two that sum to the bytes needed (plus one buffer of
+    fragmentation per region) and frees them at once: later buffers reuse them. Nothing on other backends, or
+    when the device cannot hold the largest region for a moment.
+
+    Returns:
+      The region sizes reserved (bytes), [] when none."""
+    if jax.default_backend() != "gpu" or total_bytes <= 0:
+        return []
+    units = -(-(total_bytes + 6 * buffer_bytes) // _REGION_UNIT)
+    sizes = [_REGION_UNIT << b for b in range(units.bit_length()) if units >> b & 1]
+    held = []
+    try:
+        for size in sizes:  # increasing, so that each becomes one region of exactly its size
+            held.append(jax.device_put(jnp.zeros((size,), jnp.uint8), sharding or pinned_host_sharding()))
+            jax.block_until_ready(held[-1])
+    except jax.errors.JaxRuntimeError:
+        return []
+    finally:
+        del held
+    return sizes
+
+
 @jax.jit
 def _gather_to_device(host_layer: jax.Array, rows: jax.Array) -> jax.Array:
     """host_layer[rows] on the device: one host -> device copy per row, issued by XLA inside one program.
