@@ -41,7 +41,12 @@ def _parser() -> argparse.ArgumentParser:
         )
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
         s.add_argument("--prompt", help="prompt text (instead of --prompt-file)")
-        s.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk size in tokens")
+        s.add_argument(
+            "--chunk-size",
+            default="auto",
+            help="prefill chunk size in tokens, or auto (default): the chunk of least predicted TTFT that "
+            "fits the memory left (with --expert-budget, fewer chunks re-stream fewer experts)",
+        )
         s.add_argument("--max-new-tokens", type=int, default=16 if name == "generate" else 0)
         s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         s.add_argument("--top-k", type=int, default=0)
@@ -94,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
             "decode, slower prefill). Default: 1 for generate with --max-new-tokens >= "
             "OffloadConfig.one_host_part_from_tokens, else the runner's",
         )
+        s.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="print the memory estimate and the chunk size, then exit without loading any weights",
+        )
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -140,8 +150,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     if args.prompt_file and not os.path.isfile(args.prompt_file):
         raise UsageError(f"prompt file not found: {args.prompt_file}")
-    if args.chunk_size <= 0:
-        raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
+    if args.chunk_size != "auto":
+        text = str(args.chunk_size).strip()
+        args.chunk_size = int(text) if text.isdigit() else 0
+        if args.chunk_size <= 0:
+            raise UsageError(f"--chunk-size must be positive or auto, got {text}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
 
@@ -175,6 +188,9 @@ def _run(args: argparse.Namespace) -> dict:
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     host_parts = host_parts_for(args.command, args.max_new_tokens, args.host_parts)
+    plan = _plan(args, dtype)  # before any weights: refuses a run that cannot fit, resolves --chunk-size auto
+    if args.dry_run:
+        return plan
     try:
         model, host_experts, source = _load_model(args, dtype, host_parts)
         tokenizer, ids = _prompt(args, model.config.vocab_size)
@@ -203,6 +219,8 @@ def _run(args: argparse.Namespace) -> dict:
         "device": str(jax.devices()[0].device_kind),
         "jax_version": jax.__version__,
         "dtype": jnp.dtype(model.dtype).name,
+        "chunk_reason": plan["chunk_reason"],
+        "memory_estimate": plan["memory"],
     }
     report.update(
         _prefill_report(args, runner, ids, tokenizer)
@@ -210,6 +228,37 @@ def _run(args: argparse.Namespace) -> dict:
         else _generate_report(args, runner, ids, tokenizer)
     )
     return report
+
+
+def _plan(args: argparse.Namespace, dtype) -> dict:
+    """The memory estimate and chunk size before any weight is allocated (`hybridlm.planning.plan_run`); sets
+    args.chunk_size to the chosen int.
+
+    Raises:
+      UsageError: a run that cannot fit (with --dry-run it is reported instead), an unreadable model header
+        or config.json, an unparsable --expert-budget.
+    """
+    from hybridlm import planning
+
+    try:
+        plan = planning.plan_run(
+            model=args.model,
+            preset=args.preset or "tiny",
+            dtype=dtype,
+            prompt_tokens=lambda config: len(_prompt(args, config.vocab_size)[1]),
+            chunk_size=args.chunk_size,
+            max_new_tokens=args.max_new_tokens,
+            expert_format=args.expert_format,
+            expert_budget=args.expert_budget,
+            cache_policy=args.cache_policy,
+            prefetch=args.prefetch,
+            mixed_formats=args.mixed_formats,
+            check=not args.dry_run,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    args.chunk_size = plan["chunk_size"]
+    return {"command": args.command, "dry_run": args.dry_run, **plan}
 
 
 def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
@@ -321,8 +370,15 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
 
 
 def _print_report(r: dict) -> None:
+    if r.get("dry_run"):
+        print(r["memory_text"])
+        print(f"chunk size     {r['chunk_reason']}")
+        print("fits" if r["fits"] else f"does not fit: {r['refusal']}")
+        return
     print(f"model          {r['model']}  [{r['dtype']}, {r['device']}, JAX {r['jax_version']}]")
     print(f"prompt tokens  {r['prompt_tokens']}  in {r['chunks']} chunk(s) of {r['chunk_size']}")
+    if "chunk_reason" in r:
+        print(f"chunk size     {r['chunk_reason']}")
     note = "after warm-up" if r["compile_excluded"] else "includes compilation"
     print(f"TTFT           {r['ttft_s']:.3f} s ({note})")
     print(f"prefill        {r['prefill_tokens_per_s']:.1f} tokens/s")
