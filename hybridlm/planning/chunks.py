@@ -26,6 +26,8 @@ HEURISTIC = {
     # effective rate of a chunked prefill's matmuls and attention, 10^12 FLOP/s (a quarter of a recent card's
     # dense bf16 peak)
     "prefill_tflops": 100.0,
+    # the same on the CPU backend (float32, a few cores)
+    "prefill_tflops_cpu": 0.5,
     # a chunk costs as much as this many more tokens (weights read once a chunk, launches, grouped matmuls
     # with few rows an expert): resident prefill tokens/s grows as chunk / (chunk + this)
     "chunk_overhead_tokens": 1500,
@@ -153,12 +155,13 @@ def predict_ttft(
     cpu: bool = False,
 ) -> ChunkCost:
     """Predicted TTFT of a prefill in chunks of `chunk_size`: per chunk, its compute ((tokens +
-    chunk_overhead_tokens) x 2 x active params, plus attention, at prefill_tflops) and, offloaded, its copies
+    chunk_overhead_tokens) x 2 x active params, plus attention, at prefill_tflops (_cpu with `cpu`, whose
+    XLA attention also computes the masked half of each block)) and, offloaded, its copies
     (`streamed_bytes` at h2d_gbps): overlapped in whole-layer mode (the max), one after the other in exact
     mode (the sum)."""
     c = effective_chunk_size(prompt_tokens, chunk_size)
     n = -(-prompt_tokens // c)
-    rate = tuned("prefill_tflops") * 1e12
+    rate = tuned("prefill_tflops_cpu" if cpu else "prefill_tflops") * 1e12
     a = config.attention
     attn_flops = 4 * a.num_heads * a.head_dim * config.layer_types.count("full_attention")
     per_chunk = (batch * c + tuned("chunk_overhead_tokens")) * 2 * active_params(config) / rate
@@ -240,7 +243,7 @@ def choose_chunk_size(
         )
         return ChunkChoice(candidates[0], f"{candidates[0]} tokens: no chunk fits ({why})")
     fastest = min(x.ttft_s for x in costs)
-    # the largest within 2% of the fastest: fewer chunks also mean fewer dispatches, which the model leaves out
+    # the largest within 2% of the fastest: fewer chunks also mean fewer dispatches, left out of the model
     best = next(x for x in costs if x.ttft_s <= 1.02 * fastest)
     return ChunkChoice(best.chunk_size, _reason(best, costs, refused, top, offload is not None))
 

@@ -260,10 +260,10 @@ def estimate_memory(
         "trunk weights": Component("device", trunk_bytes(config, trunk_dtype), f"{dtype_name}"),
     }
     if config.moe and expert_budget is None:
-        parts["routed experts"] = Component("device", experts, f"{expert_format}, {one} bytes an expert")
+        parts["routed experts"] = Component("device", experts, f"{one} bytes an expert")
     elif config.moe:
         parts["expert pool"] = Component("device", int(expert_budget), "the budget: pool slots and staging")
-        parts["pinned experts"] = Component("host", experts, f"{expert_format}, {one} bytes an expert")
+        parts["pinned experts"] = Component("host", experts, f"{one} bytes an expert")
     parts["KV cache"] = Component("device", kv, f"{capacity} tokens")
     parts["recurrent states"] = Component("device", recurrent, "GDN state (float32) and conv state")
     act = activation_bytes(config, batch * chunk, trunk_dtype, cpu=cpu)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from hybridlm.config import ModelConfig
+from hybridlm.config import ModelConfig, get_config
 from hybridlm.planning.chunks import ChunkChoice, OffloadPlan, choose_chunk_size
 from hybridlm.planning.memory import (
     InsufficientMemoryError,
@@ -21,9 +21,6 @@ from hybridlm.planning.memory import (
 )
 
 
-# ----------------------------------------------------------------------------------------------------------
-# A model's shape and expert storage before loading it
-# ----------------------------------------------------------------------------------------------------------
 class ModelSource(NamedTuple):
     """What `estimate_memory` needs to know of a model before any weight is read."""
 
@@ -57,8 +54,6 @@ def model_source(
     Raises:
       ValueError: (GGUFError among them) an unreadable header or config.json, an unknown preset.
     """
-    from hybridlm.config import get_config
-
     if model is None:
         try:
             config = get_config(preset)
@@ -82,7 +77,9 @@ def _dtype_name(dtype) -> str:
     return getattr(dtype, "__name__", None) or str(dtype)
 
 
-def _gguf_expert_storage(header, config, dtype, offloaded: bool, mixed_formats: str) -> tuple[str, float]:
+def _gguf_expert_storage(
+    header, config, dtype, offloaded: bool, mixed_formats: str
+) -> tuple[str, float | None]:
     """(description, bytes per weight) of a GGUF file's routed experts as `load_gguf(keep_quantized=
     "experts")` keeps them: each distinct (types, shapes) converted once from zero blocks of one expert."""
     import jax
@@ -122,6 +119,8 @@ def _gguf_expert_storage(header, config, dtype, offloaded: bool, mixed_formats: 
             seen[key] = kept(infos)
         params.setdefault(src.params[0][1], {})[src.params[0][-1]] = seen[key]
     layouts = [ExpertLayout.of(p["experts_gate_up"], p["experts_down"]) for _, p in sorted(params.items())]
+    if len(layouts) < config.num_layers:  # expert tensors missing: the loader refuses the file
+        return _dtype_name(dtype), None
     weights = expert_weights(config)
     if offloaded:
         layout = one_layout(layouts, mixed_formats)
