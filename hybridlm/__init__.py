@@ -1,7 +1,8 @@
 """hybridlm: hybrid Gated DeltaNet / gated-attention sparse-MoE language models in JAX.
 
 Public surface: configuration (`ModelConfig`, `get_config`), the model (`HybridLM`, `init_random`, `load`),
-the engine (`prefill`, `generate`, `decode_step`) and the tokenizer (`Tokenizer`).
+the engine (`prefill`, `generate`, `decode_step`), the tokenizer (`Tokenizer`) and the memory a run needs
+(`estimate_memory`).
 """
 
 from hybridlm import compile_cache
@@ -10,6 +11,7 @@ from hybridlm.config import PRESETS, AttentionConfig, GatedDeltaNetConfig, Model
 from hybridlm.engine import LayerwiseRunner, PrefillResult, decode_step, generate, prefill
 from hybridlm.loading import load
 from hybridlm.model import HybridLM, init_random
+from hybridlm.planning import estimate_memory
 from hybridlm.tokenizer import Tokenizer
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "PrefillResult",
     "Tokenizer",
     "decode_step",
+    "estimate_memory",
     "generate",
     "get_config",
     "init_random",

@@ -93,7 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         )
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
         s.add_argument("--prompt", help="prompt text (instead of --prompt-file)")
-        s.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk size in tokens")
+        s.add_argument(
+            "--chunk-size",
+            default="auto",
+            help="prefill chunk size in tokens, or auto (default): the chunk of least predicted TTFT that "
+            "fits the memory left (with --expert-budget, fewer chunks re-stream fewer experts)",
+        )
         s.add_argument(
             "--max-new-tokens",
             type=int,
@@ -131,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
                 help="also one pass synchronised after every phase: seconds per phase",
             )
         _add_offload_arguments(s)
+        s.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="print the memory estimate and the chunk size, then exit without loading any weights",
+        )
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -219,8 +229,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.prompt is not None and args.prompt_file:
         raise UsageError("--prompt and --prompt-file cannot be combined")
-    if args.chunk_size <= 0:
-        raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
+    if args.chunk_size != "auto":
+        text = str(args.chunk_size).strip()
+        args.chunk_size = int(text) if text.isdigit() else 0
+        if args.chunk_size <= 0:
+            raise UsageError(f"--chunk-size must be positive or auto, got {text}")
     if args.max_new_tokens < (1 if args.command == "generate" else 0):
         need = ">= 1 for generate" if args.command == "generate" else ">= 0"
         raise UsageError(f"--max-new-tokens must be {need}, got {args.max_new_tokens}")
@@ -322,6 +335,9 @@ def _run(args: argparse.Namespace) -> dict:
     except (ValueError, KeyError, OSError) as e:
         raise UsageError(_reason(e)) from None
     check_context(model_cfg, len(ids), args)
+    plan = _plan(args, dtype, len(ids))  # before any weights: refuses what cannot fit, resolves auto
+    if args.dry_run:
+        return plan
     counters = hybridlm.compile_cache.counters()
     t_load = time.perf_counter()
     try:
@@ -354,6 +370,8 @@ def _run(args: argparse.Namespace) -> dict:
         "jax_version": jax.__version__,
         "dtype": jnp.dtype(model.dtype).name,
         "load_s": load_s,
+        "chunk_reason": plan["chunk_reason"],
+        "memory_estimate": plan["memory"],
     }
     report.update(
         _prefill_report(args, runner, ids, tokenizer)
@@ -412,6 +430,37 @@ def model_config(args: argparse.Namespace):
         )
     header = read_header(args.model)
     return config_from_gguf(header), header
+
+
+def _plan(args: argparse.Namespace, dtype, prompt_tokens: int) -> dict:
+    """The memory estimate and chunk size before any weight is allocated (`hybridlm.planning.plan_run`); sets
+    args.chunk_size to the chosen int.
+
+    Raises:
+      UsageError: a run that cannot fit (with --dry-run it is reported instead), an unreadable model header
+        or config.json, an unparsable --expert-budget.
+    """
+    from hybridlm import planning
+
+    try:
+        plan = planning.plan_run(
+            model=args.model,
+            preset=args.preset or "tiny",
+            dtype=dtype,
+            prompt_tokens=lambda config: prompt_tokens,
+            chunk_size=args.chunk_size,
+            max_new_tokens=args.max_new_tokens,
+            expert_format=args.expert_format,
+            expert_budget=args.expert_budget,
+            cache_policy=args.cache_policy,
+            prefetch=args.prefetch,
+            mixed_formats=args.mixed_formats,
+            check=not args.dry_run,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    args.chunk_size = plan["chunk_size"]
+    return {"command": args.command, "dry_run": args.dry_run, **plan}
 
 
 def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
@@ -530,8 +579,15 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
 
 
 def _print_report(r: dict) -> None:
+    if r.get("dry_run"):
+        print(r["memory_text"])
+        print(f"chunk size     {r['chunk_reason']}")
+        print("fits" if r["fits"] else f"does not fit: {r['refusal']}")
+        return
     print(f"model          {r['model']}  [{r['dtype']}, {r['device']}, JAX {r['jax_version']}]")
     print(f"prompt tokens  {r['prompt_tokens']}  in {r['chunks']} chunk(s) of {r['chunk_size']}")
+    if "chunk_reason" in r:
+        print(f"chunk size     {r['chunk_reason']}")
     note = "after warm-up" if r["compile_excluded"] else "includes compilation"
     rss = r["peak_rss_bytes"] / 2**30
     print(f"load           {r['load_s']:.2f} s to prefill-ready; peak host RSS {rss:.2f} GiB")

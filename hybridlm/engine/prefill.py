@@ -18,7 +18,9 @@ from hybridlm.engine.runner import PHASES, LayerwiseRunner, PhaseTimer
 from hybridlm.model import HybridLM, check_token_ids
 from hybridlm.state import LayerState, init_layer_states
 
-DEFAULT_CHUNK_SIZE = 2048
+# "auto": chosen per call by `hybridlm.planning.choose_chunk_size_for`, from the memory left and, with
+# offloaded experts, the bytes each chunk re-streams
+DEFAULT_CHUNK_SIZE = "auto"
 
 
 @dataclasses.dataclass
@@ -73,7 +75,7 @@ def prefill(
     model: HybridLM | LayerwiseRunner,
     input_ids,
     *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | str = DEFAULT_CHUNK_SIZE,
     max_new_tokens: int = 0,
     profile: bool = False,
 ) -> PrefillResult:
@@ -83,7 +85,8 @@ def prefill(
       model: a `HybridLM` (or a `LayerwiseRunner` around one, to reuse its compiled functions).
       input_ids: [batch, seq] or [seq] int token ids (numpy or jax); all rows have the same length.
       chunk_size: tokens per chunk (the last one is padded); prompts shorter than a chunk use a smaller
-        power-of-two chunk.
+        power-of-two chunk. "auto": the chunk of least predicted TTFT whose activations fit the memory left
+        (`hybridlm.planning.choose_chunk_size_for`).
       max_new_tokens: room to reserve in the KV cache for decoding afterwards.
       profile: wait after every phase and report per-phase wall time (slower: it removes overlap).
 
@@ -91,7 +94,8 @@ def prefill(
       A `PrefillResult`; only the last prompt token goes through the final norm and lm head.
 
     Raises:
-      ValueError: empty prompt, ids outside the vocabulary, or a prompt longer than max_position_embeddings.
+      ValueError: empty prompt, ids outside the vocabulary, a prompt longer than max_position_embeddings, or
+        a chunk_size neither a positive int nor "auto".
     """
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     config = runner.config
@@ -107,6 +111,12 @@ def prefill(
             f"prompt ({seq}) + max_new_tokens ({max_new_tokens}) exceeds "
             f"max_position_embeddings={config.max_position_embeddings}"
         )
+    if chunk_size == "auto":
+        from hybridlm.planning import choose_chunk_size_for  # planning sizes chunks with this module's rules
+
+        chunk_size = choose_chunk_size_for(runner, seq, batch=batch, max_new_tokens=max_new_tokens).chunk_size
+    elif isinstance(chunk_size, (str, bool)):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or 'auto'")
     chunk = effective_chunk_size(seq, chunk_size)
     num_chunks = -(-seq // chunk)
     capacity = cache_capacity(seq, chunk, max_new_tokens)

@@ -40,13 +40,27 @@ def default_host_parts() -> int:
     return tuned_default("host_parts")
 
 
+def host_parts_for(decode_tokens: int, host_parts: int | None = None) -> int:
+    """Pinned host buffers a layer for a run that decodes `decode_tokens` tokens after its prefill, the one
+    rule for `prefill` (0 decode tokens) and `generate`: `host_parts` where given, else 1 from
+    `one_host_part_from_tokens` decode tokens on (each decode step then copies experts without control flow,
+    which gains more over those tokens than the prefill loses), else `default_host_parts()` (a layer's copy
+    spread over the prefill's programs)."""
+    if host_parts is not None:
+        return host_parts
+    return 1 if decode_tokens >= tuned_default("one_host_part_from_tokens") else default_host_parts()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """Options of `OffloadedRunner`.
 
     Attributes:
       expert_budget: device bytes for expert slots and prefetch staging, e.g. "12GiB" or an int.
-      cache_policy: "lru" | "slru" | "lfu" | "static" | "stream" (`hybridlm.offload.policies`).
+      cache_policy: "lru" | "slru" | "lfu" | "static" | "stream" (`hybridlm.offload.policies`); "static"
+        by default, for prefill and decode alike: a whole-layer prefill sweeps the layers in a cycle, which
+        makes LRU-like policies evict each expert just before its next use, and decode fills the pool with
+        whole layers at its first step under any policy.
       prefetch: "auto" (router prediction in exact mode, whole-layer streaming in whole-layer mode), "router",
         "layer" (whole next layers in both modes) or "none" (on-demand copies only).
       prefetch_depth: layers streamed ahead in whole-layer mode (their staging comes out of the budget).
@@ -74,7 +88,7 @@ class OffloadConfig:
     """
 
     expert_budget: int | str
-    cache_policy: str = "slru"
+    cache_policy: str = "static"
     prefetch: Prefetch = "auto"
     prefetch_depth: int = 2
     whole_layer: bool | None = None
