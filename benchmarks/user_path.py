@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bench", default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=[8190, 32760])
     p.add_argument("--sweep", type=int, nargs="*", default=list(SWEEP))
+    p.add_argument("--min-chunk", type=int, default=0, help="sweep only chunks of at least this size")
     p.add_argument("--parts", nargs="+", default=["load", "sweep", "peer"])
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="user-path-")
@@ -120,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if "load" in args.parts:
             for placement in ([], ["--expert-budget", args.budget]):
-                for run in ("cold", "warm"):  # compilation cache empty, then filled by the first process
-                    for command in ("prefill", "generate"):
-                        extra = ["--max-new-tokens", "8"] if command == "generate" else []
-                        rec = cli(
+                # compilation cache empty, then filled by the first process
+                for run, command in (("cold", "prefill"), ("warm", "prefill"), ("warm", "generate")):
+                    extra = ["--max-new-tokens", "8"] if command == "generate" else []
+                    rec = cli(
                             [command, "--model", args.gguf, "--prompt-file", first, *placement, *extra], env
                         )
                         emit(f"{command}_{'offloaded' if placement else 'resident'}_{run}", rec)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.budget,
                 ]
                 emit(f"chunk_auto_{n}", cli([*args_, "--warmup"], env))
-            for rec in sweep(args.gguf, args.budget, prompts, args.sweep):
+            for rec in sweep(args.gguf, args.budget, prompts, [c for c in args.sweep if c >= args.min_chunk]):
                 emit("chunk_sweep", rec)
         if "peer" in args.parts and args.llama_bench:
             emit("llama_load", llama_load(args.llama_bench, args.gguf))
