@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                 for run, command in (("cold", "prefill"), ("warm", "prefill"), ("warm", "generate")):
                     extra = ["--max-new-tokens", "8"] if command == "generate" else []
                     rec = cli(
-                            [command, "--model", args.gguf, "--prompt-file", first, *placement, *extra], env
-                        )
-                        emit(f"{command}_{'offloaded' if placement else 'resident'}_{run}", rec)
+                        [command, "--model", args.gguf, "--prompt-file", first, *placement, *extra], env
+                    )
+                    emit(f"{command}_{'offloaded' if placement else 'resident'}_{run}", rec)
         if "sweep" in args.parts:
             for n, path in prompts.items():  # the default options, as a user runs them
                 args_ = [
