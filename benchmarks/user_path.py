@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                         [command, "--model", args.gguf, "--prompt-file", first, *placement, *extra], env
                     )
                     emit(f"{command}_{'offloaded' if placement else 'resident'}_{run}", rec)
-        if "sweep" in args.parts:
-            for n, path in prompts.items():  # the default options, as a user runs them
+        if "sweep" in args.parts or "sweep-only" in args.parts:
+            for n, path in (
+                prompts.items() if "sweep" in args.parts else ()
+            ):  # the defaults, as a user runs them
                 args_ = [
                     "prefill",
                     "--model",

@@ -165,8 +165,10 @@ def _add_offload_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--cache-policy",
         choices=("lru", "slru", "lfu", "static", "stream"),
-        default="slru",
-        help="expert cache eviction policy (with --expert-budget)",
+        default="static",
+        help="expert cache policy (with --expert-budget; default static, OffloadConfig's: a prefill's layer "
+        "cycle makes lru/slru/lfu evict each expert just before its next use; slru where the budget holds "
+        "every expert)",
     )
     s.add_argument(
         "--prefetch",

@@ -251,8 +251,8 @@ def test_wrong_metadata(valid_file, tmp_path, key, value, vtype, match):
         ("ssm.group_count", 0, V.UINT32, r"\[1, 1024\]"),
         ("ssm.conv_kernel", 0, V.UINT32, r"\[1, 16\]"),
         ("ssm.conv_kernel", 17, V.UINT32, r"\[1, 16\]"),
-        ("full_attention_interval", 0, V.UINT32, r"\[1, 4\]"),
-        ("full_attention_interval", 5, V.UINT32, r"\[1, 4\]"),
+        ("full_attention_interval", 0, V.UINT32, r"\[1, 64\]"),
+        ("full_attention_interval", 65, V.UINT32, r"\[1, 64\]"),
     ],
 )
 def test_metadata_outside_physical_range(valid_file, tmp_path, key, value, vtype, accepted):

@@ -165,7 +165,13 @@ def load_gguf(
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
 
 
-def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = 1 << 30, workers: int = 4):
+# Host bytes read ahead of their use, and the largest single host -> device copy: they bound the loader's
+# host memory (buffers plus the runtime's pinned staging) whatever the tensor sizes.
+_READ_AHEAD = 512 * 2**20
+_COPY_SLICE = 64 * 2**20
+
+
+def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = _READ_AHEAD, workers: int = 4):
     """Yields (source, [its tensors' bytes uint8 [nbytes]]) in order, reading up to `max_bytes` ahead with
     `workers` threads (`pread` and the host -> device copy release the GIL; the page cache serves several
     readers at once). The bytes of a source with `on_device(source)` true arrive as device arrays, copied by
@@ -175,7 +181,10 @@ def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = 1 <
         raw = gguf_device.read_tensor(fd, info)
         if not device:
             return raw
-        return jax.block_until_ready(jax.device_put(raw))  # the host buffer is free once this returns
+        # in slices: the runtime stages a host -> device copy in pinned memory, which grows to the copy's size
+        pieces = [jax.device_put(raw[i : i + _COPY_SLICE]) for i in range(0, raw.size, _COPY_SLICE)]
+        out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+        return jax.block_until_ready(out)  # the host buffer is free once this returns
 
     pending: collections.deque = collections.deque()
     ahead = 0

@@ -12,6 +12,7 @@ and 3, little-endian).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import mmap
@@ -155,6 +156,20 @@ class _Cursor:
 
 
 def read_header(path: str | os.PathLike) -> Header:
+    """`parse_header` of the file, cached by path, size and modification time: one command reads the header
+    (its 750k tokenizer strings take about a second) for the config, the memory plan, the tokenizer and the
+    loader."""
+    path = os.fspath(path)
+    st = os.stat(path)
+    return _cached_header(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_header(path: str, size: int, mtime_ns: int) -> Header:
+    return parse_header(path)
+
+
+def parse_header(path: str | os.PathLike) -> Header:
     """Parses and validates the header and tensor table of a GGUF file without trusting any count in it.
 
     Raises:

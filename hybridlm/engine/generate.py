@@ -68,7 +68,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | str = DEFAULT_CHUNK_SIZE,
 ) -> GenerateResult:
     """Prefills the prompt, then samples `max_new_tokens` tokens one at a time.
 
@@ -82,7 +82,7 @@ def generate(
       seed: PRNG seed for sampling.
       eos_token_id: stop token id(s): generation ends once every sequence has produced one of them (a row
         that finished earlier goes on sampling until then; cut it at its first stop token). None: never.
-      chunk_size: prefill chunk size in tokens.
+      chunk_size: prefill chunk size in tokens, or "auto" (`hybridlm.planning.choose_chunk_size`).
 
     Raises:
       ValueError: max_new_tokens < 1, sampling settings out of range (`sampling.check_sampling`), or a bad
