@@ -88,7 +88,7 @@ def test_generate_with_options(capsys, tmp_path):
         (["generate", "--temperature", "-1"], "--temperature=-1.0 must be >= 0"),
         (["generate", "--top-p", "0"], "--top-p=0.0 must lie in (0, 1]"),
         (["prefill", "--bogus"], "unrecognized arguments: --bogus (see hybridlm --help)"),
-        (["prefill", "--chunk-size", "x"], "argument --chunk-size: invalid int value: 'x'"),
+        (["prefill", "--chunk-size", "x"], "--chunk-size must be positive or auto, got x"),
         (
             ["prefill", "--preset", "tiny"],
             "--preset tiny names an architecture, not weights: add --random-weights",

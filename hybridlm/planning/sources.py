@@ -87,6 +87,7 @@ def _gguf_expert_storage(
     from gguf.constants import GGML_QUANT_SIZES
 
     from hybridlm.checkpoints import gguf_quants
+    from hybridlm.checkpoints.gguf_device import Q4KBlocks
     from hybridlm.checkpoints.mapping import gguf_sources
     from hybridlm.offload.expert_cache import ExpertLayout
     from hybridlm.offload.host import describe_layout, one_layout
@@ -110,6 +111,15 @@ def _gguf_expert_storage(
 
     names, params, seen = set(header.tensors), {}, {}
     arch = header.metadata["general.architecture"][1]
+    expert_types = {t.type for n, t in header.tensors.items() if "_exps." in n}
+    if offloaded and expert_types == {gguf_quants.T.Q4_K}:  # host memory holds the file's own blocks
+        kept = lambda infos: Q4KBlocks(  # noqa: E731
+            jax.ShapeDtypeStruct(
+                (1, sum(t.ne[1] for t in infos), infos[0].nbytes // infos[0].ne[2] // infos[0].ne[1]),
+                np.uint8,
+            ),
+            infos[0].ne[0],
+        )
     for src in gguf_sources(config, arch, names):
         if not src.experts or not all(n in names for n in src.tensors):
             continue  # the loader names a missing tensor
