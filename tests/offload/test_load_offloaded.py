@@ -149,6 +149,11 @@ def test_q4_k_experts_stay_the_files_blocks_in_host_memory(mixed_gguf):
     )
     assert "Q4_K blocks" in pool["expert_format"]
     assert runner.stats()["prefill"]["bytes_h2d"] % host.layout.nbytes == 0
+    # decode pages single experts from the compact host bytes: the same greedy tokens as the whole model
+    ids = np.arange(1, 12) % K256.vocab_size
+    got = hybridlm.generate(runner, ids, max_new_tokens=4, chunk_size=8).tokens
+    want = hybridlm.generate(hybridlm.LayerwiseRunner(whole), ids, max_new_tokens=4, chunk_size=8).tokens
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
