@@ -165,10 +165,9 @@ def load_gguf(
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
 
 
-# Host bytes read ahead of their use, and the largest single host -> device copy: they bound the loader's
-# host memory (buffers plus the runtime's pinned staging) whatever the tensor sizes.
+# Host bytes read ahead of their use: with `gguf_device.COPY_SLICE` they bound the loader's host memory
+# (buffers plus the runtime's pinned staging) whatever the tensor sizes.
 _READ_AHEAD = 512 * 2**20
-_COPY_SLICE = 64 * 2**20
 
 
 def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = _READ_AHEAD, workers: int = 4):
@@ -179,12 +178,7 @@ def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = _RE
 
     def read(info, device):
         raw = gguf_device.read_tensor(fd, info)
-        if not device:
-            return raw
-        # in slices: the runtime stages a host -> device copy in pinned memory, which grows to the copy's size
-        pieces = [jax.device_put(raw[i : i + _COPY_SLICE]) for i in range(0, raw.size, _COPY_SLICE)]
-        out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        return jax.block_until_ready(out)  # the host buffer is free once this returns
+        return gguf_device.to_device(raw) if device else raw  # the host buffer is free once copied
 
     pending: collections.deque = collections.deque()
     ahead = 0

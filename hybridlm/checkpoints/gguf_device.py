@@ -26,8 +26,10 @@ __all__ = [
     "Q4KBlocks",
     "dequantize_on_device",
     "q4_k_to_quantized",
+    "read_exact",
     "read_tensor",
     "scales_finite",
+    "to_device",
 ]
 
 T = GGMLQuantizationType
@@ -36,19 +38,42 @@ Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of packed 6-bit scales and mins,
 DEVICE_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0)  # dequantized by `dequantize_on_device`
 
 
+def read_exact(fd: int, offset: int, nbytes: int, what: str) -> np.ndarray:
+    """`nbytes` bytes of the file at `offset`, uint8 [nbytes], read with `os.preadv` (no memory map, so no
+    file pages in the process's resident set).
+
+    Raises:
+      OSError: the read failed or returned fewer bytes (a file shorter than its header says)."""
+    buf = np.empty(nbytes, np.uint8)
+    view, done = memoryview(buf), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"{what}: read {done} of {nbytes} bytes (file changed?)")
+        done += got
+    return buf
+
+
 def read_tensor(fd: int, info: TensorInfo) -> np.ndarray:
-    """The tensor's bytes, uint8 [nbytes], read with `os.preadv` (no memory map, so no file pages in RSS).
+    """A GGUF tensor's bytes, uint8 [nbytes] (`read_exact`).
 
     Raises:
       OSError: the read failed or returned fewer bytes than the tensor table promises."""
-    buf = np.empty(info.nbytes, np.uint8)
-    view, done = memoryview(buf), 0
-    while done < info.nbytes:
-        got = os.preadv(fd, [view[done:]], info.offset + done)
-        if got <= 0:
-            raise OSError(f"tensor {info.name!r}: read {done} of {info.nbytes} bytes (file changed?)")
-        done += got
-    return buf
+    return read_exact(fd, info.offset, info.nbytes, f"tensor {info.name!r}")
+
+
+# The largest single host -> device copy: the runtime stages each in pinned memory, which grows to its size.
+COPY_SLICE = 64 * 2**20
+
+
+def to_device(array: np.ndarray) -> jax.Array:
+    """A host array on the default device, copied in slices of at most `COPY_SLICE` bytes (waits for the
+    copies, so that the host buffer may be freed)."""
+    flat = array.reshape(-1)
+    step = max(1, COPY_SLICE // max(1, array.dtype.itemsize))
+    pieces = [jax.device_put(flat[i : i + step]) for i in range(0, flat.size, step)] or [jax.device_put(flat)]
+    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+    return jax.block_until_ready(out.reshape(array.shape))
 
 
 def host_view(raw: np.ndarray, info: TensorInfo) -> np.ndarray:

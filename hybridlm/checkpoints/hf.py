@@ -9,6 +9,7 @@ experts) and the dense `qwen3_5` variants.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from hybridlm.checkpoints.gguf_device import read_exact, to_device
 from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources
 from hybridlm.config import ModelConfig
 from hybridlm.model import EXPERT_FORMATS, EXPERT_PARAMS, HybridLM, loaded_value, quantize_experts
@@ -47,20 +49,66 @@ def _tensor_index(directory: str) -> dict[str, str]:
     return out
 
 
+_SAFETENSORS_DTYPES = {
+    "BF16": jnp.bfloat16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
 class _Reader:
-    """Keeps safetensors files open (memory-mapped) and reads single tensors as numpy arrays."""
+    """Reads single tensors of safetensors files with `pread` (no memory map, so the file's pages stay out of
+    the process's resident set), from the header each file starts with: an 8-byte length, then JSON
+    {name: {dtype, shape, data_offsets}} (https://github.com/huggingface/safetensors, "Format")."""
 
     def __init__(self, index: dict[str, str]):
         self.index = index
-        self.handles = {}
+        self.headers: dict[str, tuple[int, dict]] = {}
 
-    def get(self, name: str) -> np.ndarray:
+    def _entry(self, name: str) -> tuple[str, int, dict]:
         if name not in self.index:
             raise CheckpointError(f"checkpoint lacks tensor {name!r}")
         path = self.index[name]
-        if path not in self.handles:
-            self.handles[path] = safe_open(path, framework="numpy")  # bf16 arrives as ml_dtypes.bfloat16
-        return self.handles[path].get_tensor(name)
+        if path not in self.headers:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            self.headers[path] = (8 + size, header)
+        start, header = self.headers[path]
+        if name not in header:
+            raise CheckpointError(f"{path} lacks tensor {name!r} that its index names")
+        return path, start, header[name]
+
+    def dtype(self, name: str):
+        _, _, entry = self._entry(name)
+        return jnp.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as a host array (bf16 as ml_dtypes.bfloat16).
+
+        Raises:
+          CheckpointError: an unknown dtype, or data that does not match the shape or is not in the file."""
+        path, start, entry = self._entry(name)
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path} has unsupported dtype {entry['dtype']}")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+            raise CheckpointError(f"tensor {name!r} in {path}: {end - begin} bytes for shape {shape}")
+        try:
+            with open(path, "rb") as f:
+                raw = read_exact(f.fileno(), start + begin, end - begin, f"tensor {name!r} in {path}")
+        except OSError as e:
+            raise CheckpointError(str(e)) from None
+        return raw.view(dtype).reshape(shape)
 
 
 def _detect_prefix(names) -> str:
@@ -119,7 +167,8 @@ def load_hf(
         disable=not progress or len(sources) < 200,
         leave=False,
     ):
-        arrays = [reader.get(n) for n in src.tensors]
+        # on the device: the transposes, stacks and dtype casts of the build run there, not in numpy
+        arrays = [to_device(reader.get(n)) for n in src.tensors]
         value = src.build(*arrays)
         del arrays
         var = variables[src.path]
@@ -143,4 +192,4 @@ def load_hf(
 
 
 def _file_dtype(reader: _Reader, name: str):
-    return jnp.dtype(reader.get(name).dtype)
+    return reader.dtype(name)

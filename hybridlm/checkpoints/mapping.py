@@ -124,7 +124,7 @@ def _ffn_sources(config, names, hf, f) -> Iterator[ParamSource]:
         yield ParamSource(
             f + ("gate_up",),
             (hf + "gate_proj.weight", hf + "up_proj.weight"),
-            lambda g, u: _t(np.concatenate([g, u], axis=0)),
+            lambda g, u: _t(_xp(g).concatenate([g, u], axis=0)),
         )
         yield ParamSource(f + ("down",), (hf + "down_proj.weight",), _t)
         return
@@ -134,29 +134,29 @@ def _ffn_sources(config, names, hf, f) -> Iterator[ParamSource]:
         yield ParamSource(
             f + ("experts_gate_up",),
             (hf + "experts.gate_up_proj",),
-            lambda w: np.ascontiguousarray(w.transpose(0, 2, 1)),
+            _experts_t,
         )
         yield ParamSource(
             f + ("experts_down",),
             (hf + "experts.down_proj",),
-            lambda w: np.ascontiguousarray(w.transpose(0, 2, 1)),
+            _experts_t,
         )
     else:  # per-expert Linear weights [F, H] / [H, F]
         gate_up = tuple(hf + f"experts.{j}.{p}.weight" for j in range(e) for p in ("gate_proj", "up_proj"))
         yield ParamSource(
             f + ("experts_gate_up",),
             gate_up,
-            lambda *ws: np.stack(
-                [np.concatenate([ws[2 * j], ws[2 * j + 1]], axis=0).T for j in range(len(ws) // 2)]
+            lambda *ws: _xp(ws[0]).stack(
+                [_xp(ws[0]).concatenate([ws[2 * j], ws[2 * j + 1]], axis=0).T for j in range(len(ws) // 2)]
             ),
         )
         down = tuple(hf + f"experts.{j}.down_proj.weight" for j in range(e))
-        yield ParamSource(f + ("experts_down",), down, lambda *ws: np.stack([w.T for w in ws]))
+        yield ParamSource(f + ("experts_down",), down, lambda *ws: _xp(ws[0]).stack([w.T for w in ws]))
     s = hf + "shared_expert."
     yield ParamSource(
         f + ("shared_gate_up",),
         (s + "gate_proj.weight", s + "up_proj.weight"),
-        lambda g, u: _t(np.concatenate([g, u], axis=0)),
+        lambda g, u: _t(_xp(g).concatenate([g, u], axis=0)),
     )
     yield ParamSource(f + ("shared_down",), (s + "down_proj.weight",), _t)
     yield ParamSource(
