@@ -122,14 +122,20 @@ class GGUFTokenizer:
 
     def __init__(self, tokenizer, plain, eos_token_id: int | None, endoftext_id: int | None):
         self._tok = tokenizer  # a `tokenizers.Tokenizer` with the added (special) tokens
-        self._plain = plain  # the same BPE without added tokens
+        # the same BPE without added tokens, or its JSON: built on first use (a second of a command's start)
+        self._plain = plain
         self._eos = eos_token_id
         self._endoftext = endoftext_id
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of `text`; added-token strings (e.g. <|im_start|>) map to their ids if allow_special."""
-        tok = self._tok if allow_special else self._plain  # plain: no added tokens, special strings are text
-        return tok.encode(text, add_special_tokens=False).ids
+        if allow_special:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        if isinstance(self._plain, str):
+            from tokenizers import Tokenizer
+
+            self._plain = Tokenizer.from_str(self._plain)
+        return self._plain.encode(text, add_special_tokens=False).ids  # special strings are text
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -217,7 +223,7 @@ def tokenizer_from_gguf(path: str | os.PathLike, header: Header | None = None) -
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    plain = Tokenizer.from_str(tok.to_str())  # the same without added tokens (allow_special=False)
+    plain = tok.to_str()  # the same without added tokens (allow_special=False), built when first used
     for i, text, special in sorted(added):
         n = tok.get_vocab_size(with_added_tokens=True)
         if n != i:  # added tokens take the next free id; the ids in the file must line up
