@@ -122,7 +122,7 @@ class GGUFTokenizer:
 
     def __init__(self, tokenizer, plain, eos_token_id: int | None, endoftext_id: int | None):
         self._tok = tokenizer  # a `tokenizers.Tokenizer` with the added (special) tokens
-        # the same BPE without added tokens, or its JSON: built on first use (a second of a command's start)
+        # the same BPE without added tokens, or a function building it on first use (a second of each start)
         self._plain = plain
         self._eos = eos_token_id
         self._endoftext = endoftext_id
@@ -131,10 +131,8 @@ class GGUFTokenizer:
         """Token ids of `text`; added-token strings (e.g. <|im_start|>) map to their ids if allow_special."""
         if allow_special:
             return self._tok.encode(text, add_special_tokens=False).ids
-        if isinstance(self._plain, str):
-            from tokenizers import Tokenizer
-
-            self._plain = Tokenizer.from_str(self._plain)
+        if callable(self._plain):
+            self._plain = self._plain()
         return self._plain.encode(text, add_special_tokens=False).ids  # special strings are text
 
     def decode(self, ids) -> str:
@@ -198,32 +196,42 @@ def tokenizer_from_gguf(path: str | os.PathLike, header: Header | None = None) -
     if len(types) != len(tokens):
         raise GGUFError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     added_types = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
-    vocab, added = {}, []
-    for i, (token, ttype) in enumerate(zip(tokens, types, strict=False)):
-        if ttype in added_types:
-            added.append((i, token, ttype == int(TokenType.CONTROL)))
-        elif ttype != int(TokenType.UNUSED):
-            vocab.setdefault(token, i)
-    pairs = []
-    for m in merges:
-        left, sep, right = m.partition(" ")
-        if not sep:
-            raise GGUFError(f"tokenizer.ggml.merges entry {m!r} is not 'left right'")
-        pairs.append((left, right))
-    try:
-        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=True, fuse_unk=False, byte_fallback=False)
-    except Exception as e:  # noqa: BLE001  (tokenizers raises its own exception types)
-        raise GGUFError(f"GGUF tokenizer vocabulary/merges are inconsistent: {e}") from None
-    tok = Tokenizer(bpe)
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERNS[pre]), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+    not_bpe = {int(TokenType.CONTROL), int(TokenType.USER_DEFINED), int(TokenType.UNUSED)}
+    # the first id of a repeated token wins (reversed, so that dict() keeps it)
+    vocab = dict(
+        reversed([(t, i) for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty not in not_bpe])
     )
-    tok.decoder = decoders.ByteLevel()
-    plain = tok.to_str()  # the same without added tokens (allow_special=False), built when first used
+    added = [
+        (i, t, ty == int(TokenType.CONTROL))
+        for i, (t, ty) in enumerate(zip(tokens, types, strict=False))
+        if ty in added_types
+    ]
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs, strict=True) if len(p) != 2), None)
+    if bad is not None:
+        raise GGUFError(f"tokenizer.ggml.merges entry {bad!r} is not 'left right'")
+
+    def bpe_tokenizer():
+        """The byte-level BPE without added tokens."""
+        try:
+            bpe = models.BPE(
+                vocab=vocab, merges=pairs, ignore_merges=True, fuse_unk=False, byte_fallback=False
+            )
+        except Exception as e:  # noqa: BLE001  (tokenizers raises its own exception types)
+            raise GGUFError(f"GGUF tokenizer vocabulary/merges are inconsistent: {e}") from None
+        tok = Tokenizer(bpe)
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERNS[pre]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    tok = bpe_tokenizer()
+    plain = bpe_tokenizer  # the same without added tokens (allow_special=False), built when first used
     for i, text, special in sorted(added):
         n = tok.get_vocab_size(with_added_tokens=True)
         if n != i:  # added tokens take the next free id; the ids in the file must line up
