@@ -216,7 +216,7 @@ def estimate_memory(
     chunk_size: int,
     expert_format: str,
     trunk_dtype,
-    expert_budget: int | None = None,
+    expert_budget: int | str | None = None,
     batch: int = 1,
     expert_host_bytes_per_weight: float | None = None,
     backend: str = "gpu",
@@ -231,8 +231,8 @@ def estimate_memory(
       expert_format: the routed experts' storage, a key of EXPERT_BYTES_PER_WEIGHT ("bfloat16", "int8",
         "int4", "q4_k", ...), or any label with `expert_host_bytes_per_weight`.
       trunk_dtype: dtype of the other weights, the activations and the KV cache.
-      expert_budget: bytes of the device expert pool when the experts are offloaded to pinned host memory;
-        None: the experts are resident on the device.
+      expert_budget: bytes of the device expert pool (an int, or "12GiB" as `parse_bytes` reads it) when the
+        experts are offloaded to pinned host memory; None: the experts are resident on the device.
       batch: sequences prefilled together.
       expert_host_bytes_per_weight: bytes a routed-expert weight takes as stored (overrides the format's;
         e.g. a GGUF file's experts as the loader keeps them, `model_source`).
@@ -242,13 +242,18 @@ def estimate_memory(
       A `MemoryEstimate`.
 
     Raises:
-      ValueError: non-positive tokens, chunk or batch; an unknown expert_format without bytes per weight.
+      ValueError: non-positive tokens, chunk or batch; an unknown expert_format without bytes per weight; an
+        unparsable expert_budget.
     """
     if min(prompt_tokens, chunk_size, batch) < 1 or max_new_tokens < 0:
         raise ValueError(
             f"prompt_tokens={prompt_tokens}, chunk_size={chunk_size} and batch={batch} must be >= 1, "
             f"max_new_tokens={max_new_tokens} >= 0"
         )
+    if isinstance(expert_budget, str):
+        from hybridlm.offload.expert_cache import parse_bytes
+
+        expert_budget = parse_bytes(expert_budget)
     chunk = effective_chunk_size(prompt_tokens, chunk_size)
     capacity = cache_capacity(prompt_tokens, chunk, max_new_tokens)
     one = expert_bytes(config, expert_format, expert_host_bytes_per_weight) if config.moe else 0
