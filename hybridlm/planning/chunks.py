@@ -31,7 +31,8 @@ HEURISTIC = {
     # a chunk costs as much as this many more tokens (weights read once a chunk, launches, grouped matmuls
     # with few rows an expert): resident prefill tokens/s grows as chunk / (chunk + this)
     "chunk_overhead_tokens": 1500,
-    # the largest chunk chosen: beyond it attention's share grows and each shape compiles once more
+    # the largest chunk chosen: beyond it attention's quadratic share grows, and activations outgrow
+    # small cards
     "max_chunk_size": 32768,
     # the CPU runs attention through XLA, which writes [heads, chunk, chunk] scores: larger chunks gain
     # nothing there

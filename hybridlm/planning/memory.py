@@ -74,11 +74,11 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         i = self.inputs
+        placed = f"offloaded ({gib(i['expert_budget'])} pool)" if i["expert_budget"] else "resident"
         lines = [
             f"memory estimate: {i['model']}, {i['prompt_tokens']} + {i['max_new_tokens']} tokens x "
-            f"{i['batch']}, "
-            f"chunk {i['chunk_size']}, KV cache {i['kv_capacity']} tokens, experts {i['expert_format']}"
-            + (f" offloaded ({gib(i['expert_budget'])} pool)" if i["expert_budget"] else " resident")
+            f"{i['batch']}, chunk {i['chunk_size']}, KV cache {i['kv_capacity']} tokens, experts "
+            f"{i['expert_format']} {placed}"
         ]
         for name, c in self.components.items():
             lines.append(f"  {c.memory:6s} {name:24s} {gib(c.nbytes):>12s}  {c.detail}")
@@ -125,7 +125,7 @@ def expert_bytes(config: ModelConfig, expert_format: str, bytes_per_weight: floa
                 "or give expert_host_bytes_per_weight"
             )
         bytes_per_weight = EXPERT_BYTES_PER_WEIGHT[expert_format]
-    return math.ceil(bytes_per_weight * expert_weights(config))
+    return math.ceil(round(bytes_per_weight * expert_weights(config), 6))  # a ratio of ints: no float excess
 
 
 def trunk_bytes(config: ModelConfig, dtype) -> int:
