@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import math
 import os
 
@@ -126,13 +127,6 @@ def load_gguf(
         header.tensors[n].type == T.Q4_K for src in sources if src.experts for n in src.tensors
     )
 
-    def on_device(src) -> bool:
-        """Whether a source's bytes go to the device as they are (kept Q4_K experts, matrices of
-        DEVICE_TYPES) rather than through numpy."""
-        if keep and src.experts:
-            return raw_q4k
-        return not src.f32 and all(header.tensors[n].type in gguf_device.DEVICE_TYPES for n in src.tensors)
-
     finite: list[tuple[str, object]] = []
     total = sum(header.tensors[n].nbytes for n in used)
     with (
@@ -148,6 +142,7 @@ def load_gguf(
         ) as bar,
     ):
         previous = None
+        on_device = functools.partial(_on_device, header=header, keep=keep, raw_q4k=raw_q4k)
         for src, raws in read_ahead(f.fileno(), header, sources, on_device):
             wants = [variables[p].get_value() for p in src.params]
             values = _source_values(src, raws, header, wants, arch, keep, raw_q4k, expert_sink is not None)
@@ -168,6 +163,14 @@ def load_gguf(
 # Host bytes read ahead of their use: with `gguf_device.COPY_SLICE` they bound the loader's host memory
 # (buffers plus the runtime's pinned staging) whatever the tensor sizes.
 _READ_AHEAD = 512 * 2**20
+
+
+def _on_device(src, *, header: Header, keep: bool, raw_q4k: bool) -> bool:
+    """Whether a source's bytes go to the device as they are (kept Q4_K experts, matrices of DEVICE_TYPES)
+    rather than through numpy."""
+    if keep and src.experts:
+        return raw_q4k
+    return not src.f32 and all(header.tensors[n].type in gguf_device.DEVICE_TYPES for n in src.tensors)
 
 
 def read_ahead(fd: int, header: Header, sources, on_device, max_bytes: int = _READ_AHEAD, workers: int = 4):
