@@ -2,6 +2,7 @@
 refusal, the chunk-size cost model against the offload runner's own counts and the issue's measured cases,
 and the CLI's `--dry-run` and pre-check."""
 
+import dataclasses
 import json
 import time
 
@@ -188,6 +189,18 @@ def test_streamed_bytes_match_the_measured_transfers():
         )
     # slru drops each layer after use below the full budget: every layer streams every chunk
     assert planning.streamed_bytes(BIG, _q4k_plan("slru"), 8192) == 40 * 256 * _q4k_plan().expert_bytes
+
+
+def test_q4_k_blocks_on_the_host_stream_their_own_bytes():
+    """The file's Q4_K blocks in host memory: slots hold unpacked experts (the pool shape is unchanged),
+    copies move 144 bytes a 256 weights; measured: 11.8 GB for 8 190 tokens at chunk 8 192
+    (docs/performance.md)."""
+    blocks = dataclasses.replace(_q4k_plan(), copy_bytes=3 * 2048 * 512 * 144 // 256)
+    unpacked = _q4k_plan()
+    assert planning.pool_shape(BIG, blocks, 8192) == planning.pool_shape(BIG, unpacked, 8192)
+    got = planning.streamed_bytes(BIG, blocks, 8192)
+    assert got * unpacked.expert_bytes == planning.streamed_bytes(BIG, unpacked, 8192) * blocks.copy_bytes
+    assert got / 1e9 == pytest.approx(11.8, abs=0.05)
 
 
 @pytest.mark.parametrize(

@@ -55,13 +55,16 @@ class OffloadPlan:
     """What the cost model needs of an offloaded run (`OffloadConfig`'s fields that size the pool).
 
     Attributes:
-      expert_bytes: one expert as the host stores it (a pool slot holds the same bytes).
+      expert_bytes: one expert in a pool slot (unpacked on the device).
       budget: device bytes of the pool and its staging.
+      copy_bytes: one expert as the host stores it, what a copy moves (a GGUF file's Q4_K blocks take fewer
+        bytes than the slot); None: expert_bytes.
       cache_policy, prefetch, prefetch_depth, whole_layer, whole_layer_factor: as in `OffloadConfig`.
     """
 
     expert_bytes: int
     budget: int
+    copy_bytes: int | None = None
     cache_policy: str = "static"
     prefetch: str = "auto"
     prefetch_depth: int = 2
@@ -75,6 +78,7 @@ class OffloadPlan:
         return cls(
             expert_bytes=runner.expert_bytes,
             budget=runner.budget,
+            copy_bytes=runner.host.layout.nbytes,
             cache_policy=c.cache_policy,
             prefetch=c.prefetch,
             prefetch_depth=c.prefetch_depth,
@@ -124,10 +128,11 @@ def streamed_bytes(config: ModelConfig, plan: OffloadPlan, tokens: int) -> int:
     pool = pool_shape(config, plan, tokens)
     if pool.slots >= L * E and plan.cache_policy in ("lru", "slru", "lfu"):
         return 0
+    copy = plan.copy_bytes or plan.expert_bytes
     if pool.whole_layer:
-        return (L - pool.held_layers) * E * plan.expert_bytes
+        return (L - pool.held_layers) * E * copy
     touched = E * (1 - (1 - k / E) ** tokens)
-    return int((L - pool.pinned // E) * touched * plan.expert_bytes)
+    return int((L - pool.pinned // E) * touched * copy)
 
 
 def active_params(config: ModelConfig) -> int:

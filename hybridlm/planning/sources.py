@@ -27,6 +27,7 @@ class ModelSource(NamedTuple):
     config: ModelConfig
     expert_format: str  # a key of EXPERT_BYTES_PER_WEIGHT, or a GGUF file's description
     bytes_per_weight: float | None  # a GGUF file's experts as the loader keeps them; None: the format's
+    device_bytes_per_weight: float | None = None  # in a pool slot, where it differs (Q4_K blocks unpacked)
 
 
 def model_source(
@@ -69,8 +70,10 @@ def model_source(
     config = config_from_gguf(header)
     if config.moe is None:
         return ModelSource(config, _dtype_name(dtype), None)
-    label, per_weight = _gguf_expert_storage(header, config, dtype, offloaded, mixed_formats)
-    return ModelSource(config, label, per_weight)
+    label, per_weight, device_per_weight = _gguf_expert_storage(
+        header, config, dtype, offloaded, mixed_formats
+    )
+    return ModelSource(config, label, per_weight, device_per_weight)
 
 
 def _dtype_name(dtype) -> str:
@@ -79,9 +82,10 @@ def _dtype_name(dtype) -> str:
 
 def _gguf_expert_storage(
     header, config, dtype, offloaded: bool, mixed_formats: str
-) -> tuple[str, float | None]:
-    """(description, bytes per weight) of a GGUF file's routed experts as `load_gguf(keep_quantized=
-    "experts")` keeps them: each distinct (types, shapes) converted once from zero blocks of one expert."""
+) -> tuple[str, float | None, float | None]:
+    """(description, bytes per weight in host memory, in a device pool slot) of a GGUF file's routed experts
+    as `load_gguf(keep_quantized="experts")` keeps them: each distinct (types, shapes) converted once from
+    zero blocks of one expert."""
     import jax
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES
@@ -130,13 +134,13 @@ def _gguf_expert_storage(
         params.setdefault(src.params[0][1], {})[src.params[0][-1]] = seen[key]
     layouts = [ExpertLayout.of(p["experts_gate_up"], p["experts_down"]) for _, p in sorted(params.items())]
     if len(layouts) < config.num_layers:  # expert tensors missing: the loader refuses the file
-        return _dtype_name(dtype), None
+        return _dtype_name(dtype), None, None
     weights = expert_weights(config)
     if offloaded:
         layout = one_layout(layouts, mixed_formats)
-        return f"GGUF: {describe_layout(layout)}", layout.nbytes / weights
+        return f"GGUF: {describe_layout(layout)}", layout.nbytes / weights, layout.device_nbytes / weights
     mean = sum(x.nbytes for x in layouts) / len(layouts)
-    return f"GGUF: {describe_layout(max(layouts, key=lambda x: x.nbytes))}", mean / weights
+    return f"GGUF: {describe_layout(max(layouts, key=lambda x: x.nbytes))}", mean / weights, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -216,8 +220,15 @@ def plan_run(
     if chunk_size == "auto":
         offload = None
         if offloaded and config.moe:
+            host_bytes = expert_bytes(config, source.expert_format, source.bytes_per_weight)
+            slot_bytes = (
+                expert_bytes(config, source.expert_format, source.device_bytes_per_weight)
+                if source.device_bytes_per_weight
+                else host_bytes
+            )
             offload = OffloadPlan(
-                expert_bytes=expert_bytes(config, source.expert_format, source.bytes_per_weight),
+                expert_bytes=slot_bytes,
+                copy_bytes=host_bytes,
                 budget=budget,
                 cache_policy=cache_policy,
                 prefetch=prefetch,
