@@ -189,16 +189,15 @@ def _add_offload_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def host_parts_for(command: str, max_new_tokens: int, host_parts: int | None) -> int | None:
-    """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 for a
-    `generate` of at least `OffloadConfig.one_host_part_from_tokens` new tokens (one part speeds decode up and
-    slows prefill down), else None (the runner's default)."""
+    """The host parts a layer the CLI asks `OffloadedRunner` for: `host_parts` where given, else 1 where
+    `hybridlm.offload.config.host_parts_for` says so (a `generate` of enough new tokens: one part speeds
+    decode up and slows prefill down), else None (the runner's default)."""
     if host_parts is not None:
         return host_parts
-    from hybridlm.offload.config import tuned_default
+    from hybridlm.offload.config import host_parts_for as offload_rule
 
-    return (
-        1 if command == "generate" and max_new_tokens >= tuned_default("one_host_part_from_tokens") else None
-    )
+    decode_tokens = max_new_tokens if command == "generate" else 0
+    return 1 if offload_rule(decode_tokens) == 1 else None  # the offload rule; None: the runner's default
 
 
 def _fail(msg: str) -> int:

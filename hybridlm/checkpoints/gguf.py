@@ -30,7 +30,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm.auto import tqdm
 
 from hybridlm.checkpoints import gguf_device, gguf_quants
-from hybridlm.checkpoints.gguf_header import GGUFError, Header, read_header
+from hybridlm.checkpoints.gguf_header import GGUFError, Header, TensorInfo, read_header
 from hybridlm.checkpoints.gguf_metadata import SUPPORTED_ARCHS, block_index, config_from_gguf
 from hybridlm.checkpoints.gguf_metadata import architecture as _architecture  # the name load_gguf uses
 from hybridlm.checkpoints.mapping import gguf_sources
@@ -123,9 +123,7 @@ def load_gguf(
             f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
         )
     keep = keep_quantized == "experts"
-    raw_q4k = keep and all(
-        header.tensors[n].type == T.Q4_K for src in sources if src.experts for n in src.tensors
-    )
+    raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
 
     finite: list[tuple[str, object]] = []
     total = sum(header.tensors[n].nbytes for n in used)
@@ -163,6 +161,20 @@ def load_gguf(
 # Host bytes read ahead of their use: with `gguf_device.COPY_SLICE` they bound the loader's host memory
 # (buffers plus the runtime's pinned staging) whatever the tensor sizes.
 _READ_AHEAD = 512 * 2**20
+
+
+def expert_tensors(header: Header) -> list[TensorInfo]:
+    """The trunk's routed-expert tensors (what keep_quantized="experts" keeps; MTP blocks excluded), in table
+    order; read from the header only.
+
+    Raises:
+      GGUFError: as `config_from_gguf`."""
+    config = config_from_gguf(header)
+    return _expert_tensors(header, gguf_sources(config, _architecture(header), set(header.tensors)))
+
+
+def _expert_tensors(header: Header, sources) -> list[TensorInfo]:
+    return [header.tensors[n] for src in sources if src.experts for n in src.tensors if n in header.tensors]
 
 
 def _on_device(src, *, header: Header, keep: bool, raw_q4k: bool) -> bool:

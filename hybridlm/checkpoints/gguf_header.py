@@ -156,9 +156,9 @@ class _Cursor:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """`parse_header` of the file, cached by path, size and modification time: one command reads the header
-    (its 750k tokenizer strings take about a second) for the config, the memory plan, the tokenizer and the
-    loader."""
+    """`parse_header` of the file, cached by path, size and modification time: one command needs the header
+    (with its hundreds of thousands of tokenizer strings) for the config, the memory plan, the tokenizer and
+    the loader, and parses it once."""
     path = os.fspath(path)
     st = os.stat(path)
     return _cached_header(os.path.realpath(path), st.st_size, st.st_mtime_ns)

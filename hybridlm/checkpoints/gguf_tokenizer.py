@@ -122,7 +122,8 @@ class GGUFTokenizer:
 
     def __init__(self, tokenizer, plain, eos_token_id: int | None, endoftext_id: int | None):
         self._tok = tokenizer  # a `tokenizers.Tokenizer` with the added (special) tokens
-        # the same BPE without added tokens, or a function building it on first use (a second of each start)
+        # the same BPE without added tokens, or a function building it on first use: only allow_special=False
+        # needs it, so a command's start does not pay for it
         self._plain = plain
         self._eos = eos_token_id
         self._endoftext = endoftext_id

@@ -93,14 +93,14 @@ def load_offloaded(
 def _reserve_for_gguf(path: str, parts: int | None) -> None:
     """Reserves pinned host memory for a GGUF file's routed experts (their bytes in the file: what Q4_K and
     Q8_0 experts take in host memory) before they are packed (`reserve_pinned`)."""
+    from hybridlm.checkpoints.gguf import expert_tensors
     from hybridlm.checkpoints.gguf_header import GGUFError, read_header
 
     try:
-        header = read_header(path)
+        experts = expert_tensors(read_header(path))
     except GGUFError:
         return  # the loader reports it
-    experts = [t for n, t in header.tensors.items() if "_exps." in n]
-    layers = {n.split(".")[1] for n in header.tensors if "_exps." in n}
+    layers = {t.name.split(".")[1] for t in experts}
     if not experts or not layers:
         return
     total = sum(t.nbytes for t in experts)

@@ -91,6 +91,7 @@ def _gguf_expert_storage(
     from gguf.constants import GGML_QUANT_SIZES
 
     from hybridlm.checkpoints import gguf_quants
+    from hybridlm.checkpoints.gguf import expert_tensors
     from hybridlm.checkpoints.gguf_device import Q4KBlocks
     from hybridlm.checkpoints.mapping import gguf_sources
     from hybridlm.offload.expert_cache import ExpertLayout
@@ -115,7 +116,7 @@ def _gguf_expert_storage(
 
     names, params, seen = set(header.tensors), {}, {}
     arch = header.metadata["general.architecture"][1]
-    expert_types = {t.type for n, t in header.tensors.items() if "_exps." in n}
+    expert_types = {t.type for t in expert_tensors(header)}
     if offloaded and expert_types == {gguf_quants.T.Q4_K}:  # host memory holds the file's own blocks
         kept = lambda infos: Q4KBlocks(  # noqa: E731
             jax.ShapeDtypeStruct(
