@@ -202,3 +202,17 @@ def test_missing_mtp_weights_are_named(tmp_path):
     save_gguf(hybridlm.init_random(CONFIG.replace(mtp_layers=0), seed=0), path, "f32")
     with pytest.raises(GGUFError, match="no MTP block"):
         load_gguf_mtp(path)
+
+
+def test_two_mtp_layers_round_trip_through_gguf(tmp_path):
+    """Each MTP block holds its layer and a copy of eh_proj and the nextn norms (llama.cpp's converter)."""
+    config = CONFIG.replace(mtp_layers=2)
+    mtp = init_random_mtp(config, seed=3)
+    path = tmp_path / "two.gguf"
+    save_gguf(hybridlm.init_random(config, seed=0), path, "f32", mtp=mtp)
+    back = load_gguf_mtp(path)
+    assert back.config.mtp_layers == 2 and back.config.num_layers == config.num_layers
+    want, got = _params(mtp), _params(back)
+    for key in want:
+        one = np.float32(1.0) if key[-1] in ("scale", "q_norm", "k_norm") else np.float32(0.0)
+        np.testing.assert_array_equal(got[key] + one, want[key] + one, err_msg=".".join(map(str, key)))

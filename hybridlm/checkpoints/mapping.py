@@ -354,15 +354,14 @@ def gguf_layer_sources(
 def mtp_gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) -> Iterator[GGUFSource]:
     """Every parameter of an `hybridlm.mtp.MTPModule(config)` with llama.cpp's nextn tensors: MTP layer j is
     block `config.num_layers + j` (docs/mtp.md §3). The converter repeats eh_proj and the three nextn norms
-    in every MTP block; they are read from (and, for one MTP layer, written to) the first."""
+    in every MTP block (one copy of each in the module), so they are written to, and read from, each block."""
     names = set() if names is None else names
-    first = f"blk.{config.num_layers}."
-    yield GGUFSource((("fc",),), (first + "nextn.eh_proj.weight",), _one(_t), _one(_t))
-    yield _gguf_norm(("pre_fc_norm_embedding", "scale"), first + "nextn.enorm.weight")
-    yield _gguf_norm(("pre_fc_norm_hidden", "scale"), first + "nextn.hnorm.weight")
-    yield _gguf_norm(("norm", "scale"), first + "nextn.shared_head_norm.weight")
     for j in range(config.mtp_layers):
         b = f"blk.{config.num_layers + j}."
+        yield GGUFSource((("fc",),), (b + "nextn.eh_proj.weight",), _one(_t), _one(_t))
+        yield _gguf_norm(("pre_fc_norm_embedding", "scale"), b + "nextn.enorm.weight")
+        yield _gguf_norm(("pre_fc_norm_hidden", "scale"), b + "nextn.hnorm.weight")
+        yield _gguf_norm(("norm", "scale"), b + "nextn.shared_head_norm.weight")
         yield from gguf_layer_sources(config, arch, names, b, ("layers", j), "full_attention")
 
 
