@@ -19,6 +19,7 @@ from hybridlm.checkpoints.gguf import GGUFError, load_gguf, load_gguf_mtp, save_
 from hybridlm.checkpoints.hf import CheckpointError, load_hf, load_hf_mtp
 from hybridlm.config import TINY
 from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
+from hybridlm.loading import load_mtp
 from hybridlm.mtp import MTPModule, draft_step, init_mtp_cache, init_random_mtp
 from tests.support import assert_finite
 
@@ -162,7 +163,7 @@ def hf_with_mtp(tmp_path_factory):
 def test_hf_mtp_weights_load_and_draft(hf_with_mtp):
     directory, tensors = hf_with_mtp
     model = load_hf(directory, progress=False)  # the trunk load still skips mtp.*
-    mtp = load_hf_mtp(directory)
+    mtp = load_mtp(directory)
     assert model.config.mtp_layers == 1 and mtp.config == model.config
     np.testing.assert_array_equal(np.asarray(mtp.fc[...]), tensors["mtp.fc.weight"].T)
     np.testing.assert_array_equal(np.asarray(mtp.norm.scale[...]), tensors["mtp.norm.weight"])
@@ -181,7 +182,7 @@ def test_mtp_weights_round_trip_through_gguf(hf_with_mtp, tmp_path):
     model, mtp = load_hf(directory, progress=False), load_hf_mtp(directory)
     path = tmp_path / "with_mtp.gguf"
     save_gguf(model, path, "f32", mtp=mtp)
-    back = load_gguf_mtp(path)
+    back = load_mtp(path)
     assert back.config.layer_types == mtp.config.layer_types and back.config.mtp_layers == 1
     want, got = _params(mtp), _params(back)
     assert want.keys() == got.keys()
