@@ -112,6 +112,8 @@ class ModelConfig:
     gdn: GatedDeltaNetConfig = GatedDeltaNetConfig()
     moe: MoEConfig | None = MoEConfig()
     dense_ffn_dim: int | None = None  # dense SwiGLU MLP instead of MoE (GGUF arch qwen35)
+    # Multi-token-prediction layers the checkpoint carries (`hybridlm.mtp`); 0: none. HybridLM ignores it.
+    mtp_layers: int = 0
     # Kernel choice per op: None picks the fast kernel on GPU and the pure-JAX path elsewhere.
     # "reference" | "chunked" | "triton" | "mosaic"; decode: "triton", "mosaic" and None (on GPU, few
     # sequences) take the fused Triton step, the rest the JAX one
@@ -124,6 +126,8 @@ class ModelConfig:
         for field in ("vocab_size", "hidden_dim", "num_layers", "full_attention_interval"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field}={getattr(self, field)} must be positive")
+        if self.mtp_layers < 0:
+            raise ValueError(f"mtp_layers={self.mtp_layers} must be >= 0")
         if (self.moe is None) == (self.dense_ffn_dim is None):
             raise ValueError(
                 "exactly one of moe and dense_ffn_dim must be set "
@@ -331,4 +335,5 @@ def config_from_hf(data: dict) -> ModelConfig:
         ),
         moe=moe,
         dense_ffn_dim=None if is_moe else int(req("intermediate_size")),
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
     )

@@ -59,3 +59,23 @@ def load(
             path, dtype=dtype, keep_quantized=keep_quantized, progress=progress, expert_sink=expert_sink
         )
     raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")
+
+
+def load_mtp(path: str | os.PathLike, *, dtype=None):
+    """Loads the multi-token-prediction module (`hybridlm.mtp.MTPModule`) of an HF checkpoint directory
+    (`mtp.*`) or a GGUF file (`blk.N.nextn.*` blocks); `load` of the same path gives the trunk it drafts for.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: the checkpoint holds no MTP weights, or they are malformed (message names the tensor).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if os.path.isdir(path):
+        from hybridlm.checkpoints.hf import load_hf_mtp
+
+        return load_hf_mtp(path, dtype=dtype)
+    from hybridlm.checkpoints.gguf import load_gguf_mtp
+
+    return load_gguf_mtp(path, dtype=dtype)

@@ -33,9 +33,10 @@ from hybridlm.checkpoints import gguf_device, gguf_quants
 from hybridlm.checkpoints.gguf_header import GGUFError, Header, TensorInfo, read_header
 from hybridlm.checkpoints.gguf_metadata import SUPPORTED_ARCHS, block_index, config_from_gguf
 from hybridlm.checkpoints.gguf_metadata import architecture as _architecture  # the name load_gguf uses
-from hybridlm.checkpoints.mapping import gguf_sources
+from hybridlm.checkpoints.mapping import gguf_sources, mtp_gguf_sources
 from hybridlm.config import ModelConfig
 from hybridlm.model import HybridLM, loaded_value
+from hybridlm.mtp import MTPModule
 from pallas_kernels.quantized import QuantizedWeights
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "GGUFError",
     "config_from_gguf",
     "load_gguf",
+    "load_gguf_mtp",
     "load_gguf_tokenizer",
     "save_gguf",
 ]
@@ -153,6 +155,56 @@ def load_gguf(
             jax.block_until_ready(previous)
             previous = [v.data if isinstance(v, gguf_device.Q4KBlocks) else v for v in values]
             bar.update(sum(r.nbytes for r in raws))
+    if check_finite:
+        _raise_if_not_finite(finite)
+    return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
+
+
+def load_gguf_mtp(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> MTPModule:
+    """Loads the MTP module of a GGUF file: the `blk.{N}.nextn.*` tensors and the MTP blocks' attention and
+    MoE tensors (docs/mtp.md §3), N = the trunk's layer count. `load_gguf` is unchanged (it skips them).
+
+    Args:
+      path: the .gguf file.
+      dtype: parameter dtype; None: as `load_gguf` chooses.
+      check_finite: refuse NaN/Inf weights.
+
+    Raises:
+      GGUFError: no MTP block (`nextn_predict_layers` absent or 0), a dedicated MTP embedding or head
+        (`nextn.embed_tokens` / `nextn.shared_head_head`, not supported), missing or mis-shaped tensors,
+        NaN/Inf weights.
+    """
+    path = os.fspath(path)
+    header = read_header(path)
+    config = config_from_gguf(header)
+    arch = _architecture(header)
+    _check_tensor_table(header, config)
+    if config.mtp_layers == 0:
+        raise GGUFError(f"{path} has no MTP block ({arch}.nextn_predict_layers is absent or 0)")
+    dedicated = sorted(
+        n for n in header.tensors if ".nextn.embed_tokens" in n or ".nextn.shared_head_head" in n
+    )
+    if dedicated:
+        raise GGUFError(f"MTP tensors {dedicated[:2]} (a dedicated MTP embedding / head) are not supported")
+    if dtype is None:
+        embed = header.tensors.get("token_embd.weight")
+        dtype = jnp.float32 if embed is not None and embed.type == T.F32 else jnp.bfloat16
+    abstract = nnx.eval_shape(lambda: MTPModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    sources = list(mtp_gguf_sources(config, arch, set(header.tensors)))
+    for src in sources:
+        _check_source(src, header, variables, arch, config)
+    finite: list[tuple[str, object]] = []
+    on_device = functools.partial(_on_device, header=header, keep=False, raw_q4k=False)
+    with open(path, "rb") as f:
+        for src, raws in read_ahead(f.fileno(), header, sources, on_device):
+            wants = [variables[p].get_value() for p in src.params]
+            values = _source_values(src, raws, header, wants, arch, False, False, False)
+            for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
+                _check_shape(src, i, value.shape, want.shape)
+                finite.append((src.tensors[0], _all_finite(value)))
+                variables[param].set_value(jnp.asarray(value, want.dtype))
     if check_finite:
         _raise_if_not_finite(finite)
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
@@ -412,6 +464,7 @@ def save_gguf(
     tokenizer: bool = True,
     arch: str | None = None,
     progress: bool = False,
+    mtp: MTPModule | None = None,
 ) -> None:
     """Writes `model` as the GGUF file llama.cpp's converter would write for the same weights.
 
@@ -428,10 +481,12 @@ def save_gguf(
         size (248 320); smaller test vocabularies get none.
       arch: GGUF architecture; None: `gguf_architecture(config)`.
       progress: show a progress bar.
+      mtp: also write this MTP module as llama.cpp's converter does (`_Qwen35MtpMixin`): blocks
+        num_layers.. with `nextn.*` tensors, block_count including them, `nextn_predict_layers`.
 
     Raises:
-      ValueError: unknown tensor_type or arch, or a config GGUF cannot express (explicit layer types that are
-        not the interval pattern).
+      ValueError: unknown tensor_type or arch, a config GGUF cannot express (explicit layer types that are
+        not the interval pattern), or an `mtp` of another architecture than `model`.
     """
     if tensor_type not in TENSOR_TYPES:
         raise ValueError(f"tensor_type={tensor_type!r}; choose from {sorted(TENSOR_TYPES)}")
@@ -453,31 +508,42 @@ def save_gguf(
             f"GGUF stores one ssm.state_size: key_dim={config.gdn.key_dim} != "
             f"value_dim={config.gdn.value_dim}"
         )
+    if mtp is not None and mtp.config.replace(mtp_layers=0) != config.replace(mtp_layers=0):
+        raise ValueError("the MTP module's config differs from the model's (beyond mtp_layers)")
     wanted, file_type = TENSOR_TYPES[tensor_type]
     writer = gguf.GGUFWriter(os.fspath(path), arch)
-    write_metadata(writer, config, arch, file_type)
+    write_metadata(writer, config, arch, file_type, mtp_layers=0 if mtp is None else mtp.config.mtp_layers)
     if tokenizer and config.vocab_size == _qwen_vocab_size():
         from hybridlm.checkpoints.gguf_tokenizer import write_tokenizer
 
         write_tokenizer(writer)
-    params = {path_: var for path_, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    for src in tqdm(list(gguf_sources(config, arch)), desc="writing GGUF", disable=not progress, leave=False):
-        values = [_as_numpy(params[p].get_value()) for p in src.params]
-        for name, array in zip(src.tensors, src.save(*values), strict=False):
-            array = np.ascontiguousarray(array, np.float32)
-            qtype = stored_type(
-                name, array.shape, mix_type(tensor_type, name, config.num_layers, wanted), src.f32
-            )
-            if qtype == T.F32:
-                writer.add_tensor(name, array)
-            elif qtype == T.F16:
-                writer.add_tensor(name, array.astype(np.float16))
-            else:
-                writer.add_tensor(name, gguf_quants.quantize(array, qtype), raw_dtype=qtype)
+    parts = [(model, list(gguf_sources(config, arch)))]
+    if mtp is not None:
+        parts.append((mtp, list(mtp_gguf_sources(mtp.config, arch))))
+    for module, sources in parts:
+        params = {path_: var for path_, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+        for src in tqdm(sources, desc="writing GGUF", disable=not progress, leave=False):
+            values = [_as_numpy(params[p].get_value()) for p in src.params]
+            for name, array in zip(src.tensors, src.save(*values), strict=False):
+                _add_tensor(
+                    writer, name, array, mix_type(tensor_type, name, config.num_layers, wanted), src.f32
+                )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array, wanted, forced_f32: bool) -> None:
+    """Adds one tensor (numpy order, float) in the type `stored_type` picks."""
+    array = np.ascontiguousarray(array, np.float32)
+    qtype = stored_type(name, array.shape, wanted, forced_f32)
+    if qtype == T.F32:
+        writer.add_tensor(name, array)
+    elif qtype == T.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf_quants.quantize(array, qtype), raw_dtype=qtype)
 
 
 def _as_numpy(value) -> np.ndarray:
@@ -492,13 +558,17 @@ def _qwen_vocab_size() -> int:
     return QWEN35_VOCAB_SIZE
 
 
-def write_metadata(w: gguf.GGUFWriter, config: ModelConfig, arch: str, file_type) -> None:
+def write_metadata(
+    w: gguf.GGUFWriter, config: ModelConfig, arch: str, file_type, mtp_layers: int = 0
+) -> None:
     """The `{arch}.*` keys of llama.cpp's converter (TextModel / Qwen2MoeModel / Qwen3NextModel /
-    _Qwen35MRopeMixin `set_gguf_parameters`)."""
+    _Qwen35MRopeMixin / _Qwen35MtpMixin `set_gguf_parameters`); mtp_layers > 0: MTP blocks after the trunk."""
     a, g = config.attention, config.gdn
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(config.name)
-    w.add_block_count(config.num_layers)
+    w.add_block_count(config.num_layers + mtp_layers)
+    if mtp_layers:
+        w.add_nextn_predict_layers(mtp_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_dim)
     if config.dense_ffn_dim is not None:

@@ -187,6 +187,7 @@ def config_from_gguf(header: Header) -> ModelConfig:
             gdn=_gdn_config(m),
             moe=None if dense else _moe_config(m, header),
             dense_ffn_dim=m.int("feed_forward_length", required=True, per_layer=True) if dense else None,
+            mtp_layers=nextn,
         )
     except GGUFError:
         raise

@@ -2,8 +2,8 @@
 
 Supported layouts: text-only Qwen3.5/3.6-MoE (`qwen3_5_moe_text`, weights under `model.`), the full multimodal
 checkpoint (`qwen3_5_moe`, nested `text_config`, weights under `model.language_model.`, vision and MTP weights
-ignored), Qwen3-Next (`qwen3_next`, fused grouped `in_proj_qkvz` / `in_proj_ba`, per-expert or stacked
-experts) and the dense `qwen3_5` variants.
+ignored: `load_hf_mtp` reads the MTP weights), Qwen3-Next (`qwen3_next`, fused grouped `in_proj_qkvz` /
+`in_proj_ba`, per-expert or stacked experts) and the dense `qwen3_5` variants.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from hybridlm.checkpoints.gguf_device import read_exact, to_device
-from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources
+from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources, mtp_hf_sources
 from hybridlm.config import ModelConfig
 from hybridlm.model import EXPERT_FORMATS, EXPERT_PARAMS, HybridLM, loaded_value, quantize_experts
+from hybridlm.mtp import MTPModule
 
 
 class CheckpointError(ValueError):
@@ -167,21 +168,7 @@ def load_hf(
         disable=not progress or len(sources) < 200,
         leave=False,
     ):
-        # on the device: the transposes, stacks and dtype casts of the build run there, not in numpy
-        arrays = [to_device(reader.get(n)) for n in src.tensors]
-        value = src.build(*arrays)
-        del arrays
-        var = variables[src.path]
-        want = var.get_value()
-        if tuple(value.shape) != tuple(want.shape):
-            raise CheckpointError(
-                f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
-                f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config"
-            )
-        value = jnp.asarray(value, dtype=want.dtype)
-        if expert_format is not None and src.path[-1] in EXPERT_PARAMS:
-            value = quantize_experts(value, expert_format)
-        var.set_value(loaded_value(src.path, value, want.dtype, expert_sink))
+        load_source(src, reader, variables, expert_format, expert_sink)
         used.update(src.tensors)
     unused = sorted(n for n in names - used if not n.startswith(IGNORED_HF_PREFIXES))
     if unused:
@@ -193,3 +180,65 @@ def load_hf(
 
 def _file_dtype(reader: _Reader, name: str):
     return reader.dtype(name)
+
+
+def load_source(src, reader: _Reader, variables: dict, expert_format=None, expert_sink=None) -> None:
+    """Reads one `ParamSource`'s tensors, builds the parameter on the device and sets it in `variables`
+    (nnx path -> Variable).
+
+    Raises:
+      CheckpointError: a tensor is missing or gives the wrong shape."""
+    # on the device: the transposes, stacks and dtype casts of the build run there, not in numpy
+    arrays = [to_device(reader.get(n)) for n in src.tensors]
+    value = src.build(*arrays)
+    del arrays
+    var = variables[src.path]
+    want = var.get_value()
+    if tuple(value.shape) != tuple(want.shape):
+        raise CheckpointError(
+            f"tensor {src.tensors[0]!r} gives {'.'.join(map(str, src.path))} shape "
+            f"{tuple(value.shape)}, expected {tuple(want.shape)} for this config"
+        )
+    value = jnp.asarray(value, dtype=want.dtype)
+    if expert_format is not None and src.path[-1] in EXPERT_PARAMS:
+        value = quantize_experts(value, expert_format)
+    var.set_value(loaded_value(src.path, value, want.dtype, expert_sink))
+
+
+def mtp_prefix(names) -> str:
+    """The prefix of a checkpoint's MTP tensors: "model.mtp." or "mtp."."""
+    return "model.mtp." if any(n.startswith("model.mtp.") for n in names) else "mtp."
+
+
+def load_hf_mtp(directory: str | os.PathLike, *, dtype=None) -> MTPModule:
+    """Loads the MTP module (`mtp.*` tensors, docs/mtp.md §3) of an HF checkpoint directory.
+
+    The layer count is the config's `mtp_num_hidden_layers` / `num_nextn_predict_layers`, else (Qwen3-Next,
+    whose config has neither) the number of `mtp.layers.{j}` in the checkpoint. `load_hf` is unchanged: it
+    still skips these tensors; embedding and lm head come from the trunk.
+
+    Args:
+      directory: as for `load_hf`.
+      dtype: parameter dtype; None: the embedding's dtype in the file.
+
+    Raises:
+      CheckpointError: the checkpoint holds no MTP weights, or one is missing or mis-shaped.
+    """
+    directory = os.fspath(directory)
+    config = ModelConfig.from_hf(directory)
+    index = _tensor_index(directory)
+    reader, names = _Reader(index), set(index)
+    prefix = mtp_prefix(names)
+    layers = {n[len(prefix + "layers.") :].split(".")[0] for n in names if n.startswith(prefix + "layers.")}
+    if config.mtp_layers == 0:
+        config = config.replace(mtp_layers=len(layers))
+    if config.mtp_layers == 0 or prefix + "fc.weight" not in names:
+        raise CheckpointError(f"{directory} holds no MTP weights (no {prefix}fc.weight or {prefix}layers.*)")
+    if dtype is None:
+        dtype = _file_dtype(reader, _detect_prefix(index) + "embed_tokens.weight")
+    abstract = nnx.eval_shape(lambda: MTPModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    for src in mtp_hf_sources(config, names, prefix=prefix):
+        load_source(src, reader, variables)
+    return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))

@@ -83,20 +83,38 @@ def hf_sources(config: ModelConfig, names: set[str], *, prefix: str) -> Iterator
     if not config.tie_word_embeddings:
         yield ParamSource(("lm_head",), ("lm_head.weight",), _t)
     for i, layer_type in enumerate(config.layer_types):
-        hf = f"{prefix}layers.{i}."
-        ours: Path = ("layers", i)
-        yield ParamSource(ours + ("input_norm", "scale"), (hf + "input_layernorm.weight",), _same)
-        yield ParamSource(ours + ("post_norm", "scale"), (hf + "post_attention_layernorm.weight",), _same)
-        if layer_type == "linear_attention":
-            yield from _gdn_sources(config, names, hf + "linear_attn.", ours + ("mixer",))
-        else:
-            a = hf + "self_attn."
-            m = ours + ("mixer",)
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                yield ParamSource(m + (proj,), (a + proj + ".weight",), _t)
-            yield ParamSource(m + ("q_norm",), (a + "q_norm.weight",), _same)
-            yield ParamSource(m + ("k_norm",), (a + "k_norm.weight",), _same)
-        yield from _ffn_sources(config, names, hf + "mlp.", ours + ("ffn",))
+        yield from hf_layer_sources(config, names, f"{prefix}layers.{i}.", ("layers", i), layer_type)
+
+
+def hf_layer_sources(config: ModelConfig, names: set[str], hf: str, ours: Path, layer_type: str):
+    """The parameters of one `DecoderLayer` at nnx path `ours` from HF tensors named `hf` + ... (e.g.
+    "model.layers.3." or "mtp.layers.0.")."""
+    yield ParamSource(ours + ("input_norm", "scale"), (hf + "input_layernorm.weight",), _same)
+    yield ParamSource(ours + ("post_norm", "scale"), (hf + "post_attention_layernorm.weight",), _same)
+    if layer_type == "linear_attention":
+        yield from _gdn_sources(config, names, hf + "linear_attn.", ours + ("mixer",))
+    else:
+        a = hf + "self_attn."
+        m = ours + ("mixer",)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield ParamSource(m + (proj,), (a + proj + ".weight",), _t)
+        yield ParamSource(m + ("q_norm",), (a + "q_norm.weight",), _same)
+        yield ParamSource(m + ("k_norm",), (a + "k_norm.weight",), _same)
+    yield from _ffn_sources(config, names, hf + "mlp.", ours + ("ffn",))
+
+
+def mtp_hf_sources(config: ModelConfig, names: set[str], *, prefix: str = "mtp.") -> Iterator[ParamSource]:
+    """Every parameter of an `hybridlm.mtp.MTPModule(config)` with the HF `mtp.*` tensors it comes from
+    (docs/mtp.md §3); prefix "mtp." or "model.mtp."."""
+    yield ParamSource(("fc",), (f"{prefix}fc.weight",), _t)
+    for ours, hf in (
+        ("pre_fc_norm_embedding", "pre_fc_norm_embedding"),
+        ("pre_fc_norm_hidden", "pre_fc_norm_hidden"),
+        ("norm", "norm"),
+    ):
+        yield ParamSource((ours, "scale"), (f"{prefix}{hf}.weight",), _same)
+    for j in range(config.mtp_layers):
+        yield from hf_layer_sources(config, names, f"{prefix}layers.{j}.", ("layers", j), "full_attention")
 
 
 def _gdn_sources(config, names, hf, m) -> Iterator[ParamSource]:
@@ -296,42 +314,55 @@ def gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) 
         `save_gguf` writes (llama.cpp's current converter).
     """
     names = set() if names is None else names
-    plus1, minus1 = (lambda x: x + 1.0), (lambda x: x - 1.0)  # zero-centred norms: GGUF stores 1 + w
     yield GGUFSource((("embed",),), ("token_embd.weight",), _one(_same), _one(_same))
-    yield GGUFSource((("final_norm", "scale"),), ("output_norm.weight",), _one(minus1), _one(plus1), f32=True)
+    yield _gguf_norm(("final_norm", "scale"), "output_norm.weight")
     if not config.tie_word_embeddings:
         yield GGUFSource((("lm_head",),), ("output.weight",), _one(_t), _one(_t))
     for i, layer_type in enumerate(config.layer_types):
-        b = f"blk.{i}."
-        ours: Path = ("layers", i)
-        yield GGUFSource(
-            (ours + ("input_norm", "scale"),), (b + "attn_norm.weight",), _one(minus1), _one(plus1), f32=True
-        )
-        yield GGUFSource(
-            (ours + ("post_norm", "scale"),),
-            (b + "post_attention_norm.weight",),
-            _one(minus1),
-            _one(plus1),
-            f32=True,
-        )
-        m = ours + ("mixer",)
-        if layer_type == "linear_attention":
-            yield from _gguf_gdn(config, arch, names, b, m)
-        else:
-            for proj, name in (
-                ("q_proj", "attn_q"),
-                ("k_proj", "attn_k"),
-                ("v_proj", "attn_v"),
-                ("o_proj", "attn_output"),
-            ):
-                yield GGUFSource((m + (proj,),), (b + name + ".weight",), _one(_t), _one(_t))
-            yield GGUFSource(
-                (m + ("q_norm",),), (b + "attn_q_norm.weight",), _one(minus1), _one(plus1), f32=True
-            )
-            yield GGUFSource(
-                (m + ("k_norm",),), (b + "attn_k_norm.weight",), _one(minus1), _one(plus1), f32=True
-            )
-        yield from _gguf_ffn(config, names, b, ours + ("ffn",))
+        yield from gguf_layer_sources(config, arch, names, f"blk.{i}.", ("layers", i), layer_type)
+
+
+_PLUS1, _MINUS1 = (lambda x: x + 1.0), (lambda x: x - 1.0)  # zero-centred norms: GGUF stores 1 + w
+
+
+def _gguf_norm(param: Path, name: str) -> GGUFSource:
+    return GGUFSource((param,), (name,), _one(_MINUS1), _one(_PLUS1), f32=True)
+
+
+def gguf_layer_sources(
+    config: ModelConfig, arch: str, names: set[str], b: str, ours: Path, layer_type: str
+) -> Iterator[GGUFSource]:
+    """The parameters of one `DecoderLayer` at nnx path `ours` from GGUF block `b` (e.g. "blk.3.")."""
+    yield _gguf_norm(ours + ("input_norm", "scale"), b + "attn_norm.weight")
+    yield _gguf_norm(ours + ("post_norm", "scale"), b + "post_attention_norm.weight")
+    m = ours + ("mixer",)
+    if layer_type == "linear_attention":
+        yield from _gguf_gdn(config, arch, names, b, m)
+    else:
+        for proj, name in (
+            ("q_proj", "attn_q"),
+            ("k_proj", "attn_k"),
+            ("v_proj", "attn_v"),
+            ("o_proj", "attn_output"),
+        ):
+            yield GGUFSource((m + (proj,),), (b + name + ".weight",), _one(_t), _one(_t))
+        yield _gguf_norm(m + ("q_norm",), b + "attn_q_norm.weight")
+        yield _gguf_norm(m + ("k_norm",), b + "attn_k_norm.weight")
+    yield from _gguf_ffn(config, names, b, ours + ("ffn",))
+
+
+def mtp_gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = None) -> Iterator[GGUFSource]:
+    """Every parameter of an `hybridlm.mtp.MTPModule(config)` with llama.cpp's nextn tensors: MTP layer j is
+    block `config.num_layers + j` (docs/mtp.md §3). The converter repeats eh_proj and the three nextn norms
+    in every MTP block (one copy of each in the module), so they are written to, and read from, each block."""
+    names = set() if names is None else names
+    for j in range(config.mtp_layers):
+        b = f"blk.{config.num_layers + j}."
+        yield GGUFSource((("fc",),), (b + "nextn.eh_proj.weight",), _one(_t), _one(_t))
+        yield _gguf_norm(("pre_fc_norm_embedding", "scale"), b + "nextn.enorm.weight")
+        yield _gguf_norm(("pre_fc_norm_hidden", "scale"), b + "nextn.hnorm.weight")
+        yield _gguf_norm(("norm", "scale"), b + "nextn.shared_head_norm.weight")
+        yield from gguf_layer_sources(config, arch, names, b, ("layers", j), "full_attention")
 
 
 def _gguf_gdn(config, arch, names, b, m) -> Iterator[GGUFSource]:
