@@ -12,7 +12,7 @@ import numpy as np
 
 from hybridlm.engine.prefill import DEFAULT_CHUNK_SIZE, PrefillResult, prefill
 from hybridlm.engine.runner import LayerwiseRunner
-from hybridlm.engine.sampling import check_sampling, is_greedy, sample
+from hybridlm.engine.sampling import BlockSampler, block_carry
 from hybridlm.model import HybridLM
 from hybridlm.state import LayerState
 
@@ -58,6 +58,12 @@ class GenerateResult:
         return self.tokens.shape[0] * n / seconds if n > 0 and seconds > 0 else 0.0
 
 
+# Decode steps per program after the first (`LayerwiseRunner.decode_block`): enough that the host's enqueue of
+# one whole-model program (milliseconds: it passes every weight) is spread over many tokens, few enough that a
+# stop id wastes little and streamed text arrives in small bursts.
+DECODE_BLOCK = 16
+
+
 def generate(
     model: HybridLM | LayerwiseRunner,
     input_ids,
@@ -69,8 +75,10 @@ def generate(
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
     chunk_size: int | str = DEFAULT_CHUNK_SIZE,
+    decode_block: int = DECODE_BLOCK,
 ) -> GenerateResult:
-    """Prefills the prompt, then samples `max_new_tokens` tokens one at a time.
+    """Prefills the prompt, then samples `max_new_tokens` tokens, the decode steps run in blocks of up to
+    `decode_block` steps per program with each sampled token fed back on the device.
 
     Args:
       model: a `HybridLM` or its `LayerwiseRunner`.
@@ -83,41 +91,48 @@ def generate(
       eos_token_id: stop token id(s): generation ends once every sequence has produced one of them (a row
         that finished earlier goes on sampling until then; cut it at its first stop token). None: never.
       chunk_size: prefill chunk size in tokens, or "auto" (`hybridlm.planning.choose_chunk_size`).
+      decode_block: decode steps per program (>= 1); the tokens are the same for every value.
 
     Raises:
-      ValueError: max_new_tokens < 1, sampling settings out of range (`sampling.check_sampling`), or a bad
-        prompt (see `prefill`).
+      ValueError: max_new_tokens or decode_block < 1, sampling settings out of range
+        (`sampling.check_sampling`), or a bad prompt (see `prefill`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    check_sampling(temperature, top_k, top_p)  # before the prefill's work
+    if not (isinstance(decode_block, int) and decode_block >= 1):
+        raise ValueError(f"decode_block={decode_block!r} must be an int >= 1")
+    sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)  # checks them before the prefill
     stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
-    key = jax.random.key(seed)
-    states, logits, position = pre.states, pre.logits, pre.prompt_tokens
-    out = []
-    first_step_s, stop_reason, finished = 0.0, "length", None
+    token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
+    carry = block_carry(key, np.zeros(pre.batch, bool), stop_ids, temperature, top_p)
+    carry = (carry[0], jnp.any(token[:, None] == carry[2][None, :], axis=1), *carry[2:])
+    parts: list[tuple[jax.Array, jax.Array]] = [(token[:, None], np.int32(1))]  # (tokens, count) per program
+    states, position, remaining, asked = pre.states, pre.prompt_tokens, max_new_tokens - 1, [1]
+    first_step_s = 0.0
     t0 = time.perf_counter()
-    for i in range(max_new_tokens):
-        sub = None
-        if not is_greedy(temperature):  # greedy needs no key (splitting one is a dispatch)
-            key, sub = jax.random.split(key)
-        token = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
-        out.append(token)
-        if i + 1 < max_new_tokens:  # queued before the host reads the token, so the device keeps busy
-            logits, states = decode_step(runner, token, states, position)
-            position += 1
-            if i == 0:  # the first step compiles on a first call: timed apart
-                jax.block_until_ready(logits)
-                first_step_s = time.perf_counter() - t0
-        if stop_ids.size:  # reading the token waits for it: only when there is something to stop at
-            hit = np.isin(np.asarray(token), stop_ids)
-            finished = hit if finished is None else finished | hit
-            if finished.all():
-                stop_reason = "eos"
-                break
-    tokens = np.asarray(jnp.stack(out, axis=1))
+    while remaining > 0:
+        steps = 1 if len(parts) == 1 else min(decode_block, remaining)  # the first compiles: timed apart
+        out, count, token, states, _, carry = runner.decode_block(
+            sampler, token, states, position, carry, steps
+        )
+        parts.append((out, count))
+        asked.append(steps)
+        position, remaining = position + steps, remaining - steps
+        if len(parts) == 2:
+            jax.block_until_ready(out)
+            first_step_s = time.perf_counter() - t0
+        # a program that ran short means every row had stopped; the one before this is read while this runs
+        if stop_ids.size and len(parts) > 2 and int(parts[-2][1]) < asked[-2]:
+            break
+    tokens = np.concatenate([np.asarray(out)[:, : int(count)] for out, count in parts], axis=1)
+    stop_reason = "length"
+    if stop_ids.size:
+        hit = np.isin(tokens, stop_ids)
+        if hit.any(axis=1).all():  # cut after the step where the last row produced its first stop id
+            tokens = tokens[:, : int(hit.argmax(axis=1).max()) + 1]
+            stop_reason = "eos"
     return GenerateResult(
         tokens=tokens,
         prefill=pre,

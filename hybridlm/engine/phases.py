@@ -126,13 +126,39 @@ def head(graph: StaticGraph, params, x_last):
     return graph.merge(params).logits(x_last)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
-def decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
-    """Every layer and the head for one token per sequence, in one program (`LayerwiseRunner.decode_step`)."""
-    model = graph.merge(jax.tree_util.tree_unflatten(treedef, leaves))
+def model_step(model, tokens, states, position):
+    """Every layer and the head of `model` (a `HybridLM`) for tokens [batch] at `position`: (logits [batch,
+    vocab] float32, new states)."""
     x = model.embed[...][tokens[:, None]]
     new_states = []
     for layer, state in zip(model.layers, states, strict=True):
         x, state = layer(x, state, position, 1)
         new_states.append(state)
     return model.logits(x[:, 0]), new_states
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
+def decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
+    """Every layer and the head for one token per sequence, in one program (`LayerwiseRunner.decode_step`)."""
+    return model_step(graph.merge(jax.tree_util.tree_unflatten(treedef, leaves)), tokens, states, position)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5, 7))
+def decode_block(graph: StaticGraph, treedef, sampler, leaves, token, states, position, carry, steps):
+    """Up to `sampler.block` decode steps in one program: the device feeds each sampled token back itself, so
+    the host enqueues one program per block instead of one per token (`LayerwiseRunner.decode_block`).
+
+    Args:
+      sampler: a `BlockSampler` (static): block length, sampling settings and stop ids.
+      token: [batch] int32, the last sampled token (not yet fed).
+      states: per-layer states holding positions [0, position) (donated).
+      position: int32 scalar, the position of `token`.
+      carry: (key, finished [batch] bool), donated: the PRNG key and which rows have produced a stop id.
+      steps: int32 scalar <= sampler.block, the steps to run; the loop also ends once every row is finished.
+
+    Returns:
+      (tokens [batch, block] int32, the sampled tokens, valid up to `count`; count int32; the last token, the
+      states, the position after the block, the new carry).
+    """
+    model = graph.merge(jax.tree_util.tree_unflatten(treedef, leaves))
+    return sampler.loop(functools.partial(model_step, model), token, states, position, carry, steps)

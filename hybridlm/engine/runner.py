@@ -155,6 +155,20 @@ class LayerwiseRunner:
         treedef, leaves = self._flat_weights
         return phases.decode(self.whole[0], treedef, leaves, *self.step_inputs(tokens, states, position))
 
+    def decode_block(self, sampler, token, states, position, carry, steps: int) -> tuple:
+        """Up to `sampler.block` decode steps in one program, each sampled token fed back on the device
+        (`phases.decode_block`; its Args and Returns). `token`, `states` and `carry` are donated.
+
+        Raises:
+          ValueError: as `decode_step`, for the block's last position.
+        """
+        check_decode_inputs(self.config.vocab_size, token, states, position + max(steps, 1) - 1)
+        treedef, leaves = self._flat_weights
+        token, states, position = self.step_inputs(token, states, position)
+        return phases.decode_block(
+            self.whole[0], treedef, sampler, leaves, token, states, position, carry, np.int32(steps)
+        )
+
     @staticmethod
     def step_inputs(tokens, states, position) -> tuple:
         """(tokens int32, states, position) as a one-program decode step takes them: tokens and states

@@ -81,8 +81,7 @@ def fetch_experts(
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 16))
-def decode_paged(
+def paged_step(
     layout: ExpertLayout,
     graphs: tuple,
     head_graph: StaticGraph,
@@ -135,6 +134,46 @@ def decode_paged(
     head_weight = embed.T if lm_head is None else lm_head  # as HybridLM.head_weight
     logits = head_logits(head_graph.merge(head_leaves), head_weight, x[:, 0])
     return logits, new_states, hits + jnp.stack(step_hits)
+
+
+decode_paged = jax.jit(paged_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 16))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(11, 17, 18))
+def decode_paged_block(
+    sampler,
+    layout: ExpertLayout,
+    graphs: tuple,
+    head_graph: StaticGraph,
+    sources: tuple[str, ...],
+    part_start: tuple[int, ...],
+    embed,
+    layer_leaves: tuple,
+    head_leaves: tuple,
+    lm_head,
+    tokens,
+    states,
+    position,
+    host: tuple,
+    pool,
+    slot_table,
+    held: tuple,
+    hits,
+    carry,
+    steps,
+):
+    """Up to `sampler.block` paged decode steps (`paged_step`) in one program, each sampled token fed back on
+    the device (`sampling.BlockSampler.loop`). Returns the loop's outputs, its states being (layer states,
+    hits)."""
+
+    def step(token, states_hits, pos):
+        logits, new_states, new_hits = paged_step(
+            layout, graphs, head_graph, sources, part_start, embed, layer_leaves, head_leaves, lm_head,
+            token, states_hits[0], pos, host, pool, slot_table, held, states_hits[1],
+        )
+        return logits, (new_states, new_hits)
+
+    return sampler.loop(step, tokens, (states, hits), position, carry, steps)
 
 
 class PagedView(NamedTuple):
@@ -195,6 +234,38 @@ class PagedDecoder:
         )
         self.lookups += step_inputs[0].shape[0] * res.top_k
         return logits, states
+
+    def block(self, runner, sampler, step_inputs: tuple, carry, steps: int, stats: CacheStats) -> tuple:
+        """Up to `sampler.block` steps of `runner` in one program (`decode_paged_block`); `step` otherwise."""
+        res = self.residency
+        if self.view is None:
+            self.view = self.make_view(stats)
+        graphs, leaves = zip(*runner.layers, strict=True)
+        tokens, states, position = step_inputs
+        out, count, token, (states, self.hits), position, carry = decode_paged_block(
+            sampler,
+            res.host.layout,
+            graphs,
+            runner.final_norm[0],
+            self.view.sources,
+            tuple(res.host.part_start),
+            runner.embed_table,
+            leaves,
+            runner.final_norm[1],
+            runner.lm_head,
+            tokens,
+            states,
+            position,
+            tuple(tuple(parts) for parts in res.host.layers),
+            res.cache.pool,
+            self.view.slot_table,
+            self.view.held,
+            self.hits,
+            carry,
+            np.int32(steps),
+        )
+        self.lookups += tokens.shape[0] * res.top_k * steps
+        return out, count, token, states, position, carry
 
     def make_view(self, stats: CacheStats) -> PagedView:
         """Sets the pool for decode and returns its `PagedView`; copies counted as prefetched in `stats`.

@@ -18,6 +18,7 @@ import numpy as np
 from hybridlm.engine import phases
 from hybridlm.engine.phases import StaticGraph, flat_layer
 from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, check_decode_inputs
+from hybridlm.engine.sampling import host_block
 from hybridlm.model import EXPERT_PARAMS, HybridLM
 from hybridlm.offload.config import OffloadConfig, default_host_parts
 from hybridlm.offload.decode import PagedDecoder, PagedView
@@ -267,6 +268,28 @@ class OffloadedRunner(LayerwiseRunner):
         self._decode_stats.tokens += batch
         self._kind = "decode"
         return logits, states
+
+    def decode_block(self, sampler, token, states, position, carry, steps: int) -> tuple:
+        """`LayerwiseRunner.decode_block` with the experts paged: one program for the block with
+        decode_paging="device" (`PagedDecoder.block`), else a host loop of `decode_step`s
+        (`sampling.host_block`).
+
+        Raises:
+          ValueError: as `decode_step`, for the block's last position.
+        """
+        config = self.offload_config
+        batch = np.shape(token)[0]
+        if config.decode_paging == "host" or batch * self.top_k > config.paged_max_copies:
+            return host_block(sampler, self.decode_step, token, states, position, carry, steps)
+        check_decode_inputs(self.config.vocab_size, token, states, position + max(steps, 1) - 1)
+        self._ensure_pool(batch)
+        out = self.decoder.block(
+            self, sampler, self.step_inputs(token, states, position), carry, steps, self._decode_stats
+        )
+        self._decode_stats.chunks += steps
+        self._decode_stats.tokens += batch * steps
+        self._kind = "decode"
+        return out
 
     def forward_chunk(
         self, ids: jax.Array, states: list[LayerState], start, num_valid: int, timer: PhaseTimer | None = None

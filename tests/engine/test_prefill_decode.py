@@ -175,6 +175,27 @@ def test_generate_sampling_is_seeded(tiny_runner, prompt):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_blocks_give_the_tokens_of_one_step_a_program(tiny_runner, prompt, temperature):
+    """Decode blocks of any length feed each token back on the device: the tokens equal those of one step a
+    program (block 1), greedy and sampled, and a stop id ends every length at the same token."""
+    kw = {"max_new_tokens": 9, "temperature": temperature, "top_k": 20, "seed": 5, "chunk_size": 16}
+    one = hybridlm.generate(tiny_runner, prompt[0, :12], decode_block=1, **kw).tokens
+    assert one.shape == (1, 9)
+    for block in (3, 16):
+        got = hybridlm.generate(tiny_runner, prompt[0, :12], decode_block=block, **kw)
+        np.testing.assert_array_equal(got.tokens, one)
+        assert got.stop_reason == "length"
+    stop = int(one[0, 5])
+    cut = int(np.flatnonzero(one[0] == stop)[0]) + 1
+    for block in (1, 4):
+        got = hybridlm.generate(tiny_runner, prompt[0, :12], decode_block=block, eos_token_id=stop, **kw)
+        np.testing.assert_array_equal(got.tokens, one[:, :cut])
+        assert got.stop_reason == "eos"
+    with pytest.raises(ValueError, match="decode_block"):
+        hybridlm.generate(tiny_runner, prompt[0, :12], decode_block=0)
+
+
 def test_sample_greedy_needs_no_key_and_sampling_does():
     logits = jnp.log(jnp.array([[0.2, 0.5, 0.3]], jnp.float32))
     assert int(hybridlm.engine.sample(logits, None, temperature=0.0)[0]) == 1
