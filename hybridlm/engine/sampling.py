@@ -46,8 +46,7 @@ def sample(
             f"sampling at temperature={temperature!r} needs a PRNG key (key=None only for greedy "
             "decoding, a Python temperature of 0)"
         )
-    nucleus = not (isinstance(top_p, (int, float)) and top_p >= 1)
-    return _sample(logits, key, temperature, top_p, top_k=top_k, nucleus=nucleus)
+    return _sample(logits, key, temperature, top_p, top_k=top_k, nucleus=nucleus_applies(top_p))
 
 
 def check_sampling(temperature, top_k: int, top_p) -> None:
@@ -72,14 +71,28 @@ def is_greedy(temperature) -> bool:
     return isinstance(temperature, (int, float)) and temperature == 0
 
 
-@jax.jit
-def _greedy(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def nucleus_applies(top_p) -> bool:
+    """Whether `sample` runs the nucleus filter at this top_p: always but for a Python top_p >= 1, where
+    skipping it saves a sort of the vocabulary (an array top_p always takes the filter)."""
+    return not (isinstance(top_p, (int, float)) and top_p >= 1)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "nucleus"))
-def _sample(logits, key, temperature, top_p, *, top_k: int, nucleus: bool):
-    greedy = _greedy(logits)
+def filter_logits(
+    logits: jax.Array, temperature: float | jax.Array, top_p: float | jax.Array, *, top_k: int, nucleus: bool
+) -> jax.Array:
+    """The logits `sample` draws from at temperature > 0: divided by the temperature, -inf outside the top-k
+    and the nucleus (ties at either cut are kept). Jittable; temperature and top_p may be traced.
+
+    Args:
+      logits: [..., vocab] float32.
+      temperature: scalar > 0 (clamped to 1e-6 from below).
+      top_p: scalar in (0, 1]; read only where nucleus is True.
+      top_k: keep the top_k largest logits (0: all); static.
+      nucleus: apply the top_p filter (`nucleus_applies`); static.
+
+    Returns:
+      [..., vocab] float32; softmax of it is the sampling distribution.
+    """
     scaled = logits / jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
     if top_k:
         kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
@@ -91,6 +104,18 @@ def _sample(logits, key, temperature, top_p, *, top_k: int, nucleus: bool):
         cutoff_index = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1, keepdims=True) - 1
         cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
         scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    return scaled
+
+
+@jax.jit
+def _greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "nucleus"))
+def _sample(logits, key, temperature, top_p, *, top_k: int, nucleus: bool):
+    greedy = _greedy(logits)
+    scaled = filter_logits(logits, temperature, top_p, top_k=top_k, nucleus=nucleus)
     sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
     return jnp.where(jnp.asarray(temperature) > 0, sampled, greedy)
 
