@@ -1,16 +1,18 @@
 """`python -m benchmarks make-gguf`: a GGUF file of a preset's real shapes with random weights, written fast.
 
     python -m benchmarks make-gguf --preset qwen3.6-35b-a3b --out F.gguf [--experts q4_k] [--trunk q8_0] \
-        [--seed 0] [--layers N] [--threads T]
+        [--seed 0] [--layers N] [--threads T] [--no-mtp]
 
 The file has the tensor names, shapes, types and metadata `save_gguf` writes for the preset (the tensor table
 comes from `mapping.gguf_sources`, the types from `gguf.stored_type`), and the real Qwen3.5/3.6 tokenizer when
-the vocabulary is its 248 320 tokens. Nothing is quantized: quantized tensors are random bytes whose block
-scales are then set so that the weights have the spread `hybridlm.init_random` gives them (1/sqrt(fan_in) for
-projections), and F32 tensors (norms, ssm_a, dt bias, conv, router, shared-expert gate) get the values
-`save_gguf` writes for an `init_random` model. Tensors are generated in chunks by a thread pool, each chunk
-written at its own offset by the thread that made it, so memory stays at a few chunks per thread whatever the
-file's size.
+the vocabulary is its 248 320 tokens. A preset with `mtp_layers` also gets its MTP blocks after the trunk, as
+`save_gguf(..., mtp=...)` and llama.cpp's converter write them (`mapping.mtp_gguf_sources`, docs/mtp.md §3;
+`--no-mtp`: none). Nothing is quantized: quantized tensors are random bytes whose block scales are then set so
+that the weights have the spread `hybridlm.init_random` gives them (1/sqrt(fan_in) for projections), and F32
+tensors (norms, ssm_a, dt bias, conv, router, shared-expert gate) get the values `save_gguf` writes for an
+`init_random` model (the MTP block's by the same rules). Tensors are generated in chunks by a thread pool,
+each chunk written at its own offset by the thread that made it, so memory stays at a few chunks per thread
+whatever the file's size.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm.auto import tqdm
 
 from hybridlm.checkpoints.gguf import TENSOR_TYPES, gguf_architecture, mix_type, stored_type, write_metadata
-from hybridlm.checkpoints.mapping import gguf_sources
+from hybridlm.checkpoints.mapping import gguf_sources, mtp_gguf_sources
 from hybridlm.config import PRESETS, ModelConfig
 from hybridlm.model import HybridLM
+from hybridlm.mtp import MTPModule
 from hybridlm.tokenizer import QWEN35_VOCAB_SIZE
 
 T = GGMLQuantizationType
@@ -91,8 +94,8 @@ def _std(role: str, shape: tuple[int, ...]) -> float:
     return 1.0 / math.sqrt(shape[-1])
 
 
-def _param_shapes(config: ModelConfig) -> dict[tuple, tuple[int, ...]]:
-    abstract = nnx.eval_shape(lambda: HybridLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+def _param_shapes(module: type[nnx.Module], config: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    abstract = nnx.eval_shape(lambda: module(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     return {p: tuple(v.get_value().shape) for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
@@ -104,8 +107,9 @@ def _stand_in(shape: tuple[int, ...]) -> np.ndarray:
 
 
 def tensor_specs(config: ModelConfig, experts: str = "q4_k", trunk: str = "q8_0") -> list[TensorSpec]:
-    """The tensors `save_gguf` writes for `config`, in file order, with routed experts of type `experts` and
-    every other matrix of type `trunk` (F32 where the converter writes F32; fallbacks as in `save_gguf`).
+    """The tensors `save_gguf` writes for `config` (and, when `config.mtp_layers` > 0, for an MTP module of
+    it), in file order, with routed experts of type `experts` and every other matrix of type `trunk` (F32
+    where the converter writes F32; fallbacks as in `save_gguf`).
 
     Raises:
       ValueError: a type not in `TYPE_NAMES`.
@@ -114,20 +118,23 @@ def tensor_specs(config: ModelConfig, experts: str = "q4_k", trunk: str = "q8_0"
         if value not in TYPE_NAMES:
             raise ValueError(f"{arg}={value!r}; choose from {list(TYPE_NAMES)}")
     arch = gguf_architecture(config)
-    shapes, memo, specs = _param_shapes(config), {}, []
-    for src in gguf_sources(config, arch):
-        # Layers of one type share their transforms: one save per (params without layer index, shapes).
-        in_shapes = tuple(shapes[p] for p in src.params)
-        key = (tuple(p[2:] if p[0] == "layers" else p for p in src.params), in_shapes)
-        if key not in memo:
-            memo[key] = [tuple(a.shape) for a in src.save(*map(_stand_in, in_shapes))]
-        type_name = experts if src.experts else trunk
-        for name, shape in zip(src.tensors, memo[key], strict=True):
-            wanted = mix_type(type_name, name, config.num_layers, TENSOR_TYPES[type_name][0])
-            role = src.params[0][-1]
-            specs.append(
-                TensorSpec(name, shape, stored_type(name, shape, wanted, src.f32), role, _std(role, shape))
-            )
+    parts = [(_param_shapes(HybridLM, config), gguf_sources(config, arch))]
+    if config.mtp_layers:
+        parts.append((_param_shapes(MTPModule, config), mtp_gguf_sources(config, arch)))
+    memo, specs = {}, []
+    for shapes, sources in parts:
+        for src in sources:
+            # Layers of one type share their transforms: one save per (params without layer index, shapes).
+            in_shapes = tuple(shapes[p] for p in src.params)
+            key = (tuple(p[2:] if p[0] == "layers" else p for p in src.params), in_shapes)
+            if key not in memo:
+                memo[key] = [tuple(a.shape) for a in src.save(*map(_stand_in, in_shapes))]
+            type_name = experts if src.experts else trunk
+            for name, shape in zip(src.tensors, memo[key], strict=True):
+                wanted = mix_type(type_name, name, config.num_layers, TENSOR_TYPES[type_name][0])
+                role = src.params[0][-1]
+                qtype = stored_type(name, shape, wanted, src.f32)
+                specs.append(TensorSpec(name, shape, qtype, role, _std(role, shape)))
     return specs
 
 
@@ -244,7 +251,8 @@ def write_random_gguf(
 
     Args:
       path: output file (overwritten).
-      config: the architecture; `config.replace(num_layers=N)` writes fewer layers.
+      config: the architecture; `config.replace(num_layers=N)` writes fewer layers; `config.mtp_layers` MTP
+        blocks follow the trunk (`config.replace(mtp_layers=0)`: none).
       experts: type of the routed-expert tensors, one of `TYPE_NAMES` ("q4_k_m": llama-quantize's mix, Q6_K
         ffn_down in the layers of `use_more_bits`).
       trunk: type of every other matrix (embedding, output, attention, GDN, shared expert).
@@ -260,7 +268,7 @@ def write_random_gguf(
     specs = tensor_specs(config, experts, trunk)
     arch = gguf_architecture(config)
     writer = gguf.GGUFWriter(os.fspath(path), arch)
-    write_metadata(writer, config, arch, TENSOR_TYPES[experts][1])
+    write_metadata(writer, config, arch, TENSOR_TYPES[experts][1], mtp_layers=config.mtp_layers)
     writer.add_description(f"random weights (python -m benchmarks make-gguf, seed {seed})")
     if tokenizer and config.vocab_size == QWEN35_VOCAB_SIZE:
         from hybridlm.checkpoints.gguf_tokenizer import write_tokenizer
@@ -341,6 +349,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=_at_least(1), default=None, help="generator threads (default: one per CPU)"
     )
+    p.add_argument(
+        "--no-mtp", action="store_true", help="leave out the preset's MTP (nextn) blocks, if it has any"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -349,6 +360,8 @@ def run(args: argparse.Namespace) -> dict:
     config = PRESETS[args.preset]
     if args.layers is not None:
         config = config.replace(num_layers=args.layers)
+    if args.no_mtp:
+        config = config.replace(mtp_layers=0)
     threads = args.threads or default_threads()
     result = write_random_gguf(
         args.out,
@@ -364,6 +377,7 @@ def run(args: argparse.Namespace) -> dict:
         "path": result.path,
         "preset": args.preset,
         "layers": config.num_layers,
+        "mtp_layers": config.mtp_layers,
         "experts": args.experts,
         "trunk": args.trunk,
         "seed": args.seed,

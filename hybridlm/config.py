@@ -208,6 +208,7 @@ QWEN35_35B_A3B = ModelConfig(
     hidden_dim=2048,
     num_layers=40,
     attention=AttentionConfig(mrope_sections=(11, 11, 10)),
+    mtp_layers=1,  # config.json `mtp_num_hidden_layers: 1`; llama.cpp's GGUF keeps it as block 40
 )
 QWEN36_35B_A3B = dataclasses.replace(QWEN35_35B_A3B, name="qwen3.6-35b-a3b")  # same architecture and shapes
 QWEN3_NEXT_80B_A3B = dataclasses.replace(
@@ -217,6 +218,7 @@ QWEN3_NEXT_80B_A3B = dataclasses.replace(
     num_layers=48,
     attention=AttentionConfig(mrope_sections=None),
     moe=MoEConfig(num_experts=512, top_k=10, expert_ffn_dim=512, shared_ffn_dim=512),
+    mtp_layers=0,  # llama.cpp's qwen3next converter drops the checkpoint's mtp.* tensors
 )
 # Same architecture and the full Qwen3.5/3.6 vocabulary (so real text tokenizes into it), small everything
 # else.

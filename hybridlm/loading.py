@@ -61,21 +61,30 @@ def load(
     raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")
 
 
-def load_mtp(path: str | os.PathLike, *, dtype=None):
+def load_mtp(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None):
     """Loads the multi-token-prediction module (`hybridlm.mtp.MTPModule`) of an HF checkpoint directory
     (`mtp.*`) or a GGUF file (`blk.N.nextn.*` blocks); `load` of the same path gives the trunk it drafts for.
 
+    Args:
+      path: as `load`.
+      dtype: parameter dtype; None: as `load` chooses.
+      keep_quantized: GGUF only: "experts" keeps the MTP layers' routed experts quantized, as `load` does
+        the trunk's (`gguf.load_gguf_mtp`).
+
     Raises:
       FileNotFoundError: `path` does not exist.
-      ValueError: the checkpoint holds no MTP weights, or they are malformed (message names the tensor).
+      ValueError: the checkpoint holds no MTP weights, or they are malformed (message names the tensor);
+        keep_quantized given for a directory, or neither None nor "experts".
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     if os.path.isdir(path):
+        if keep_quantized is not None:
+            raise ValueError("keep_quantized applies to GGUF files only")
         from hybridlm.checkpoints.hf import load_hf_mtp
 
         return load_hf_mtp(path, dtype=dtype)
     from hybridlm.checkpoints.gguf import load_gguf_mtp
 
-    return load_gguf_mtp(path, dtype=dtype)
+    return load_gguf_mtp(path, dtype=dtype, keep_quantized=keep_quantized)

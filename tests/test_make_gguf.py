@@ -1,5 +1,6 @@
 """`python -m benchmarks make-gguf`: random-weight GGUF files that read, load and run like `save_gguf`'s."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from support import K256, assert_finite
 import hybridlm
 from benchmarks import make_gguf
 from hybridlm.checkpoints.gguf import load_gguf_tokenizer, save_gguf
-from hybridlm.config import AttentionConfig, GatedDeltaNetConfig, MoEConfig
+from hybridlm.config import PRESETS, AttentionConfig, GatedDeltaNetConfig, MoEConfig
+from hybridlm.loading import load_mtp
+from hybridlm.mtp import draft_step, init_random_mtp
 from pallas_kernels.quantized import QuantizedWeights
 
 PROMPT = [[1, 17, 42, 7, 300, 5, 99, 250]]
@@ -32,6 +35,18 @@ SMALL_ROWS = K256.replace(
     gdn=GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=16),
     moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=48, shared_ffn_dim=32),
 )
+K256_MTP = K256.replace(num_layers=2, mtp_layers=1)  # the MTP block is block 2
+# llama.cpp's nextn tensors of one MTP block (docs/mtp.md §3): its own four and a full-attention layer's.
+MTP_BLOCK = {
+    f"nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")
+} | {
+    f"{n}.weight"
+    for n in (
+        "attn_norm", "post_attention_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+        "attn_k_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+        "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp",
+    )
+}  # fmt: skip
 
 
 def _tensors(path) -> dict[str, tuple[tuple[int, ...], T]]:
@@ -68,6 +83,22 @@ def test_header_matches_save_gguf(tmp_path, tensor_type):
     assert _metadata(ours) == _metadata(theirs)
 
 
+@pytest.mark.parametrize("tensor_type", ["q4_k", "q4_k_m"])
+def test_mtp_block_header_matches_save_gguf(tmp_path, tensor_type):
+    """A config with mtp_layers: the MTP block's tensors, types and the block_count / nextn_predict_layers
+    keys as save_gguf(..., mtp=...) writes them (q4_k_m: the MTP block is a last-eighth layer, Q6_K down)."""
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    make_gguf.write_random_gguf(ours, K256_MTP, experts=tensor_type, trunk=tensor_type, progress=False)
+    model = hybridlm.init_random(K256_MTP, seed=0)
+    save_gguf(model, theirs, tensor_type, mtp=init_random_mtp(K256_MTP, seed=1))
+    got = _tensors(ours)
+    assert got == _tensors(theirs)
+    assert {n[len("blk.2.") :] for n in got if n.startswith("blk.2.")} == MTP_BLOCK
+    metadata = _metadata(ours)
+    assert metadata == _metadata(theirs)
+    assert metadata["qwen35moe.block_count"] == 3 and metadata["qwen35moe.nextn_predict_layers"] == 1
+
+
 def test_header_matches_save_gguf_with_fallbacks(tmp_path):
     """SMALL_ROWS: the fallback types, as save_gguf picks them."""
     config = SMALL_ROWS
@@ -96,8 +127,9 @@ def test_types_follow_experts_and_trunk(k256_file):
         (K256, "q4_k", "q8_0", {T.Q4_K, T.Q8_0}),
         (K256.replace(num_layers=2), "q6_k", "bf16", {T.Q6_K, T.BF16}),
         (SMALL_ROWS, "q4_k", "f16", {T.Q5_0, T.F16}),  # Q4_K falls back to Q5_0 and F16
+        (K256_MTP, "q4_k", "q8_0", {T.Q4_K, T.Q8_0}),  # the MTP block's tensors by the same rules
     ],
-    ids=["q4_k-q8_0", "q6_k-bf16", "fallbacks"],
+    ids=["q4_k-q8_0", "q6_k-bf16", "fallbacks", "mtp"],
 )
 def test_values_have_the_intended_spread(tmp_path, config, experts, trunk, stored):
     """Matrices: mean ~0, std ~1/sqrt(fan_in) (router 2/sqrt, embedding 1); F32 tensors as save_gguf writes an
@@ -135,6 +167,63 @@ def test_loads_and_runs_finite(k256_file, forward, keep):
     logits = np.asarray(forward(model, jnp.asarray(PROMPT)))
     assert_finite(logits, "logits")
     assert 0.1 < logits.std() < 10
+
+
+@pytest.fixture(scope="module")
+def mtp_file(tmp_path_factory):
+    """K256_MTP as the CLI writes it by default (Q4_K experts, Q8_0 trunk), with its MTP block."""
+    path = tmp_path_factory.mktemp("make_gguf") / "k256-mtp.gguf"
+    make_gguf.write_random_gguf(path, K256_MTP, seed=4, threads=2, progress=False)
+    return path
+
+
+def test_mtp_block_loads_beside_the_trunk(mtp_file, forward):
+    """The trunk loads as before (the nextn block skipped); `load_mtp` reads the MTP block with Q4_K experts
+    kept or dequantized, and both draft finite and alike."""
+    tensors = _tensors(mtp_file)
+    for name in MTP_BLOCK:
+        qtype = tensors[f"blk.2.{name}"][1]
+        assert qtype == (T.Q4_K if "_exps" in name else T.F32 if "norm" in name or "inp" in name else T.Q8_0)
+    model = hybridlm.load(mtp_file, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    assert model.config.replace(name=K256_MTP.name) == K256_MTP and len(model.layers) == 2
+    assert_finite(forward(model, jnp.asarray(PROMPT)), "logits")
+    kept = load_mtp(mtp_file, dtype=jnp.float32, keep_quantized="experts")
+    dense = load_mtp(mtp_file, dtype=jnp.float32)
+    assert isinstance(kept.layers[0].ffn.experts_down.get_value(), QuantizedWeights)
+    assert dense.fc[...].shape == (2 * K256.hidden_dim, K256.hidden_dim)
+    ids = jnp.asarray(PROMPT)
+    hidden = jax.random.normal(jax.random.key(0), (*ids.shape, K256.hidden_dim))
+    _, want, _ = draft_step(dense, model, ids, hidden)
+    _, got, _ = draft_step(kept, model, ids, hidden)
+    assert_finite(got, "draft logits")
+    assert 0.1 < float(jnp.std(got)) < 10
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("no_mtp", [False, True])
+def test_cli_run_writes_the_presets_mtp_unless_told_not_to(tmp_path, monkeypatch, no_mtp):
+    """`run` on a preset with mtp_layers: the MTP block by default, none with --no-mtp."""
+    monkeypatch.setitem(PRESETS, "k256-mtp", K256_MTP)
+    parser = argparse.ArgumentParser()
+    make_gguf.add_arguments(parser)
+    path = tmp_path / "f.gguf"
+    argv = ["--preset", "k256-mtp", "--out", str(path), "--no-progress", "--threads", "2"]
+    record = make_gguf.run(parser.parse_args(argv + ["--no-mtp"] * no_mtp))
+    assert record["mtp_layers"] == (0 if no_mtp else 1)
+    assert record["tensors"] == len(_tensors(path))
+    assert any(".nextn." in n for n in _tensors(path)) != no_mtp
+    assert hybridlm.load(path, progress=False).config.mtp_layers == record["mtp_layers"]
+
+
+def test_35b_preset_has_its_mtp_block():
+    """The full-size preset's file carries the one nextn block of the released Qwen3.5/3.6-35B-A3B GGUFs."""
+    specs = {s.name: s for s in make_gguf.tensor_specs(PRESETS["qwen3.6-35b-a3b"])}
+    assert {n[len("blk.40.") :] for n in specs if n.startswith("blk.40.")} == MTP_BLOCK
+    assert specs["blk.40.nextn.eh_proj.weight"].shape == (2048, 4096)
+    assert specs["blk.40.ffn_down_exps.weight"].shape == (256, 2048, 512)
+    assert specs["blk.40.ffn_down_exps.weight"].qtype == T.Q4_K
+    assert not any(n.startswith("blk.41.") for n in specs)
+    assert not any(".nextn." in s.name for s in make_gguf.tensor_specs(PRESETS["qwen3-next-80b-a3b"]))
 
 
 def test_same_seed_same_bytes(tmp_path):

@@ -21,7 +21,8 @@ from hybridlm.config import TINY
 from hybridlm.layers.rope import apply_partial_rope, rope_cos_sin
 from hybridlm.loading import load_mtp
 from hybridlm.mtp import MTPModule, draft_step, init_mtp_cache, init_random_mtp
-from tests.support import assert_finite
+from pallas_kernels.quantized import QuantizedWeights
+from tests.support import K256, assert_finite
 
 SRC = Path(__file__).parent / "fixtures" / "hf" / "qwen35moe_text"
 CONFIG = TINY.replace(vocab_size=512, num_layers=4, mtp_layers=1)
@@ -217,3 +218,41 @@ def test_two_mtp_layers_round_trip_through_gguf(tmp_path):
     for key in want:
         one = np.float32(1.0) if key[-1] in ("scale", "q_norm", "k_norm") else np.float32(0.0)
         np.testing.assert_array_equal(got[key] + one, want[key] + one, err_msg=".".join(map(str, key)))
+
+
+@pytest.mark.parametrize("tensor_type, bits", [("q4_k", 4), ("q8_0", 8)])
+def test_kept_quantized_mtp_experts_draft_as_dequantized(tmp_path, tensor_type, bits):
+    """keep_quantized="experts" keeps the MTP layer's routed experts as the file's exact QuantizedWeights
+    (Q4_K: the raw-block path; Q8_0: the repacking path), and a draft step gives the dequantized load's
+    output. K256: rows of 256, so Q4_K does not fall back."""
+    config = K256.replace(mtp_layers=1)
+    model = hybridlm.init_random(config, seed=4)
+    path = tmp_path / f"mtp-{tensor_type}.gguf"
+    save_gguf(model, path, tensor_type, mtp=init_random_mtp(config, seed=5))
+    dense = load_mtp(path, dtype=jnp.float32)
+    kept = load_mtp(path, dtype=jnp.float32, keep_quantized="experts")
+    for name in ("experts_gate_up", "experts_down"):
+        qw = getattr(kept.layers[0].ffn, name).get_value()
+        dense_w = getattr(dense.layers[0].ffn, name).get_value()
+        assert isinstance(qw, QuantizedWeights) and qw.bits == bits and qw.shape == dense_w.shape
+        assert not isinstance(dense_w, QuantizedWeights)
+        np.testing.assert_array_equal(np.asarray(qw.dequantize(jnp.float32)), np.asarray(dense_w))
+    trunk = load_gguf(path, dtype=jnp.float32, progress=False)
+    ids = jax.random.randint(jax.random.key(7), (2, 6), 0, config.vocab_size)
+    hidden = jax.random.normal(jax.random.key(8), (2, 6, config.hidden_dim))
+    y_dense, logits_dense, _ = draft_step(dense, trunk, ids, hidden)
+    y_kept, logits_kept, _ = draft_step(kept, trunk, ids, hidden)
+    assert_finite(logits_kept, "kept draft logits")
+    # same weights, only the summation order may differ
+    np.testing.assert_allclose(np.asarray(y_kept), np.asarray(y_dense), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits_kept), np.asarray(logits_dense), rtol=1e-4, atol=1e-4)
+
+
+def test_keep_quantized_is_checked(hf_with_mtp, tmp_path):
+    directory, _ = hf_with_mtp
+    with pytest.raises(ValueError, match="GGUF files only"):
+        load_mtp(directory, keep_quantized="experts")
+    path = tmp_path / "m.gguf"
+    save_gguf(hybridlm.init_random(CONFIG, seed=0), path, "f32", mtp=init_random_mtp(CONFIG, seed=1))
+    with pytest.raises(ValueError, match="keep_quantized='all'"):
+        load_gguf_mtp(path, keep_quantized="all")

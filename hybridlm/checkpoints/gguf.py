@@ -160,21 +160,28 @@ def load_gguf(
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
 
 
-def load_gguf_mtp(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> MTPModule:
+def load_gguf_mtp(
+    path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None, check_finite: bool = True
+) -> MTPModule:
     """Loads the MTP module of a GGUF file: the `blk.{N}.nextn.*` tensors and the MTP blocks' attention and
     MoE tensors (docs/mtp.md §3), N = the trunk's layer count. `load_gguf` is unchanged (it skips them).
 
     Args:
       path: the .gguf file.
       dtype: parameter dtype; None: as `load_gguf` chooses.
-      check_finite: refuse NaN/Inf weights.
+      keep_quantized: None dequantizes everything; "experts" keeps the MTP layers' routed experts as
+        `QuantizedWeights`, by `load_gguf`'s rules and code path.
+      check_finite: refuse NaN/Inf weights (scales and offsets only, for kept experts).
 
     Raises:
+      ValueError: keep_quantized is neither None nor "experts".
       GGUFError: no MTP block (`nextn_predict_layers` absent or 0), a dedicated MTP embedding or head
         (`nextn.embed_tokens` / `nextn.shared_head_head`, not supported), missing or mis-shaped tensors,
         NaN/Inf weights.
     """
     path = os.fspath(path)
+    if keep_quantized not in (None, "experts"):
+        raise ValueError(f"keep_quantized={keep_quantized!r}; choose None or 'experts'")
     header = read_header(path)
     config = config_from_gguf(header)
     arch = _architecture(header)
@@ -195,16 +202,19 @@ def load_gguf_mtp(path: str | os.PathLike, *, dtype=None, check_finite: bool = T
     sources = list(mtp_gguf_sources(config, arch, set(header.tensors)))
     for src in sources:
         _check_source(src, header, variables, arch, config)
+    keep = keep_quantized == "experts"
+    raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
     finite: list[tuple[str, object]] = []
-    on_device = functools.partial(_on_device, header=header, keep=False, raw_q4k=False)
+    on_device = functools.partial(_on_device, header=header, keep=keep, raw_q4k=raw_q4k)
     with open(path, "rb") as f:
         for src, raws in read_ahead(f.fileno(), header, sources, on_device):
             wants = [variables[p].get_value() for p in src.params]
-            values = _source_values(src, raws, header, wants, arch, False, False, False)
+            values = _source_values(src, raws, header, wants, arch, keep, raw_q4k, False)
             for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
                 _check_shape(src, i, value.shape, want.shape)
-                finite.append((src.tensors[0], _all_finite(value)))
-                variables[param].set_value(jnp.asarray(value, want.dtype))
+                if check_finite:
+                    finite.append((src.tensors[0], _all_finite(value)))
+                variables[param].set_value(value)  # `_source_values` gave it `want`'s dtype
     if check_finite:
         _raise_if_not_finite(finite)
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
