@@ -55,6 +55,19 @@ class DecoderLayer(nnx.Module):
         return h + self.ffn(self.post_norm(h), valid), state
 
 
+    def verify(self, x: jax.Array, state: LayerState, start) -> tuple[jax.Array, LayerState]:
+        """The layer over a few tokens [batch, seq, hidden] at absolute position `start` (a speculative
+        verify): a Gated DeltaNet layer returns its state after every token (`GatedDeltaNet.verify`, a leading
+        [seq] axis), an attention layer its KV cache with all of them written."""
+        u = self.input_norm(x)
+        if self.layer_type == "linear_attention":
+            out, state = self.mixer.verify(u, state)
+        else:
+            out, state = self.mixer(u, state, start)
+        h = x + out
+        return h + self.ffn(self.post_norm(h)), state
+
+
 def check_token_ids(ids, vocab_size: int) -> None:
     """Raises ValueError where host-side token ids (numpy, lists) fall outside [0, vocab_size): the embedding
     gather would clamp them, a silently wrong answer."""

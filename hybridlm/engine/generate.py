@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridlm.engine.prefill import DEFAULT_CHUNK_SIZE, PrefillResult, prefill
-from hybridlm.engine.runner import LayerwiseRunner
+from hybridlm.engine.runner import LayerwiseRunner, commit
 from hybridlm.engine.sampling import BlockSampler, block_carry
 from hybridlm.model import HybridLM
 from hybridlm.state import LayerState
@@ -46,6 +46,8 @@ class GenerateResult:
     decode_s: float  # seconds spent in the decode loop
     first_step_s: float = 0.0  # of which the first decode step's (it compiles the step on a first call)
     stop_reason: str = "length"  # "eos": every row produced a stop token; "length": max_new_tokens reached
+    speculative: dict | None = None  # speculative decoding's statistics (acceptance per draft position, ...)
+    first_step_tokens: int = 1  # tokens emitted by the first timed program (speculative: 1 + accepted drafts)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -53,8 +55,8 @@ class GenerateResult:
         count; with a single step, that step)."""
         n = self.tokens.shape[1] - 1  # decode steps: the first token comes from the prefill logits
         seconds = self.decode_s
-        if n > 1 and self.decode_s > self.first_step_s > 0:
-            n, seconds = n - 1, self.decode_s - self.first_step_s
+        if n > self.first_step_tokens and self.decode_s > self.first_step_s > 0:
+            n, seconds = n - self.first_step_tokens, self.decode_s - self.first_step_s
         return self.tokens.shape[0] * n / seconds if n > 0 and seconds > 0 else 0.0
 
 
@@ -76,6 +78,10 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     chunk_size: int | str = DEFAULT_CHUNK_SIZE,
     decode_block: int = DECODE_BLOCK,
+    speculative: str | None = None,
+    mtp=None,
+    draft_tokens: int | str = "auto",
+    oracle_draft: tuple | None = None,
 ) -> GenerateResult:
     """Prefills the prompt, then samples `max_new_tokens` tokens, the decode steps run in blocks of up to
     `decode_block` steps per program with each sampled token fed back on the device.
@@ -92,6 +98,14 @@ def generate(
         that finished earlier goes on sampling until then; cut it at its first stop token). None: never.
       chunk_size: prefill chunk size in tokens, or "auto" (`hybridlm.planning.choose_chunk_size`).
       decode_block: decode steps per program (>= 1); the tokens are the same for every value.
+      speculative: None, or "mtp": the MTP module `mtp` drafts `draft_tokens` tokens and the model verifies
+        them in one forward (`hybridlm.engine.speculative`); greedy output equals plain decoding's, sampled
+        output has its distribution. One sequence (batch 1), experts resident.
+      mtp: the `MTPModule` (`hybridlm.load_mtp`), for speculative="mtp".
+      draft_tokens: drafts per iteration, an int in [1, 8] or "auto" (1-4, chosen from the acceptance so far).
+      oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha), each
+        draft the reference's token with probability alpha, else another one; or (None, alpha), each draft
+        accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the text).
 
     Raises:
       ValueError: max_new_tokens or decode_block < 1, sampling settings out of range
@@ -104,6 +118,26 @@ def generate(
     sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)  # checks them before the prefill
     stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
+    if speculative is not None:
+        if speculative != "mtp" or mtp is None:
+            raise ValueError(
+                f"speculative={speculative!r}: the one method is 'mtp', with its module given as mtp= "
+                "(hybridlm.load_mtp)"
+            )
+        return generate_speculative(
+            runner,
+            mtp,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_ids=stop_ids,
+            chunk_size=chunk_size,
+            draft_tokens=draft_tokens,
+            oracle=oracle_draft,
+        )
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
     carry = block_carry(key, np.zeros(pre.batch, bool), stop_ids, temperature, top_p)
@@ -139,4 +173,109 @@ def generate(
         decode_s=time.perf_counter() - t0,
         first_step_s=first_step_s,
         stop_reason=stop_reason,
+    )
+
+
+def generate_speculative(
+    runner: LayerwiseRunner,
+    mtp,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    sampler: BlockSampler,
+    temperature,
+    top_p,
+    seed: int,
+    stop_ids: np.ndarray,
+    chunk_size,
+    draft_tokens: int | str,
+    oracle: tuple | None,
+) -> GenerateResult:
+    """`generate` with MTP speculative decoding (`hybridlm.engine.speculative`); see `generate`."""
+    from hybridlm.engine import speculative as spec
+    from hybridlm.mtp import init_mtp_cache
+
+    ids = np.asarray(input_ids)
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
+    auto = draft_tokens == "auto"
+    if not auto and not (isinstance(draft_tokens, int) and 1 <= draft_tokens <= spec.MAX_DRAFT_TOKENS):
+        raise ValueError(f"draft_tokens={draft_tokens!r} must be 'auto' or an int in [1, {spec.MAX_DRAFT_TOKENS}]")
+    if oracle is not None and not sampler.greedy:
+        raise ValueError("oracle drafts are for greedy decoding (temperature 0)")
+    k = max(spec.AUTO_DRAFT_TOKENS) if auto else draft_tokens
+    slots, block = k + 1, sampler.block
+    graph, leaves = spec.flat_layer(runner.whole[0].graphdef, runner.whole[1])
+    mtp_graph, mtp_leaves = spec.flat_mtp(mtp)
+    seq = ids.shape[-1]
+    found: dict = {}
+
+    def on_chunk(x, start, num_valid, next_ids, capacity):
+        cache = found.get("cache") or init_mtp_cache(runner.config, 1, capacity, runner.model.dtype)[0]
+        pairs = num_valid - 1 if start + num_valid == seq else num_valid  # the last pairs with the sampled token
+        found["cache"] = spec.mtp_prefill(
+            graph, mtp_graph, leaves, mtp_leaves, cache, x, jnp.asarray(next_ids), start, pairs
+        )
+        found["last"] = x[:, num_valid - 1]
+
+    # room past max_new_tokens for the last iteration's drafts
+    pre = prefill(runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens + 2 * slots, on_chunk=on_chunk)
+    token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
+    oracle_mode = None if oracle is None else "coin" if oracle[0] is None else "reference"
+    reference, alpha = (None, 0.0) if oracle_mode != "reference" else (np.asarray(oracle[0]).reshape(1, -1), 0.0)
+    alpha = oracle[1] if oracle is not None else 0.0
+    s = spec.initial_state(
+        pre, token, [found["cache"]], found["last"], slots, key, stop_ids, temperature, top_p, reference, alpha
+    )
+    s = commit(s)
+    parts: list = [(token[:, None], np.int32(1))]
+    limits, draft_used = [0], []
+    total = max_new_tokens - 1
+    first_step_s = 0.0
+    t0 = time.perf_counter()
+    while limits[-1] < total:
+        if auto and len(parts) > 2:  # the acceptance of the block before the last, read while that one runs
+            k = spec.choose_draft_tokens(*found["counts"])
+        cfg = spec.SpecConfig(k, slots, sampler, oracle_mode)
+        limit = min(total, limits[-1] + (1 if len(parts) == 1 else block))  # the first compiles: timed apart
+        out, count, s = spec.spec_block(cfg, graph, mtp_graph, block, leaves, mtp_leaves, s, np.int32(limit))
+        parts.append((out, count))
+        limits.append(limit)
+        draft_used.append(k)
+        if len(parts) == 2:
+            jax.block_until_ready(out)
+            first_step_s = time.perf_counter() - t0
+        if auto:
+            found["counts"] = (np.asarray(s.tried), np.asarray(s.passed))
+        # a block that emitted nothing means a stop id came before it
+        if stop_ids.size and len(parts) > 2 and int(parts[-2][1]) == 0:
+            break
+    tokens = np.concatenate([np.asarray(out)[:, : int(count)] for out, count in parts], axis=1)
+    tokens = tokens[:, :max_new_tokens]
+    stop_reason = "length"
+    if stop_ids.size:
+        hit = np.isin(tokens, stop_ids)
+        if hit.any():
+            tokens = tokens[:, : int(hit[0].argmax()) + 1]
+            stop_reason = "eos"
+    decode_s = time.perf_counter() - t0
+    tried, passed = np.asarray(s.tried), np.asarray(s.passed)
+    iterations = int(s.iterations)
+    stats = {
+        "method": "mtp",
+        "draft_tokens": draft_used[-1] if draft_used else k,
+        "draft_tokens_per_block": draft_used,
+        "iterations": iterations,
+        "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
+        "tokens_per_iteration": float(int(s.emitted) / iterations) if iterations else 0.0,
+        "acceptance_per_position": [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
+    }
+    return GenerateResult(
+        tokens=tokens,
+        prefill=pre,
+        decode_s=decode_s,
+        first_step_s=first_step_s,
+        stop_reason=stop_reason,
+        speculative=stats,
+        first_step_tokens=int(parts[1][1]) if len(parts) > 1 else 1,
     )

@@ -78,6 +78,7 @@ def prefill(
     chunk_size: int | str = DEFAULT_CHUNK_SIZE,
     max_new_tokens: int = 0,
     profile: bool = False,
+    on_chunk=None,
 ) -> PrefillResult:
     """Ingests a prompt chunk by chunk and returns the next-token logits and the decode state.
 
@@ -89,6 +90,10 @@ def prefill(
         (`hybridlm.planning.choose_chunk_size_for`).
       max_new_tokens: room to reserve in the KV cache for decoding afterwards.
       profile: wait after every phase and report per-phase wall time (slower: it removes overlap).
+      on_chunk: None, or a function called after each chunk with (hidden [batch, chunk, hidden] after the last
+        layer, before the final norm; start position; valid tokens; next_ids [batch, chunk] int32 = the
+        prompt shifted left by one, zero past its end; the KV-cache capacity): the MTP drafter ingests the
+        prompt this way.
 
     Returns:
       A `PrefillResult`; only the last prompt token goes through the final norm and lm head.
@@ -120,7 +125,7 @@ def prefill(
     chunk = effective_chunk_size(seq, chunk_size)
     num_chunks = -(-seq // chunk)
     capacity = cache_capacity(seq, chunk, max_new_tokens)
-    padded = np.zeros((batch, num_chunks * chunk), np.int32)
+    padded = np.zeros((batch, num_chunks * chunk + 1), np.int32)
     padded[:, :seq] = ids
 
     timer = PhaseTimer(profile)
@@ -133,6 +138,8 @@ def prefill(
         x, states = runner.forward_chunk(
             jnp.asarray(padded[:, c * chunk : (c + 1) * chunk]), states, c * chunk, num_valid, timer
         )
+        if on_chunk is not None:
+            on_chunk(x, c * chunk, num_valid, padded[:, c * chunk + 1 : (c + 1) * chunk + 1], capacity)
     last = x[:, num_valid - 1]
     logits = jax.block_until_ready(timer("head", runner.head_logits, last))
     ttft = time.perf_counter() - t0

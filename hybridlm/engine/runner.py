@@ -165,6 +165,7 @@ class LayerwiseRunner:
         check_decode_inputs(self.config.vocab_size, token, states, position + max(steps, 1) - 1)
         treedef, leaves = self._flat_weights
         token, states, position = self.step_inputs(token, states, position)
+        carry = carry if all(a.committed for a in carry) else commit(carry)  # one compilation per sampler
         return phases.decode_block(
             self.whole[0], treedef, sampler, leaves, token, states, position, carry, np.int32(steps)
         )

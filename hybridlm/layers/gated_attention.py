@@ -69,6 +69,10 @@ def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, 
 # tokens can diverge), and the XLA form is only a few small fusions for one query.
 DECODE_IMPLEMENTATION = "xla"
 
+# Fewer queries than this (a decode step, a speculative verify; prefill chunks have at least 16) read the whole
+# cache as one block through DECODE_IMPLEMENTATION: blocks of their own length would be thousands.
+MIN_BLOCK_QUERIES = 16
+
 # With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs
 # (whose predicate XLA's GPU runtime reads back to the host on every iteration: dispatch then waits for the
 # device).
@@ -114,12 +118,13 @@ def cached_attention(
       [batch, seq, heads, head_dim] in q.dtype.
     """
     seq = q.shape[1]
-    if seq == 1 and implementation is None:
+    few = seq < MIN_BLOCK_QUERIES  # decode and speculative verifies: the cache as one block
+    if few and implementation is None:
         implementation = DECODE_IMPLEMENTATION
-    if static_blocks is None:  # decode reads the cache as one block: no loop either way
-        static_blocks = seq == 1 or _resolve(implementation, q.dtype) == "cudnn"
+    if static_blocks is None:  # one block: no loop either way
+        static_blocks = few or _resolve(implementation, q.dtype) == "cudnn"
     out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
-    blocks = cache.capacity // seq if seq > 1 and cache.capacity % seq == 0 else 1
+    blocks = cache.capacity // seq if not few and cache.capacity % seq == 0 else 1
     block = cache.capacity // blocks
 
     merge_block = functools.partial(merge_cached_block, q, cache, start, block, implementation)

@@ -123,45 +123,14 @@ class GatedDeltaNet(nnx.Module):
         Returns:
           out [batch, seq, hidden] in x.dtype, and the state after the last valid token.
         """
-        cfg = self.config.gdn
         batch, seq, _ = x.shape
-        kq, vd = cfg.num_k_heads * cfg.key_dim, cfg.num_v_heads * cfg.value_dim
-        if state is None:
-            state = GatedDeltaNetState(
-                conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), x.dtype),
-                recurrent=jnp.zeros((batch, cfg.num_v_heads, cfg.key_dim, cfg.value_dim), jnp.float32),
-            )
+        state = self.zero_state(batch, x.dtype) if state is None else state
         num_valid = seq if num_valid is None else num_valid
-
-        mixed = linear(x, self.qkv_proj[...])  # [b, t, conv_dim]
-        z = linear(x, self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))  # [b, t, v_heads]
-        a = linear(x, self.decay_proj[...]).astype(jnp.float32)
-        log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
-            a + self.delta_time_bias[...].astype(jnp.float32)
-        )  # g <= 0, [b, t, v_heads]
-
-        conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
+        q, k, v, log_decay, beta, z, mixed = self._inputs(x, state, num_valid)
         new_conv = conv_history_after(state.conv.astype(mixed.dtype), mixed, num_valid)
-
-        q = conv_out[..., :kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
-        k = conv_out[..., kq : 2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
-        v = conv_out[..., 2 * kq :].reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        q, k = l2_normalize(q), l2_normalize(k)
-
-        valid = (jnp.arange(seq) < num_valid)[None, :]  # [1, t]
-        beta = jnp.where(valid[..., None], beta, 0.0)
-        log_decay = jnp.where(valid[..., None], log_decay, 0.0)
-        k = jnp.where(valid[..., None, None], k, 0.0)
-
         if seq == 1:
-            # decode: "triton", "mosaic" (no step of its own) and None go to the fused Triton step (None: on a
-            # GPU for few sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has
-            # no single-token variant)
-            impl = self.config.gdn_implementation
-            step = None if impl is None else "triton" if impl in ("triton", "mosaic") else "reference"
             o, recurrent = gated_delta_rule_step(
-                q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0], state.recurrent, implementation=step
+                q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0], state.recurrent, implementation=self._step
             )
             o = o[:, None]
         else:
@@ -174,6 +143,77 @@ class GatedDeltaNet(nnx.Module):
                 initial_state=state.recurrent,
                 implementation=self.config.gdn_implementation,
             )
-        o = gated_rms_norm(o.astype(x.dtype), z, self.output_norm[...], self.config.rms_norm_eps)
-        out = linear(o.reshape(batch, seq, vd), self.out_proj[...])
-        return out, GatedDeltaNetState(conv=new_conv.astype(state.conv.dtype), recurrent=recurrent)
+        return self._output(o, z), GatedDeltaNetState(conv=new_conv.astype(state.conv.dtype), recurrent=recurrent)
+
+    def verify(self, x: jax.Array, state: GatedDeltaNetState) -> tuple[jax.Array, GatedDeltaNetState]:
+        """Runs the layer over a few tokens (a speculative verify) one recurrence step at a time, keeping the
+        state after every token, so that accepting j of them is choosing slot j - 1 (no recompute).
+
+        Args:
+          x: [batch, seq, hidden] normalised input, seq small (the draft tokens + 1).
+          state: the state before x[:, 0].
+
+        Returns:
+          out [batch, seq, hidden] in x.dtype, and a `GatedDeltaNetState` whose arrays have a leading [seq]
+          axis: entry t is the state after token t.
+        """
+        seq = x.shape[1]
+        q, k, v, log_decay, beta, z, mixed = self._inputs(x, state, seq)
+        history = state.conv.astype(mixed.dtype)
+        convs = [conv_history_after(history, mixed, t + 1).astype(state.conv.dtype) for t in range(seq)]
+        recurrent, outs, states = state.recurrent, [], []
+        for t in range(seq):  # the decode step's kernel: the verify's numbers are decode's
+            o, recurrent = gated_delta_rule_step(
+                q[:, t], k[:, t], v[:, t], log_decay[:, t], beta[:, t], recurrent, implementation=self._step
+            )
+            outs.append(o)
+            states.append(recurrent)
+        o = jnp.stack(outs, axis=1)
+        return self._output(o, z), GatedDeltaNetState(conv=jnp.stack(convs), recurrent=jnp.stack(states))
+
+    @property
+    def _step(self) -> str | None:
+        # "triton", "mosaic" (no step of its own) and None go to the fused Triton step (None: on a GPU for few
+        # sequences); "reference" and "chunked" take the pure-JAX step (the chunked form has no step)
+        impl = self.config.gdn_implementation
+        return None if impl is None else "triton" if impl in ("triton", "mosaic") else "reference"
+
+    def zero_state(self, batch: int, dtype) -> GatedDeltaNetState:
+        """The state of a fresh sequence: zero conv history [batch, kernel - 1, conv_dim] in `dtype`, zero
+        recurrent state [batch, v_heads, key_dim, value_dim] float32."""
+        cfg = self.config.gdn
+        return GatedDeltaNetState(
+            conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+            recurrent=jnp.zeros((batch, cfg.num_v_heads, cfg.key_dim, cfg.value_dim), jnp.float32),
+        )
+
+    def _inputs(self, x, state: GatedDeltaNetState, num_valid):
+        """(q, k [b, t, k_heads, key_dim] l2-normalised, v [b, t, v_heads, value_dim], log_decay, beta [b, t,
+        v_heads] float32 (zero past num_valid, as k), z [b, t, v_heads, value_dim], mixed [b, t, conv_dim]
+        the pre-conv inputs)."""
+        cfg = self.config.gdn
+        batch, seq, _ = x.shape
+        kq = cfg.num_k_heads * cfg.key_dim
+        mixed = linear(x, self.qkv_proj[...])  # [b, t, conv_dim]
+        z = linear(x, self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))  # [b, t, v_heads]
+        a = linear(x, self.decay_proj[...]).astype(jnp.float32)
+        log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
+            a + self.delta_time_bias[...].astype(jnp.float32)
+        )  # g <= 0, [b, t, v_heads]
+        conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
+        q = conv_out[..., :kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
+        k = conv_out[..., kq : 2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
+        v = conv_out[..., 2 * kq :].reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        q, k = l2_normalize(q), l2_normalize(k)
+        valid = (jnp.arange(seq) < num_valid)[None, :]  # [1, t]
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        log_decay = jnp.where(valid[..., None], log_decay, 0.0)
+        k = jnp.where(valid[..., None, None], k, 0.0)
+        return q, k, v, log_decay, beta, z, mixed
+
+    def _output(self, o, z):
+        """out_proj(gated_rms_norm(o, z)): o [b, t, v_heads, value_dim] -> [b, t, hidden] in z.dtype."""
+        batch, seq = o.shape[:2]
+        o = gated_rms_norm(o.astype(z.dtype), z, self.output_norm[...], self.config.rms_norm_eps)
+        return linear(o.reshape(batch, seq, -1), self.out_proj[...])

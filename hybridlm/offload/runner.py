@@ -17,7 +17,7 @@ import numpy as np
 
 from hybridlm.engine import phases
 from hybridlm.engine.phases import StaticGraph, flat_layer
-from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, check_decode_inputs
+from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, check_decode_inputs, commit
 from hybridlm.engine.sampling import host_block
 from hybridlm.model import EXPERT_PARAMS, HybridLM
 from hybridlm.offload.config import OffloadConfig, default_host_parts
@@ -283,6 +283,7 @@ class OffloadedRunner(LayerwiseRunner):
             return host_block(sampler, self.decode_step, token, states, position, carry, steps)
         check_decode_inputs(self.config.vocab_size, token, states, position + max(steps, 1) - 1)
         self._ensure_pool(batch)
+        carry = carry if all(a.committed for a in carry) else commit(carry)  # one compilation per sampler
         out = self.decoder.block(
             self, sampler, self.step_inputs(token, states, position), carry, steps, self._decode_stats
         )
