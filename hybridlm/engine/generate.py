@@ -195,6 +195,11 @@ def generate_speculative(
     from hybridlm.engine import speculative as spec
     from hybridlm.mtp import init_mtp_cache
 
+    if getattr(runner, "offload_config", None) is not None:
+        raise ValueError(
+            "speculative decoding runs with the experts resident on the device; this runner offloads them "
+            "(load without --expert-budget, or decode without speculative=)"
+        )
     ids = np.asarray(input_ids)
     if ids.ndim == 2 and ids.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
