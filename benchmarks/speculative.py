@@ -2,10 +2,10 @@
 
     python -m benchmarks.speculative --gguf F.gguf [--new-tokens 128] [--alphas 0.5 0.75 0.9] [--ks 1 2 3 4]
 
-Random MTP weights accept almost nothing, so the drafts are oracle drafts: "coin", each accepted with probability
-alpha (the verify's own tokens emitted); "reference", each the token of an all-rejecting run with probability alpha. Acceptance is
-then a controlled input while drafting and verifying cost what they cost. Prints one JSON line per figure:
-plain decode tokens/s, speculative tokens/s per (alpha, k) with the acceptance reached, and the time of one
+Random MTP weights accept almost nothing, so the drafts are oracle drafts: "coin", each accepted with
+probability alpha (the verify's own tokens emitted); "reference", each the token of an all-rejecting run with
+probability alpha. Acceptance is then a controlled input while drafting and verifying cost what they cost.
+Prints one JSON line per figure: plain decode tokens/s, speculative tokens/s per (alpha, k) with the acceptance reached, and the time of one
 verify of k + 1 tokens against one plain decode step (each program alone, timed over repeats).
 """
 
@@ -86,7 +86,10 @@ def main(argv=None) -> None:
     model = hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
     mtp = load_mtp(args.gguf, keep_quantized="experts")
     runner = hybridlm.LayerwiseRunner(model)
-    _emit(args.out, {"what": "load", "seconds": time.perf_counter() - t0, "device": jax.devices()[0].device_kind})
+    _emit(
+        args.out,
+        {"what": "load", "seconds": time.perf_counter() - t0, "device": jax.devices()[0].device_kind},
+    )
     prompt = np.arange(1000, 1000 + args.prompt_tokens, dtype=np.int32)
     n = args.new_tokens
     for _ in range(2):  # the second is warm
@@ -101,7 +104,9 @@ def main(argv=None) -> None:
             _emit(args.out, _record("mtp_oracle_coin", alpha, k, g, plain))
     for k in args.reference_ks:  # drafts from a reference: an all-rejecting run's own greedy tokens
         kw = {"speculative": "mtp", "mtp": mtp, "draft_tokens": k}
-        ref = hybridlm.generate(runner, prompt, max_new_tokens=n, oracle_draft=(np.zeros(1, np.int32), 0.0), **kw)
+        ref = hybridlm.generate(
+            runner, prompt, max_new_tokens=n, oracle_draft=(np.zeros(1, np.int32), 0.0), **kw
+        )
         reference = np.concatenate([prompt, ref.tokens[0]])
         for alpha in args.alphas:
             for _ in range(2):

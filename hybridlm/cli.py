@@ -120,6 +120,19 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--top-p", type=float, default=1.0)
         if name == "generate":
             s.add_argument(
+                "--speculative",
+                choices=["mtp"],
+                default=None,
+                help="mtp: the checkpoint's multi-token-prediction module drafts tokens that the model "
+                "verifies in one forward (experts resident; greedy output as plain decoding's)",
+            )
+            s.add_argument(
+                "--draft-tokens",
+                default="auto",
+                metavar="K",
+                help="drafts per speculative step, 1-8, or auto (1-4 from the acceptance so far; default)",
+            )
+            s.add_argument(
                 "--ignore-eos",
                 action="store_true",
                 help="go on to --max-new-tokens past the tokenizer's end-of-text / end-of-turn tokens",
@@ -230,6 +243,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.prompt is not None and args.prompt_file:
         raise UsageError("--prompt and --prompt-file cannot be combined")
+    if getattr(args, "speculative", None):
+        text = str(args.draft_tokens).strip()
+        args.draft_tokens = "auto" if text == "auto" else int(text) if text.isdigit() else 0
+        if args.draft_tokens != "auto" and not 1 <= args.draft_tokens <= 8:
+            raise UsageError(f"--draft-tokens must be 1-8 or auto, got {text}")
+        if args.expert_budget is not None:
+            raise UsageError("--speculative needs the experts resident: drop --expert-budget")
     if args.chunk_size != "auto":
         text = str(args.chunk_size).strip()
         args.chunk_size = int(text) if text.isdigit() else 0
@@ -336,6 +356,10 @@ def _run(args: argparse.Namespace) -> dict:
     except (ValueError, KeyError, OSError) as e:
         raise UsageError(_reason(e)) from None
     check_context(model_cfg, len(ids), args)
+    if getattr(args, "speculative", None) and header is not None and model_cfg.mtp_layers == 0:
+        raise UsageError(
+            f"--speculative mtp: {args.model} has no MTP block (nextn_predict_layers is absent or 0)"
+        )
     plan = _plan(args, dtype, len(ids))  # before any weights: refuses what cannot fit, resolves auto
     if args.dry_run:
         return plan
@@ -564,6 +588,7 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
         seed=args.seed,
         eos_token_id=None if args.ignore_eos else tokenizer.stop_token_ids,
         chunk_size=args.chunk_size,
+        **_speculative_options(args, runner),
     )
     report = {
         **gen.prefill.summary(),
@@ -576,7 +601,37 @@ def _generate_report(args: argparse.Namespace, runner, ids: list[int], tokenizer
     }
     if args.expert_budget is not None:
         report["offload"] = runner.stats()
+    if gen.speculative is not None:
+        report["speculative"] = gen.speculative
     return report
+
+
+def _speculative_options(args: argparse.Namespace, runner) -> dict:
+    """generate's speculative arguments: the MTP module of --model (or random, with --random-weights).
+
+    Raises:
+      UsageError: the checkpoint has no MTP module.
+    """
+    if not args.speculative:
+        return {}
+    import dataclasses
+
+    from hybridlm.loading import load_mtp
+    from hybridlm.mtp import init_random_mtp
+
+    if args.model:
+        try:
+            mtp = load_mtp(
+                args.model,
+                dtype=runner.model.dtype,
+                keep_quantized=None if os.path.isdir(args.model) else "experts",
+            )
+        except ValueError as e:
+            raise UsageError(f"--speculative mtp: {_reason(e)}") from None
+    else:
+        config = dataclasses.replace(runner.config, mtp_layers=max(runner.config.mtp_layers, 1))
+        mtp = init_random_mtp(config, args.seed + 1, dtype=runner.model.dtype)
+    return {"speculative": args.speculative, "mtp": mtp, "draft_tokens": args.draft_tokens}
 
 
 def _print_report(r: dict) -> None:
@@ -613,6 +668,14 @@ def _print_report(r: dict) -> None:
         print(f"generated      {r['text']!r}")
         print(f"stopped        at {r['stop_reason']} after {len(r['new_tokens'])} token(s)")
         print(f"decode         {r['decode_tokens_per_s']:.1f} tokens/s")
+    if "speculative" in r:
+        sp = r["speculative"]
+        accept = ", ".join(f"{a:.2f}" for a in sp["acceptance_per_position"])
+        print(
+            f"speculative    {sp['method']}: {sp['tokens_per_iteration']:.2f} tokens per verify over "
+            f"{sp['iterations']} verifies, draft tokens {sp['draft_tokens']}, acceptance by position "
+            f"[{accept}]"
+        )
 
 
 def _print_offload(o: dict) -> None:

@@ -54,7 +54,6 @@ class DecoderLayer(nnx.Module):
         )
         return h + self.ffn(self.post_norm(h), valid), state
 
-
     def verify(self, x: jax.Array, state: LayerState, start) -> tuple[jax.Array, LayerState]:
         """The layer over a few tokens [batch, seq, hidden] at absolute position `start` (a speculative
         verify): a Gated DeltaNet layer returns its state after every token (`GatedDeltaNet.verify`, a leading

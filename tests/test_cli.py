@@ -98,6 +98,11 @@ def test_generate_with_options(capsys, tmp_path):
             "--prompt and --prompt-file cannot be combined",
         ),
         (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1 for generate, got 0"),
+        (["generate", "--speculative", "mtp", "--draft-tokens", "9"], "--draft-tokens must be 1-8 or auto"),
+        (
+            ["generate", "--speculative", "mtp", "--expert-budget", "1GiB"],
+            "--speculative needs the experts resident: drop --expert-budget",
+        ),
         (["prefill", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
         (["prefill", "--max-context", "0"], "--max-context must be positive, got 0"),
         (
@@ -217,6 +222,32 @@ def test_gguf_models_run_in_the_documented_dtype(capsys, tiny_gguf):
     """float32 on the CPU by default, as `--dtype` says, for a GGUF file too (its Q8_0 experts kept)."""
     assert main(["prefill", "--model", str(tiny_gguf), "--prompt", "Hello there", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+
+
+def test_speculative_generate_reports_its_acceptance_and_decodes_as_plain(capsys, tiny_gguf):
+    """`--speculative mtp` on random weights: the greedy text of plain decoding, with the drafter's
+    statistics; a GGUF file without an MTP block is one line naming it."""
+    argv = [
+        "generate",
+        "--random-weights",
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+    ]
+    assert main([*argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--speculative", "mtp", "--draft-tokens", "2", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["new_tokens"] == plain["new_tokens"]
+    stats = spec["speculative"]
+    assert stats["method"] == "mtp" and stats["draft_tokens"] == 2 and stats["iterations"] >= 1
+    assert 1.0 <= stats["tokens_per_iteration"] <= 3.0
+    err = one_line_error(
+        capsys, ["generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--speculative", "mtp"]
+    )
+    assert "--speculative mtp" in err and "MTP" in err
 
 
 def test_gguf_and_qwen_tokenizers_stop_at_end_of_turn_and_end_of_text(tiny_gguf):

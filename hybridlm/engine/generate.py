@@ -103,9 +103,9 @@ def generate(
         output has its distribution. One sequence (batch 1), experts resident.
       mtp: the `MTPModule` (`hybridlm.load_mtp`), for speculative="mtp".
       draft_tokens: drafts per iteration, an int in [1, 8] or "auto" (1-4, chosen from the acceptance so far).
-      oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha), each
-        draft the reference's token with probability alpha, else another one; or (None, alpha), each draft
-        accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the text).
+      oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha),
+        each draft the reference's token with probability alpha, else another one; or (None, alpha), each
+        draft accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the text).
 
     Raises:
       ValueError: max_new_tokens or decode_block < 1, sampling settings out of range
@@ -205,7 +205,9 @@ def generate_speculative(
         raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
     auto = draft_tokens == "auto"
     if not auto and not (isinstance(draft_tokens, int) and 1 <= draft_tokens <= spec.MAX_DRAFT_TOKENS):
-        raise ValueError(f"draft_tokens={draft_tokens!r} must be 'auto' or an int in [1, {spec.MAX_DRAFT_TOKENS}]")
+        raise ValueError(
+            f"draft_tokens={draft_tokens!r} must be 'auto' or an int in [1, {spec.MAX_DRAFT_TOKENS}]"
+        )
     if oracle is not None and not sampler.greedy:
         raise ValueError("oracle drafts are for greedy decoding (temperature 0)")
     k = max(spec.AUTO_DRAFT_TOKENS) if auto else draft_tokens
@@ -216,21 +218,39 @@ def generate_speculative(
     found: dict = {}
 
     def on_chunk(x, start, num_valid, next_ids, capacity):
-        cache = found.get("cache") or init_mtp_cache(runner.config, 1, capacity, runner.model.dtype)[0]
-        pairs = num_valid - 1 if start + num_valid == seq else num_valid  # the last pairs with the sampled token
+        cache = found.get("cache")
+        if cache is None:
+            cache = init_mtp_cache(mtp.config, 1, capacity, runner.model.dtype)[0]
+        pairs = (
+            num_valid - 1 if start + num_valid == seq else num_valid
+        )  # the last pairs with the sampled token
         found["cache"] = spec.mtp_prefill(
             graph, mtp_graph, leaves, mtp_leaves, cache, x, jnp.asarray(next_ids), start, pairs
         )
         found["last"] = x[:, num_valid - 1]
 
     # room past max_new_tokens for the last iteration's drafts
-    pre = prefill(runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens + 2 * slots, on_chunk=on_chunk)
+    pre = prefill(
+        runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens + 2 * slots, on_chunk=on_chunk
+    )
     token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
     oracle_mode = None if oracle is None else "coin" if oracle[0] is None else "reference"
-    reference, alpha = (None, 0.0) if oracle_mode != "reference" else (np.asarray(oracle[0]).reshape(1, -1), 0.0)
+    reference, alpha = (
+        (None, 0.0) if oracle_mode != "reference" else (np.asarray(oracle[0]).reshape(1, -1), 0.0)
+    )
     alpha = oracle[1] if oracle is not None else 0.0
     s = spec.initial_state(
-        pre, token, [found["cache"]], found["last"], slots, key, stop_ids, temperature, top_p, reference, alpha
+        pre,
+        token,
+        [found["cache"]],
+        found["last"],
+        slots,
+        key,
+        stop_ids,
+        temperature,
+        top_p,
+        reference,
+        alpha,
     )
     s = commit(s)
     parts: list = [(token[:, None], np.int32(1))]

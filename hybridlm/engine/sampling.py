@@ -122,9 +122,9 @@ def _sample(logits, key, temperature, top_p, *, top_k: int, nucleus: bool):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSampler:
-    """The static part of a decode block's sampling (`phases.decode_block`): block length, greedy or not, top_k
-    and whether a nucleus is cut. Temperature, top_p and the stop ids travel as arrays (`block_carry`), so
-    requests that differ only in them share one compiled program.
+    """The static part of a decode block's sampling (`phases.decode_block`): block length, greedy or not,
+    top_k and whether a nucleus is cut. Temperature, top_p and the stop ids travel as arrays (`block_carry`),
+    so requests that differ only in them share one compiled program.
 
     Args:
       block: decode steps per program (>= 1).

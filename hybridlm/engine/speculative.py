@@ -6,8 +6,8 @@ One iteration, for the last sampled token t at position p (docs/mtp.md §2, §5)
    verify with the model's own pre-final-norm hidden states h_i, at MTP positions i), then drafts
    d_1 .. d_k, step j >= 2 feeding back its own output.
 2. Verify: [t, d_1 .. d_k] at positions p .. p + k through every layer in one forward: one sort-free MoE over
-   the k + 1 tokens, attention over the KV cache, each Gated DeltaNet layer keeping its state after every token
-   (`GatedDeltaNet.verify`).
+   the k + 1 tokens, attention over the KV cache, each Gated DeltaNet layer keeping its state after every
+   token (`GatedDeltaNet.verify`).
 3. Acceptance: greedy, the longest prefix of drafts equal to the model's argmax; sampling, speculative
    rejection sampling (`spec_sampling.accept_drafts`). n drafts accepted emit n + 1 tokens.
 4. Rollback: each Gated DeltaNet state is its slot n (no recompute); KV entries past p + n are overwritten by
@@ -70,7 +70,9 @@ class SpecState:
     mtp_cache: list  # the drafter's KV caches, valid below position - pending
     pend_tokens: jax.Array  # [1, slots] int32: t_{i+1} of the pairs the drafter has not seen
     pend_hidden: jax.Array  # [1, slots, hidden]: h_i of those pairs (model's pre-final-norm states)
-    pending: jax.Array  # int32 scalar: valid pairs (>= 1), at MTP positions position - pending .. position - 1
+    pending: (
+        jax.Array
+    )  # int32 scalar: valid pairs (>= 1), at MTP positions position - pending .. position - 1
     key: jax.Array  # PRNG key (sampling, oracle draws)
     finished: jax.Array  # [1] bool: a stop id was emitted
     stop_ids: jax.Array  # [n] int32 (-1: none)
@@ -135,7 +137,8 @@ def verify(model, states: list, tokens, position):
 
 
 def iteration(cfg: SpecConfig, model, mtp, s: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
-    """One draft-verify-accept round: (next state, emitted tokens [1, slots] int32 valid up to count, count)."""
+    """One draft-verify-accept round: (next state, emitted tokens [1, slots] int32 valid up to count,
+    count)."""
     key, draft_key, accept_key = jax.random.split(s.key, 3)
     drafts, draft_logits, mtp_cache = _draft(cfg, model, mtp, s, draft_key)
     hidden, states = verify(model, s.states, jnp.concatenate([s.token[:, None], drafts], axis=1), s.position)
@@ -186,7 +189,9 @@ def _probs(sampler: BlockSampler, temperature, top_p, logits):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
-def spec_block(cfg: SpecConfig, graph: StaticGraph, mtp_graph: StaticGraph, block: int, leaves, mtp_leaves, s, limit):
+def spec_block(
+    cfg: SpecConfig, graph: StaticGraph, mtp_graph: StaticGraph, block: int, leaves, mtp_leaves, s, limit
+):
     """Speculative iterations in one program until `s.emitted` reaches `limit` (at most `block` tokens past
     where it starts) or a stop id is emitted: (tokens [1, block + slots] int32 valid up to count, count int32,
     the new `SpecState`)."""

@@ -69,8 +69,8 @@ def merge_cached_block(q, cache: KVCache, start, block: int, implementation, j, 
 # tokens can diverge), and the XLA form is only a few small fusions for one query.
 DECODE_IMPLEMENTATION = "xla"
 
-# Fewer queries than this (a decode step, a speculative verify; prefill chunks have at least 16) read the whole
-# cache as one block through DECODE_IMPLEMENTATION: blocks of their own length would be thousands.
+# Fewer queries than this (a decode step, a speculative verify; prefill chunks have at least 16) read the
+# whole cache as one block through DECODE_IMPLEMENTATION: blocks of their own length would be thousands.
 MIN_BLOCK_QUERIES = 16
 
 # With cuDNN, cached blocks are unrolled up to this count; beyond it a loop with a traced trip count runs

@@ -130,7 +130,13 @@ class GatedDeltaNet(nnx.Module):
         new_conv = conv_history_after(state.conv.astype(mixed.dtype), mixed, num_valid)
         if seq == 1:
             o, recurrent = gated_delta_rule_step(
-                q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0], state.recurrent, implementation=self._step
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                log_decay[:, 0],
+                beta[:, 0],
+                state.recurrent,
+                implementation=self._step,
             )
             o = o[:, None]
         else:
@@ -143,7 +149,9 @@ class GatedDeltaNet(nnx.Module):
                 initial_state=state.recurrent,
                 implementation=self.config.gdn_implementation,
             )
-        return self._output(o, z), GatedDeltaNetState(conv=new_conv.astype(state.conv.dtype), recurrent=recurrent)
+        return self._output(o, z), GatedDeltaNetState(
+            conv=new_conv.astype(state.conv.dtype), recurrent=recurrent
+        )
 
     def verify(self, x: jax.Array, state: GatedDeltaNetState) -> tuple[jax.Array, GatedDeltaNetState]:
         """Runs the layer over a few tokens (a speculative verify) one recurrence step at a time, keeping the

@@ -168,8 +168,23 @@ def decode_paged_block(
 
     def step(token, states_hits, pos):
         logits, new_states, new_hits = paged_step(
-            layout, graphs, head_graph, sources, part_start, embed, layer_leaves, head_leaves, lm_head,
-            token, states_hits[0], pos, host, pool, slot_table, held, states_hits[1],
+            layout,
+            graphs,
+            head_graph,
+            sources,
+            part_start,
+            embed,
+            layer_leaves,
+            head_leaves,
+            lm_head,
+            token,
+            states_hits[0],
+            pos,
+            host,
+            pool,
+            slot_table,
+            held,
+            states_hits[1],
         )
         return logits, (new_states, new_hits)
 
