@@ -101,11 +101,12 @@ def generate(
       speculative: None, or "mtp": the MTP module `mtp` drafts `draft_tokens` tokens and the model verifies
         them in one forward (`hybridlm.engine.speculative`); greedy output equals plain decoding's, sampled
         output has its distribution. One sequence (batch 1), experts resident.
-      mtp: the `MTPModule` (`hybridlm.load_mtp`), for speculative="mtp".
+      mtp: the `MTPModule` (`hybridlm.loading.load_mtp`), for speculative="mtp".
       draft_tokens: drafts per iteration, an int in [1, 8] or "auto" (1-4, chosen from the acceptance so far).
       oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha),
         each draft the reference's token with probability alpha, else another one; or (None, alpha), each
-        draft accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the text).
+        draft accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the
+        text).
 
     Raises:
       ValueError: max_new_tokens or decode_block < 1, sampling settings out of range
