@@ -6,7 +6,8 @@ Random MTP weights accept almost nothing, so the drafts are oracle drafts: "coin
 probability alpha (the verify's own tokens emitted); "reference", each the token of an all-rejecting run with
 probability alpha. Acceptance is then a controlled input while drafting and verifying cost what they cost.
 Prints one JSON line per figure: plain decode tokens/s, speculative tokens/s per (alpha, k) with the
-acceptance reached, and the time of one verify of k + 1 tokens against one plain decode step (each program alone, timed over repeats).
+acceptance reached, and the time of one verify of k + 1 tokens against one plain decode step (each program
+alone, timed over repeats).
 """
 
 from __future__ import annotations
