@@ -257,20 +257,27 @@ def generate_speculative(
     parts: list = [(token[:, None], np.int32(1))]
     limits, draft_used = [0], []
     total = max_new_tokens - 1
-    first_step_s = 0.0
+    first_step_s, first_parts = 0.0, 0
     t0 = time.perf_counter()
+    # The first programs compile (timed apart): one iteration of each draft length "auto" may pick, so that a
+    # later change of length compiles nothing inside the timed blocks.
+    warmup = list(spec.AUTO_DRAFT_TOKENS[::-1]) if auto else [k]
     while limits[-1] < total:
-        if auto and len(parts) > 2:  # the acceptance of the block before the last, read while that one runs
+        if warmup:
+            k = warmup.pop(0)
+        elif auto:  # the acceptance of the block before the last, read while that one runs
             k = spec.choose_draft_tokens(*found["counts"])
         cfg = spec.SpecConfig(k, slots, sampler, oracle_mode)
-        limit = min(total, limits[-1] + (1 if len(parts) == 1 else block))  # the first compiles: timed apart
+        warming = len(parts) <= (len(spec.AUTO_DRAFT_TOKENS) if auto else 1)
+        limit = min(total, limits[-1] + (1 if warming else block))
         out, count, s = spec.spec_block(cfg, graph, mtp_graph, block, leaves, mtp_leaves, s, np.int32(limit))
         parts.append((out, count))
         limits.append(limit)
         draft_used.append(k)
-        if len(parts) == 2:
+        if warming and (not warmup or limit >= total):
             jax.block_until_ready(out)
             first_step_s = time.perf_counter() - t0
+            first_parts = len(parts) - 1
         if auto:
             found["counts"] = (np.asarray(s.tried), np.asarray(s.passed))
         # a block that emitted nothing means a stop id came before it
@@ -303,5 +310,5 @@ def generate_speculative(
         first_step_s=first_step_s,
         stop_reason=stop_reason,
         speculative=stats,
-        first_step_tokens=int(parts[1][1]) if len(parts) > 1 else 1,
+        first_step_tokens=sum(int(c) for _, c in parts[1 : 1 + first_parts]),
     )
