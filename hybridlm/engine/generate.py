@@ -205,14 +205,38 @@ def generate_speculative(
     if ids.ndim == 2 and ids.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
     auto = draft_tokens == "auto"
-    if not auto and not (isinstance(draft_tokens, int) and 1 <= draft_tokens <= spec.MAX_DRAFT_TOKENS):
+    valid_k = isinstance(draft_tokens, int) and not isinstance(draft_tokens, bool)
+    if not auto and not (valid_k and 1 <= draft_tokens <= spec.MAX_DRAFT_TOKENS):
         raise ValueError(
             f"draft_tokens={draft_tokens!r} must be 'auto' or an int in [1, {spec.MAX_DRAFT_TOKENS}]"
         )
     if oracle is not None and not sampler.greedy:
         raise ValueError("oracle drafts are for greedy decoding (temperature 0)")
+    if oracle is not None and not (
+        isinstance(oracle, tuple)
+        and len(oracle) == 2
+        and isinstance(oracle[1], (int, float))
+        and 0 <= oracle[1] <= 1
+    ):
+        raise ValueError(f"oracle_draft={oracle!r} must be (reference ids or None, alpha in [0, 1])")
+    if oracle is not None and oracle[0] is not None and np.size(oracle[0]) < ids.shape[-1] + max_new_tokens:
+        raise ValueError(
+            f"oracle_draft's reference holds {np.size(oracle[0])} tokens, fewer than the prompt's "
+            f"{ids.shape[-1]} + max_new_tokens {max_new_tokens}"
+        )
+    c, m = runner.config, mtp.config
+    if (m.hidden_dim, m.vocab_size) != (c.hidden_dim, c.vocab_size):
+        raise ValueError(
+            f"the mtp module (hidden {m.hidden_dim}, vocab {m.vocab_size}) does not belong to this model "
+            f"(hidden {c.hidden_dim}, vocab {c.vocab_size})"
+        )
     k = max(spec.AUTO_DRAFT_TOKENS) if auto else draft_tokens
     slots, block = k + 1, sampler.block
+    if ids.shape[-1] + max_new_tokens + 2 * slots > runner.config.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({ids.shape[-1]}) + max_new_tokens ({max_new_tokens}) + the last verify's {2 * slots} "
+            f"positions exceed max_position_embeddings={runner.config.max_position_embeddings}"
+        )
     graph, leaves = spec.flat_layer(runner.whole[0].graphdef, runner.whole[1])
     mtp_graph, mtp_leaves = spec.flat_mtp(mtp)
     seq = ids.shape[-1]
