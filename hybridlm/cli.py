@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
                 choices=["mtp"],
                 default=None,
                 help="mtp: the checkpoint's multi-token-prediction module drafts tokens that the model "
-                "verifies in one forward (experts resident; greedy output as plain decoding's)",
+                "verifies in one forward (greedy output as plain decoding's)",
             )
             s.add_argument(
                 "--draft-tokens",
@@ -250,8 +250,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         args.draft_tokens = "auto" if text == "auto" else int(text) if text.isdigit() else 0
         if args.draft_tokens != "auto" and not 1 <= args.draft_tokens <= 8:
             raise UsageError(f"--draft-tokens must be 1-8 or auto, got {text}")
-        if args.expert_budget is not None:
-            raise UsageError("--speculative needs the experts resident: drop --expert-budget")
     if args.chunk_size != "auto":
         text = str(args.chunk_size).strip()
         args.chunk_size = int(text) if text.isdigit() else 0

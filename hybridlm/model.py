@@ -58,13 +58,17 @@ class DecoderLayer(nnx.Module):
         """The layer over a few tokens [batch, seq, hidden] at absolute position `start` (a speculative
         verify): a Gated DeltaNet layer returns its state after every token (`GatedDeltaNet.verify`, a leading
         [seq] axis), an attention layer its KV cache with all of them written."""
+        h, state = self.verify_mix(x, state, start)
+        return h + self.ffn(self.post_norm(h)), state
+
+    def verify_mix(self, x: jax.Array, state: LayerState, start) -> tuple[jax.Array, LayerState]:
+        """`verify`'s mixer and residual alone (the offload runner pages the experts after it)."""
         u = self.input_norm(x)
         if self.layer_type == "linear_attention":
             out, state = self.mixer.verify(u, state)
         else:
             out, state = self.mixer(u, state, start)
-        h = x + out
-        return h + self.ffn(self.post_norm(h)), state
+        return x + out, state
 
 
 def check_token_ids(ids, vocab_size: int) -> None:

@@ -99,10 +99,6 @@ def test_generate_with_options(capsys, tmp_path):
         ),
         (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1 for generate, got 0"),
         (["generate", "--speculative", "mtp", "--draft-tokens", "9"], "--draft-tokens must be 1-8 or auto"),
-        (
-            ["generate", "--speculative", "mtp", "--expert-budget", "1GiB"],
-            "--speculative needs the experts resident: drop --expert-budget",
-        ),
         (["prefill", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
         (["prefill", "--max-context", "0"], "--max-context must be positive, got 0"),
         (
@@ -244,6 +240,11 @@ def test_speculative_generate_reports_its_acceptance_and_decodes_as_plain(capsys
     stats = spec["speculative"]
     assert stats["method"] == "mtp" and stats["draft_tokens"] == 2 and stats["iterations"] >= 1
     assert 1.0 <= stats["tokens_per_iteration"] <= 3.0
+    assert (
+        main([*argv, "--speculative", "mtp", "--draft-tokens", "2", "--expert-budget", "1MiB", "--json"]) == 0
+    )
+    offloaded = json.loads(capsys.readouterr().out)
+    assert offloaded["new_tokens"] == plain["new_tokens"] and offloaded["speculative"]["iterations"] >= 1
     err = one_line_error(
         capsys, ["generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--speculative", "mtp"]
     )

@@ -100,7 +100,7 @@ def generate(
       decode_block: decode steps per program (>= 1); the tokens are the same for every value.
       speculative: None, or "mtp": the MTP module `mtp` drafts `draft_tokens` tokens and the model verifies
         them in one forward (`hybridlm.engine.speculative`); greedy output equals plain decoding's, sampled
-        output has its distribution. One sequence (batch 1), experts resident.
+        output has its distribution. One sequence (batch 1); resident or offloaded experts.
       mtp: the `MTPModule` (`hybridlm.loading.load_mtp`), for speculative="mtp".
       draft_tokens: drafts per iteration, an int in [1, 8] or "auto" (1-4, chosen from the acceptance so far).
       oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha),
@@ -196,11 +196,6 @@ def generate_speculative(
     from hybridlm.engine import speculative as spec
     from hybridlm.mtp import init_mtp_cache
 
-    if getattr(runner, "offload_config", None) is not None:
-        raise ValueError(
-            "speculative decoding runs with the experts resident on the device; this runner offloads them "
-            "(load without --expert-budget, or decode without speculative=)"
-        )
     ids = np.asarray(input_ids)
     if ids.ndim == 2 and ids.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
@@ -237,7 +232,6 @@ def generate_speculative(
             f"prompt ({ids.shape[-1]}) + max_new_tokens ({max_new_tokens}) + the last verify's {2 * slots} "
             f"positions exceed max_position_embeddings={runner.config.max_position_embeddings}"
         )
-    graph, leaves = spec.flat_layer(runner.whole[0].graphdef, runner.whole[1])
     mtp_graph, mtp_leaves = spec.flat_mtp(mtp)
     seq = ids.shape[-1]
     found: dict = {}
@@ -250,7 +244,7 @@ def generate_speculative(
             num_valid - 1 if start + num_valid == seq else num_valid
         )  # the last pairs with the sampled token
         found["cache"] = spec.mtp_prefill(
-            graph, mtp_graph, leaves, mtp_leaves, cache, x, jnp.asarray(next_ids), start, pairs
+            mtp_graph, mtp_leaves, runner.embed_table, cache, x, jnp.asarray(next_ids), start, pairs
         )
         found["last"] = x[:, num_valid - 1]
 
@@ -259,6 +253,9 @@ def generate_speculative(
         runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens + 2 * slots, on_chunk=on_chunk
     )
     token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
+    target, target_args = (
+        runner.speculative_target()
+    )  # after the prefill: an offloaded pool is set for decode
     oracle_mode = None if oracle is None else "coin" if oracle[0] is None else "reference"
     reference, alpha = (
         (None, 0.0) if oracle_mode != "reference" else (np.asarray(oracle[0]).reshape(1, -1), 0.0)
@@ -294,7 +291,9 @@ def generate_speculative(
         cfg = spec.SpecConfig(k, slots, sampler, oracle_mode)
         warming = len(parts) <= (len(spec.AUTO_DRAFT_TOKENS) if auto else 1)
         limit = min(total, limits[-1] + (1 if warming else block))
-        out, count, s = spec.spec_block(cfg, graph, mtp_graph, block, leaves, mtp_leaves, s, np.int32(limit))
+        out, count, s = spec.spec_block(
+            cfg, target, mtp_graph, block, target_args, mtp_leaves, s, np.int32(limit)
+        )
         parts.append((out, count))
         limits.append(limit)
         draft_used.append(k)

@@ -170,6 +170,13 @@ class LayerwiseRunner:
             self.whole[0], treedef, sampler, leaves, token, states, position, carry, np.int32(steps)
         )
 
+    def speculative_target(self) -> tuple:
+        """(target, its traced arguments) that `engine.speculative` verifies drafts with: the whole model."""
+        from hybridlm.engine.speculative import ResidentTarget
+
+        graph, leaves = flat_layer(self.whole[0].graphdef, self.whole[1])
+        return ResidentTarget(graph), tuple(leaves)
+
     @staticmethod
     def step_inputs(tokens, states, position) -> tuple:
         """(tokens int32, states, position) as a one-program decode step takes them: tokens and states

@@ -86,32 +86,58 @@ class SpecState:
     alpha: jax.Array  # float32: oracle acceptance probability
 
 
-def mtp_ingest(mtp, model, cache: KVCache, token_ids, hidden, start, num_valid):
-    """The drafter over pairs (token_ids[:, i], hidden[:, i]) at MTP positions start + i, i < num_valid:
-    returns (its pre-norm outputs [batch, seq, hidden], the cache with them written)."""
-    x = mtp.fuse(model.embed[...][token_ids], hidden.astype(model.embed.dtype))
+@dataclasses.dataclass(frozen=True)
+class ResidentTarget:
+    """The model to verify with, all weights on the device: `bind(leaves)` (the model's flat weights) gives
+    its embedding table, lm head, multi-token forward (`verify`) and logits."""
+
+    graph: StaticGraph  # the whole model's graph with its weights' treedef (`phases.flat_layer`)
+
+    def bind(self, leaves) -> _BoundModel:
+        return _BoundModel(self.graph.merge(leaves))
+
+
+class _BoundModel:
+    def __init__(self, model):
+        self.model = model
+        self.embed = model.embed[...]  # [vocab, hidden]
+        self.head_weight = model.head_weight()  # [hidden, vocab]
+
+    def verify(self, states: list, tokens, position):
+        return verify(self.model, states, tokens, position)
+
+    def logits(self, hidden):
+        return self.model.logits(hidden)
+
+
+def mtp_ingest(mtp, embed, cache: KVCache, token_ids, hidden, start, num_valid):
+    """The drafter over pairs (token_ids[:, i], hidden[:, i]) at MTP positions start + i, i < num_valid, with
+    the model's embedding table `embed` [vocab, hidden]: returns (its pre-norm outputs [batch, seq, hidden],
+    the cache with them written)."""
+    x = mtp.fuse(embed[token_ids], hidden.astype(embed.dtype))
     return mtp.layers[0](x, cache, start, num_valid)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
-def mtp_prefill(graph: StaticGraph, mtp_graph: StaticGraph, leaves, mtp_leaves, cache, hidden, ids, start, n):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def mtp_prefill(mtp_graph: StaticGraph, mtp_leaves, embed, cache, hidden, ids, start, n):
     """`mtp_ingest` over one prefill chunk (`prefill(on_chunk=...)`): the pairs (ids[:, i], hidden[:, i]) with
     ids the prompt shifted left by one; returns the new cache."""
-    model, mtp = graph.merge(leaves), mtp_graph.merge(mtp_leaves)
-    return mtp_ingest(mtp, model, cache, ids, hidden, start, n)[1]
+    return mtp_ingest(mtp_graph.merge(mtp_leaves), embed, cache, ids, hidden, start, n)[1]
 
 
 def _draft(cfg: SpecConfig, model, mtp, s: SpecState, key):
-    """Drafts k tokens: ([1, k] int32, draft logits [1, k, vocab] float32 (sampling only, else None), the
-    drafter's cache)."""
-    head = model.head_weight()
+    """Drafts k tokens with the bound target `model`'s embedding and head: ([1, k] int32, draft logits
+    [1, k, vocab] float32, the drafter's caches)."""
+    head = model.head_weight
     base = s.position - s.pending
-    y, cache = mtp_ingest(mtp, model, s.mtp_cache[0], s.pend_tokens, s.pend_hidden, base, s.pending)
+    y, cache = mtp_ingest(mtp, model.embed, s.mtp_cache[0], s.pend_tokens, s.pend_hidden, base, s.pending)
     y = jax.lax.dynamic_index_in_dim(y, s.pending - 1, axis=1, keepdims=False)  # [1, hidden]
     drafts, logits = [], []
     for j in range(cfg.draft_tokens):
         if j:  # step j + 1: the previous draft and the drafter's own output, at MTP position p + j - 1
-            y, cache = mtp_ingest(mtp, model, cache, drafts[-1][:, None], y[:, None], s.position + j - 1, 1)
+            y, cache = mtp_ingest(
+                mtp, model.embed, cache, drafts[-1][:, None], y[:, None], s.position + j - 1, 1
+            )
             y = y[:, 0]
         lg = head_logits(mtp.norm, head, y)  # [1, vocab]
         key, sub = jax.random.split(key)
@@ -141,7 +167,7 @@ def iteration(cfg: SpecConfig, model, mtp, s: SpecState) -> tuple[SpecState, jax
     count)."""
     key, draft_key, accept_key = jax.random.split(s.key, 3)
     drafts, draft_logits, mtp_cache = _draft(cfg, model, mtp, s, draft_key)
-    hidden, states = verify(model, s.states, jnp.concatenate([s.token[:, None], drafts], axis=1), s.position)
+    hidden, states = model.verify(s.states, jnp.concatenate([s.token[:, None], drafts], axis=1), s.position)
     logits = model.logits(hidden)  # [1, k + 1, vocab]
     if cfg.oracle == "coin":
         coins = jax.random.uniform(accept_key, (cfg.draft_tokens,)) < s.alpha
@@ -190,12 +216,12 @@ def _probs(sampler: BlockSampler, temperature, top_p, logits):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
 def spec_block(
-    cfg: SpecConfig, graph: StaticGraph, mtp_graph: StaticGraph, block: int, leaves, mtp_leaves, s, limit
+    cfg: SpecConfig, target, mtp_graph: StaticGraph, block: int, target_args, mtp_leaves, s, limit
 ):
     """Speculative iterations in one program until `s.emitted` reaches `limit` (at most `block` tokens past
     where it starts) or a stop id is emitted: (tokens [1, block + slots] int32 valid up to count, count int32,
     the new `SpecState`)."""
-    model, mtp = graph.merge(leaves), mtp_graph.merge(mtp_leaves)
+    model, mtp = target.bind(target_args), mtp_graph.merge(mtp_leaves)
     out = jnp.zeros((1, block + cfg.slots), jnp.int32)
 
     def cond(c):

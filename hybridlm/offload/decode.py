@@ -9,6 +9,7 @@ only: decode evicts and inserts nothing, and the step compiles once per pool.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -36,6 +37,7 @@ def fetch_experts(
     slots: jax.Array,
     ids: jax.Array,
     source: str,
+    skip: jax.Array | None = None,
 ):
     """The weights of experts `ids` [n] of one layer as (gate_up, down) [n, ...] on the device, each from the
     pool where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its pinned host part.
@@ -47,7 +49,8 @@ def fetch_experts(
     copy is one `lax.switch`: branch 1 + p reads host part p, and, in a MIXED layer, branch 0 gives a zero row
     for a resident expert, whose pool row is selected instead. One host part a layer makes the copies cheaper
     than a switch over several; the branches are kept to one operation each, because unpacking inside them
-    made the step slower."""
+    made the step slower. `skip` [n] bool (optional): rows whose copy is not needed (zeros come back), so that
+    a verify fetches each distinct expert once."""
     if source == IN_POOL:
         return jax.tree_util.tree_map(lambda a: a[slots], pool)
     starts = jnp.asarray(part_start, jnp.int32)
@@ -61,14 +64,20 @@ def fetch_experts(
         return jnp.zeros((1, layout.nbytes), jnp.uint8)
 
     mixed = source == MIXED
-    branches = ([resident] if mixed else []) + [from_host(p) for p in range(len(host_parts))]
+    zero = mixed or skip is not None  # branch 0: a zero row (a resident or a skipped expert)
+    branches = ([resident] if zero else []) + [from_host(p) for p in range(len(host_parts))]
     rows = []
     for j in range(ids.shape[0]):
         if len(branches) == 1:  # one host part, no resident expert: no control flow
             rows.append(branches[0](ids[j]))
             continue
         part = jnp.sum(ids[j] >= starts[1:]).astype(jnp.int32)
-        index = jnp.where(slots[j] >= 0, 0, 1 + part) if mixed else part
+        if zero:
+            no_copy = (slots[j] >= 0) if mixed else False
+            no_copy = no_copy | skip[j] if skip is not None else no_copy
+            index = jnp.where(no_copy, 0, 1 + part)
+        else:
+            index = part
         rows.append(jax.lax.switch(index, branches, ids[j] - starts[part]))
     copied = layout.unpack(jnp.concatenate(rows))  # leaves [n, ...]
     if not mixed:
@@ -189,6 +198,71 @@ def decode_paged_block(
         return logits, (new_states, new_hits)
 
     return sampler.loop(step, tokens, (states, hits), position, carry, steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadTarget:
+    """The offloaded model that a speculative verify runs (`engine.speculative`): the static layout, layer
+    graphs and expert sources of a `PagedView`; `bind(args)`, args = (embed, layer_leaves, head_leaves,
+    lm_head, host parts, pool, slot_table, held) as `OffloadedRunner.speculative_target` gives them."""
+
+    layout: ExpertLayout
+    graphs: tuple
+    head_graph: StaticGraph
+    sources: tuple[str, ...]
+    part_start: tuple[int, ...]
+
+    def bind(self, args) -> _PagedModel:
+        return _PagedModel(self, *args)
+
+
+class _PagedModel:
+    """An `OffloadTarget` bound to its arrays inside a traced program."""
+
+    def __init__(self, target, embed, layer_leaves, head_leaves, lm_head, host, pool, slot_table, held):
+        self.target, self.layer_leaves, self.head_leaves = target, layer_leaves, head_leaves
+        self.host, self.pool, self.slot_table, self.held = host, pool, slot_table, held
+        self.embed = embed
+        self.head_weight = embed.T if lm_head is None else lm_head  # as HybridLM.head_weight
+
+    def logits(self, hidden):
+        return head_logits(self.target.head_graph.merge(self.head_leaves), self.head_weight, hidden)
+
+    def verify(self, states: list, tokens, position):
+        """`engine.speculative.verify` with the experts paged: tokens [1, seq] -> (hidden [1, seq, hidden],
+        states with a leading [seq] axis on Gated DeltaNet layers). In a layer whose experts are not all
+        resident, each distinct expert of the seq x top_k copies is fetched once."""
+        t = self.target
+        x = self.embed[tokens]
+        batch, seq, hidden = x.shape
+        new_states = []
+        for i, (graph, leaves, state) in enumerate(zip(t.graphs, self.layer_leaves, states, strict=False)):
+            layer = graph.merge(leaves)
+            h, state = layer.verify_mix(x, state, position)
+            new_states.append(state)
+            u = layer.post_norm(h).reshape(batch * seq, hidden)
+            weights, ids = layer.ffn.route(u)  # [seq, top_k]
+            flat = ids.reshape(-1)
+            local = jnp.arange(flat.shape[0], dtype=jnp.int32)  # copy j runs fetched expert j
+            if t.sources[i] == HELD:
+                experts = jax.tree_util.tree_map(lambda a, flat=flat: a[flat], self.held[i])
+            elif t.sources[i] == IN_POOL:
+                slots = self.slot_table[i][flat]
+                experts = fetch_experts(t.layout, self.host[i], t.part_start, self.pool, slots, flat, IN_POOL)
+            else:  # the distinct experts, padded with repeats of the first, which are skipped
+                order = jnp.sort(flat)
+                distinct = jnp.sum(order[1:] != order[:-1]) + 1
+                uniq, local = jnp.unique(flat, return_inverse=True, size=flat.shape[0])
+                skip = jnp.arange(flat.shape[0]) >= distinct
+                slots = self.slot_table[i][uniq]
+                experts = fetch_experts(
+                    t.layout, self.host[i], t.part_start, self.pool, slots, uniq, t.sources[i], skip
+                )
+            layer.ffn.experts_gate_up.set_value(experts[0])
+            layer.ffn.experts_down.set_value(experts[1])
+            local = local.reshape(ids.shape).astype(jnp.int32)
+            x = h + layer.ffn.experts(u, weights, local).reshape(batch, seq, hidden)
+        return x, new_states
 
 
 class PagedView(NamedTuple):

@@ -21,7 +21,7 @@ from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, check_decode_inp
 from hybridlm.engine.sampling import host_block
 from hybridlm.model import EXPERT_PARAMS, HybridLM
 from hybridlm.offload.config import OffloadConfig, default_host_parts
-from hybridlm.offload.decode import PagedDecoder, PagedView
+from hybridlm.offload.decode import OffloadTarget, PagedDecoder, PagedView
 from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout, format_bytes, parse_bytes
 from hybridlm.offload.host import HostExperts, describe_layout, device_sharding, one_layout
 from hybridlm.offload.part_queue import PartQueue
@@ -291,6 +291,30 @@ class OffloadedRunner(LayerwiseRunner):
         self._decode_stats.tokens += batch * steps
         self._kind = "decode"
         return out
+
+    def speculative_target(self) -> tuple:
+        """`LayerwiseRunner.speculative_target` with the experts paged (`decode.OffloadTarget`): the pool is
+        set for decode first (`PagedDecoder.make_view`), as a decode step would."""
+        res, decoder = self.residency, self.decoder
+        self._ensure_pool(1)
+        if decoder.view is None:
+            decoder.view = decoder.make_view(self._decode_stats)
+        graphs, leaves = zip(*self.layers, strict=True)
+        view = decoder.view
+        target = OffloadTarget(
+            res.host.layout, graphs, self.final_norm[0], view.sources, tuple(res.host.part_start)
+        )
+        host = tuple(tuple(parts) for parts in res.host.layers)
+        args = (
+            self.embed_table,
+            leaves,
+            self.final_norm[1],
+            self.lm_head,
+            host,
+            res.cache.pool,
+            view.slot_table,
+        )
+        return target, (*args, view.held)
 
     def forward_chunk(
         self, ids: jax.Array, states: list[LayerState], start, num_valid: int, timer: PhaseTimer | None = None

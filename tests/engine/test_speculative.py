@@ -354,16 +354,30 @@ def test_refusals(cases):
         call(temperature=1.0, oracle_draft=(None, 0.5))
 
 
-def test_offloaded_runner_is_refused(cases):
+@pytest.mark.parametrize(
+    ("budget", "host_parts"), [("1MiB", None), ("3MiB", 1)], ids=["default-host-parts", "one-host-part"]
+)
+def test_offloaded_experts_verify_as_resident(cases, budget, host_parts):
+    """With the experts paged (layers whose experts are in host memory fetch each distinct expert of the
+    verify's copies once; pool layers gather), speculative greedy tokens equal plain greedy, random and oracle
+    drafts alike."""
     from hybridlm.offload import HostExperts, OffloadConfig, OffloadedRunner
+    from hybridlm.offload.decode import IN_HOST, IN_POOL
 
-    runner, mtp, prompt, _, _ = cases("qwen3.5", 0, LENGTHS[0])
+    runner, mtp, prompt, plain, reference = cases("qwen3.5", 0, LENGTHS[1])
     model = runner.model
-    offloaded = OffloadedRunner(
-        model, OffloadConfig(expert_budget="1MiB"), host_experts=HostExperts.from_model(model)
+    host = (
+        HostExperts.from_model(model)
+        if host_parts is None
+        else HostExperts.from_model(model, parts=host_parts)
     )
-    with pytest.raises(ValueError, match="experts resident.*this runner offloads them"):
-        hybridlm.generate(offloaded, prompt, max_new_tokens=4, chunk_size=CHUNK, speculative="mtp", mtp=mtp)
+    offloaded = OffloadedRunner(model, OffloadConfig(expert_budget=budget), host_experts=host)
+    for oracle in (None, (reference, 0.75)):
+        got = spec(offloaded, mtp, prompt, oracle_draft=oracle)
+        np.testing.assert_array_equal(got.tokens[0], plain, err_msg=f"oracle={oracle is not None}")
+    assert got.speculative["mean_accepted"] > 0
+    sources = set(offloaded.decoder.view.sources)
+    assert {IN_HOST, IN_POOL} <= sources
 
 
 def test_mtp_of_another_model_is_refused(cases):
