@@ -210,12 +210,12 @@ def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypat
 
 
 @pytest.mark.parametrize(
-    "seq,implementation,want", [(1, None, "xla"), (1, "cudnn", "cudnn"), (4, None, None)]
+    "seq,implementation,want", [(1, None, "xla"), (1, "cudnn", "cudnn"), (4, None, "xla"), (16, None, None)]
 )
 def test_cached_attention_decode_implementation(seq, implementation, want, monkeypatch):
-    # Decode (one query) with no implementation named attends through DECODE_IMPLEMENTATION (XLA: repeatable
-    # bit for bit on a GPU, where cuDNN's one-query kernel was not); a named one is kept, and chunks keep the
-    # default.
+    # Decode (one query) and a speculative verify (a few) with no implementation named attend through
+    # DECODE_IMPLEMENTATION (XLA: repeatable bit for bit on a GPU, where cuDNN's one-query kernel was not); a
+    # named one is kept, and prefill chunks (16 queries or more) keep the default.
     seen = []
     real = jax.nn.dot_product_attention
 
