@@ -130,9 +130,10 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument(
                 "--draft-tokens",
-                default="auto",
+                default="3",
                 metavar="K",
-                help="drafts per speculative step, 1-8, or auto (1-4 from the acceptance so far; default)",
+                help="drafts per speculative step, 1-8 (default 3), or auto: 1-4 from the acceptance so far "
+                "(each length compiles once)",
             )
             s.add_argument(
                 "--ignore-eos",

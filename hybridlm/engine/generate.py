@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridlm.engine.prefill import DEFAULT_CHUNK_SIZE, PrefillResult, prefill
-from hybridlm.engine.runner import LayerwiseRunner, commit
+from hybridlm.engine.runner import LayerwiseRunner
 from hybridlm.engine.sampling import BlockSampler, block_carry
 from hybridlm.model import HybridLM
 from hybridlm.state import LayerState
@@ -80,7 +80,7 @@ def generate(
     decode_block: int = DECODE_BLOCK,
     speculative: str | None = None,
     mtp=None,
-    draft_tokens: int | str = "auto",
+    draft_tokens: int | str = 3,
     oracle_draft: tuple | None = None,
 ) -> GenerateResult:
     """Prefills the prompt, then samples `max_new_tokens` tokens, the decode steps run in blocks of up to
@@ -102,7 +102,8 @@ def generate(
         them in one forward (`hybridlm.engine.speculative`); greedy output equals plain decoding's, sampled
         output has its distribution. One sequence (batch 1); resident or offloaded experts.
       mtp: the `MTPModule` (`hybridlm.loading.load_mtp`), for speculative="mtp".
-      draft_tokens: drafts per iteration, an int in [1, 8] or "auto" (1-4, chosen from the acceptance so far).
+      draft_tokens: drafts per iteration, an int in [1, 8], or "auto": 1-4 chosen from the acceptance so far
+        (each length compiles its own program, once).
       oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha),
         each draft the reference's token with probability alpha, else another one; or (None, alpha), each
         draft accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the
@@ -125,6 +126,8 @@ def generate(
                 f"speculative={speculative!r}: the one method is 'mtp', with its module given as mtp= "
                 "(hybridlm.load_mtp)"
             )
+        from hybridlm.engine.spec_generate import generate_speculative  # it builds on this module
+
         return generate_speculative(
             runner,
             mtp,
@@ -174,164 +177,4 @@ def generate(
         decode_s=time.perf_counter() - t0,
         first_step_s=first_step_s,
         stop_reason=stop_reason,
-    )
-
-
-def generate_speculative(
-    runner: LayerwiseRunner,
-    mtp,
-    input_ids,
-    *,
-    max_new_tokens: int,
-    sampler: BlockSampler,
-    temperature,
-    top_p,
-    seed: int,
-    stop_ids: np.ndarray,
-    chunk_size,
-    draft_tokens: int | str,
-    oracle: tuple | None,
-) -> GenerateResult:
-    """`generate` with MTP speculative decoding (`hybridlm.engine.speculative`); see `generate`."""
-    from hybridlm.engine import speculative as spec
-    from hybridlm.mtp import init_mtp_cache
-
-    ids = np.asarray(input_ids)
-    if ids.ndim == 2 and ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
-    auto = draft_tokens == "auto"
-    valid_k = isinstance(draft_tokens, int) and not isinstance(draft_tokens, bool)
-    if not auto and not (valid_k and 1 <= draft_tokens <= spec.MAX_DRAFT_TOKENS):
-        raise ValueError(
-            f"draft_tokens={draft_tokens!r} must be 'auto' or an int in [1, {spec.MAX_DRAFT_TOKENS}]"
-        )
-    if oracle is not None and not sampler.greedy:
-        raise ValueError("oracle drafts are for greedy decoding (temperature 0)")
-    if oracle is not None and not (
-        isinstance(oracle, tuple)
-        and len(oracle) == 2
-        and isinstance(oracle[1], (int, float))
-        and 0 <= oracle[1] <= 1
-    ):
-        raise ValueError(f"oracle_draft={oracle!r} must be (reference ids or None, alpha in [0, 1])")
-    if oracle is not None and oracle[0] is not None and np.size(oracle[0]) < ids.shape[-1] + max_new_tokens:
-        raise ValueError(
-            f"oracle_draft's reference holds {np.size(oracle[0])} tokens, fewer than the prompt's "
-            f"{ids.shape[-1]} + max_new_tokens {max_new_tokens}"
-        )
-    c, m = runner.config, mtp.config
-    if (m.hidden_dim, m.vocab_size) != (c.hidden_dim, c.vocab_size):
-        raise ValueError(
-            f"the mtp module (hidden {m.hidden_dim}, vocab {m.vocab_size}) does not belong to this model "
-            f"(hidden {c.hidden_dim}, vocab {c.vocab_size})"
-        )
-    k = max(spec.AUTO_DRAFT_TOKENS) if auto else draft_tokens
-    slots, block = k + 1, sampler.block
-    if ids.shape[-1] + max_new_tokens + 2 * slots > runner.config.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({ids.shape[-1]}) + max_new_tokens ({max_new_tokens}) + the last verify's {2 * slots} "
-            f"positions exceed max_position_embeddings={runner.config.max_position_embeddings}"
-        )
-    mtp_graph, mtp_leaves = spec.flat_mtp(mtp)
-    seq = ids.shape[-1]
-    found: dict = {}
-
-    def on_chunk(x, start, num_valid, next_ids, capacity):
-        cache = found.get("cache")
-        if cache is None:
-            cache = init_mtp_cache(mtp.config, 1, capacity, runner.model.dtype)[0]
-        pairs = (
-            num_valid - 1 if start + num_valid == seq else num_valid
-        )  # the last pairs with the sampled token
-        found["cache"] = spec.mtp_prefill(
-            mtp_graph, mtp_leaves, runner.embed_table, cache, x, jnp.asarray(next_ids), start, pairs
-        )
-        found["last"] = x[:, num_valid - 1]
-
-    # room past max_new_tokens for the last iteration's drafts
-    pre = prefill(
-        runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens + 2 * slots, on_chunk=on_chunk
-    )
-    token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
-    target, target_args = (
-        runner.speculative_target()
-    )  # after the prefill: an offloaded pool is set for decode
-    oracle_mode = None if oracle is None else "coin" if oracle[0] is None else "reference"
-    reference, alpha = (
-        (None, 0.0) if oracle_mode != "reference" else (np.asarray(oracle[0]).reshape(1, -1), 0.0)
-    )
-    alpha = oracle[1] if oracle is not None else 0.0
-    s = spec.initial_state(
-        pre,
-        token,
-        [found["cache"]],
-        found["last"],
-        slots,
-        key,
-        stop_ids,
-        temperature,
-        top_p,
-        reference,
-        alpha,
-    )
-    s = commit(s)
-    parts: list = [(token[:, None], np.int32(1))]
-    limits, draft_used = [0], []
-    total = max_new_tokens - 1
-    first_step_s, first_parts = 0.0, 0
-    t0 = time.perf_counter()
-    # The first programs compile (timed apart): one iteration of each draft length "auto" may pick, so that a
-    # later change of length compiles nothing inside the timed blocks.
-    warmup = list(spec.AUTO_DRAFT_TOKENS[::-1]) if auto else [k]
-    while limits[-1] < total:
-        if warmup:
-            k = warmup.pop(0)
-        elif auto:  # the acceptance of the block before the last, read while that one runs
-            k = spec.choose_draft_tokens(*found["counts"])
-        cfg = spec.SpecConfig(k, slots, sampler, oracle_mode)
-        warming = len(parts) <= (len(spec.AUTO_DRAFT_TOKENS) if auto else 1)
-        limit = min(total, limits[-1] + (1 if warming else block))
-        out, count, s = spec.spec_block(
-            cfg, target, mtp_graph, block, target_args, mtp_leaves, s, np.int32(limit)
-        )
-        parts.append((out, count))
-        limits.append(limit)
-        draft_used.append(k)
-        if warming and (not warmup or limit >= total):
-            jax.block_until_ready(out)
-            first_step_s = time.perf_counter() - t0
-            first_parts = len(parts) - 1
-        if auto:
-            found["counts"] = (np.asarray(s.tried), np.asarray(s.passed))
-        # a block that emitted nothing means a stop id came before it
-        if stop_ids.size and len(parts) > 2 and int(parts[-2][1]) == 0:
-            break
-    tokens = np.concatenate([np.asarray(out)[:, : int(count)] for out, count in parts], axis=1)
-    tokens = tokens[:, :max_new_tokens]
-    stop_reason = "length"
-    if stop_ids.size:
-        hit = np.isin(tokens, stop_ids)
-        if hit.any():
-            tokens = tokens[:, : int(hit[0].argmax()) + 1]
-            stop_reason = "eos"
-    decode_s = time.perf_counter() - t0
-    tried, passed = np.asarray(s.tried), np.asarray(s.passed)
-    iterations = int(s.iterations)
-    stats = {
-        "method": "mtp",
-        "draft_tokens": draft_used[-1] if draft_used else k,
-        "draft_tokens_per_block": draft_used,
-        "iterations": iterations,
-        "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
-        "tokens_per_iteration": float(int(s.emitted) / iterations) if iterations else 0.0,
-        "acceptance_per_position": [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
-    }
-    return GenerateResult(
-        tokens=tokens,
-        prefill=pre,
-        decode_s=decode_s,
-        first_step_s=first_step_s,
-        stop_reason=stop_reason,
-        speculative=stats,
-        first_step_tokens=sum(int(c) for _, c in parts[1 : 1 + first_parts]),
     )

@@ -220,7 +220,7 @@ def spec_block(
 ):
     """Speculative iterations in one program until `s.emitted` reaches `limit` (at most `block` tokens past
     where it starts) or a stop id is emitted: (tokens [1, block + slots] int32 valid up to count, count int32,
-    the new `SpecState`)."""
+    the new `SpecState`, (tried, passed) of it as arrays of their own)."""
     model, mtp = target.bind(target_args), mtp_graph.merge(mtp_leaves)
     out = jnp.zeros((1, block + cfg.slots), jnp.int32)
 
@@ -233,7 +233,7 @@ def spec_block(
         return s, count + n, jax.lax.dynamic_update_slice_in_dim(out, emitted, count, axis=1)
 
     s, count, out = jax.lax.while_loop(cond, body, (s, jnp.int32(0), out))
-    return out, count, s
+    return out, count, s, (s.tried + 0, s.passed + 0)  # the counts apart: `s` is donated to the next block
 
 
 def initial_state(

@@ -1,0 +1,208 @@
+"""`generate(..., speculative="mtp")`: the prompt prefilled with the drafter ingesting it, then blocks of
+speculative iterations (`hybridlm.engine.speculative.spec_block`), draft lengths chosen between blocks."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridlm.engine import speculative as spec
+from hybridlm.engine.generate import GenerateResult
+from hybridlm.engine.prefill import prefill
+from hybridlm.engine.runner import LayerwiseRunner, commit
+from hybridlm.engine.sampling import BlockSampler
+from hybridlm.mtp import init_mtp_cache
+
+
+def check_speculative(
+    runner, mtp, ids: np.ndarray, max_new_tokens: int, sampler, draft_tokens, oracle
+) -> int:
+    """Refuses what speculative decoding cannot run; returns the widest draft length it may use.
+
+    Raises:
+      ValueError: a batch of more than one sequence, a draft length outside [1, MAX_DRAFT_TOKENS] (or not
+        "auto"), oracle drafts when sampling or malformed, an MTP module of another model, or no room past
+        max_new_tokens for the last verify within max_position_embeddings.
+    """
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
+    valid_k = isinstance(draft_tokens, int) and not isinstance(draft_tokens, bool)
+    if draft_tokens != "auto" and not (valid_k and 1 <= draft_tokens <= spec.MAX_DRAFT_TOKENS):
+        raise ValueError(
+            f"draft_tokens={draft_tokens!r} must be 'auto' or an int in [1, {spec.MAX_DRAFT_TOKENS}]"
+        )
+    if oracle is not None:
+        if not sampler.greedy:
+            raise ValueError("oracle drafts are for greedy decoding (temperature 0)")
+        alpha_ok = isinstance(oracle, tuple) and len(oracle) == 2 and isinstance(oracle[1], (int, float))
+        if not (alpha_ok and 0 <= oracle[1] <= 1):
+            raise ValueError(f"oracle_draft={oracle!r} must be (reference ids or None, alpha in [0, 1])")
+        if oracle[0] is not None and np.size(oracle[0]) < ids.shape[-1] + max_new_tokens:
+            raise ValueError(
+                f"oracle_draft's reference holds {np.size(oracle[0])} tokens, fewer than the prompt's "
+                f"{ids.shape[-1]} + max_new_tokens {max_new_tokens}"
+            )
+    c, m = runner.config, mtp.config
+    if (m.hidden_dim, m.vocab_size) != (c.hidden_dim, c.vocab_size):
+        raise ValueError(
+            f"the mtp module (hidden {m.hidden_dim}, vocab {m.vocab_size}) does not belong to this model "
+            f"(hidden {c.hidden_dim}, vocab {c.vocab_size})"
+        )
+    widest = max(spec.AUTO_DRAFT_TOKENS) if draft_tokens == "auto" else draft_tokens
+    if ids.shape[-1] + max_new_tokens + 2 * (widest + 1) > c.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({ids.shape[-1]}) + max_new_tokens ({max_new_tokens}) + the last verify's "
+            f"{2 * (widest + 1)} positions exceed max_position_embeddings={c.max_position_embeddings}"
+        )
+    return widest
+
+
+def prefill_with_drafter(runner, mtp, mtp_flat: tuple, ids: np.ndarray, chunk_size, max_new_tokens: int):
+    """`prefill` with the drafter ingesting each chunk (`speculative.mtp_prefill`): (result, the drafter's
+    KV cache, the last prompt position's hidden state [1, hidden])."""
+    mtp_graph, mtp_leaves = mtp_flat
+    seq = ids.shape[-1]
+    found: dict = {}
+
+    def on_chunk(x, start, num_valid, next_ids, capacity):
+        cache = found.get("cache")
+        if cache is None:
+            cache = init_mtp_cache(mtp.config, 1, capacity, runner.model.dtype)[0]
+        pairs = num_valid - 1 if start + num_valid == seq else num_valid  # the last waits for its token
+        found["cache"] = spec.mtp_prefill(
+            mtp_graph, mtp_leaves, runner.embed_table, cache, x, jnp.asarray(next_ids), start, pairs
+        )
+        found["last"] = x[:, num_valid - 1]
+
+    pre = prefill(runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens, on_chunk=on_chunk)
+    return pre, found["cache"], found["last"]
+
+
+def generate_speculative(
+    runner: LayerwiseRunner,
+    mtp,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    sampler: BlockSampler,
+    temperature,
+    top_p,
+    seed: int,
+    stop_ids: np.ndarray,
+    chunk_size,
+    draft_tokens: int | str,
+    oracle: tuple | None,
+) -> GenerateResult:
+    """`generate` with MTP speculative decoding (`hybridlm.engine.speculative`); see `generate`.
+
+    Raises:
+      ValueError: see `check_speculative`, and `prefill`'s errors.
+    """
+    ids = np.asarray(input_ids)
+    auto = draft_tokens == "auto"
+    slots = check_speculative(runner, mtp, ids, max_new_tokens, sampler, draft_tokens, oracle) + 1
+    mtp_flat = spec.flat_mtp(mtp)
+    # room past max_new_tokens for the last iteration's drafts
+    pre, cache, last = prefill_with_drafter(
+        runner, mtp, mtp_flat, ids, chunk_size, max_new_tokens + 2 * slots
+    )
+    token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
+    target = runner.speculative_target()  # after the prefill: an offloaded pool is set for decode
+    mode = None if oracle is None else "coin" if oracle[0] is None else "reference"
+    reference = np.asarray(oracle[0]).reshape(1, -1) if mode == "reference" else None
+    alpha = oracle[1] if oracle is not None else 0.0
+    s = spec.initial_state(
+        pre, token, [cache], last, slots, key, stop_ids, temperature, top_p, reference, alpha
+    )
+    first = np.asarray(token)  # read before the state holding it is donated to the first block
+    t0 = time.perf_counter()
+    # The first programs compile (timed apart): one iteration of each draft length "auto" may pick, so that a
+    # later change of length compiles nothing inside the timed blocks.
+    warmup = list(spec.AUTO_DRAFT_TOKENS[::-1]) if auto else [draft_tokens]
+    run = _Blocks(target, mtp_flat, sampler, slots, mode, commit(s), max_new_tokens - 1)
+    first_step_s = None
+    while run.limit < run.total:
+        warming = bool(warmup)
+        k = warmup.pop(0) if warming else spec.choose_draft_tokens(*run.counts()) if auto else draft_tokens
+        run.block(k, warming)
+        if warming and not warmup:
+            jax.block_until_ready(run.parts[-1][0])
+            run.first_parts, first_step_s = len(run.parts), time.perf_counter() - t0
+        if stop_ids.size and len(run.parts) > 1 and int(run.parts[-2][1]) == 0:
+            break  # a block that emitted nothing: a stop id came before it
+    if first_step_s is None:  # max_new_tokens came within the warm-up: all of it counts as the first step
+        run.first_parts, first_step_s = len(run.parts), time.perf_counter() - t0
+    tokens, stop_reason = _tokens(first, run.parts, max_new_tokens, stop_ids)
+    return GenerateResult(
+        tokens=tokens,
+        prefill=pre,
+        decode_s=time.perf_counter() - t0,
+        first_step_s=first_step_s,
+        stop_reason=stop_reason,
+        speculative=run.stats(),
+        first_step_tokens=sum(int(c) for _, c in run.parts[: run.first_parts]),
+    )
+
+
+class _Blocks:
+    """The speculative blocks of one generate: each enqueued with its draft length, its tokens and counts kept
+    (read only when the host needs them)."""
+
+    def __init__(self, target, mtp_flat, sampler, slots: int, mode, state, total: int):
+        self.target, self.mtp_flat, self.sampler, self.slots, self.mode = (
+            target,
+            mtp_flat,
+            sampler,
+            slots,
+            mode,
+        )
+        self.state, self.total, self.limit = state, total, 0
+        self.parts: list = []  # (tokens [1, block + slots], count) per block
+        self.draft_used: list[int] = []
+        self.first_parts: int | None = None
+        self._counts = None  # the acceptance counts after the last block, as separate arrays
+
+    def block(self, k: int, warming: bool) -> None:
+        """Enqueues the next block: one iteration while warming (its program compiles), else up to
+        `sampler.block` tokens."""
+        cfg = spec.SpecConfig(k, self.slots, self.sampler, self.mode)
+        self.limit = min(self.total, self.limit + (1 if warming else self.sampler.block))
+        (target, args), (mtp_graph, mtp_leaves) = self.target, self.mtp_flat
+        out, count, self.state, self._counts = spec.spec_block(
+            cfg, target, mtp_graph, self.sampler.block, args, mtp_leaves, self.state, np.int32(self.limit)
+        )
+        self.parts.append((out, count))
+        self.draft_used.append(k)
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tried, passed) per draft position after the last enqueued block (waits for it)."""
+        return tuple(np.asarray(c) for c in self._counts)
+
+    def stats(self) -> dict:
+        """Acceptance statistics of the whole run (`GenerateResult.speculative`)."""
+        tried, passed = self.counts()
+        iterations, emitted = int(self.state.iterations), int(self.state.emitted)
+        return {
+            "method": "mtp",
+            "draft_tokens": self.draft_used[-1] if self.draft_used else 0,
+            "draft_tokens_per_block": self.draft_used,
+            "iterations": iterations,
+            "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
+            "tokens_per_iteration": float(emitted / iterations) if iterations else 0.0,
+            "acceptance_per_position": [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
+        }
+
+
+def _tokens(first, parts: list, max_new_tokens: int, stop_ids: np.ndarray) -> tuple[np.ndarray, str]:
+    """The emitted tokens [1, n] (the prefill's `first` [1], then each block's), cut at max_new_tokens and
+    after the first stop id, and the stop reason."""
+    pieces = [first[:, None]] + [np.asarray(out)[:, : int(count)] for out, count in parts]
+    tokens = np.concatenate(pieces, axis=1)[:, :max_new_tokens]
+    if stop_ids.size:
+        hit = np.isin(tokens, stop_ids)
+        if hit.any():
+            return tokens[:, : int(hit[0].argmax()) + 1], "eos"
+    return tokens, "length"
