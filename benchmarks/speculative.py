@@ -1,6 +1,7 @@
 """Decode and MTP speculative decoding on a GGUF file through `hybridlm.generate`, with oracle drafts.
 
     python -m benchmarks.speculative --gguf F.gguf [--new-tokens 128] [--alphas 0.5 0.75 0.9] [--ks 1 2 3 4]
+        [--budget 12GiB]
 
 Random MTP weights accept almost nothing, so the drafts are oracle drafts: "coin", each accepted with
 probability alpha (the verify's own tokens emitted); "reference", each the token of an all-rejecting run with
@@ -81,6 +82,7 @@ def main(argv=None) -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--verify-ks", type=int, nargs="+", default=[3], help="verifies of k + 1 tokens to time")
     p.add_argument("--reference-ks", type=int, nargs="*", default=[3], help="k of the reference-oracle runs")
+    p.add_argument("--budget", default=None, help="also offloaded at this expert budget, e.g. 12GiB")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -105,15 +107,42 @@ def main(argv=None) -> None:
             _emit(args.out, _record("mtp_oracle_coin", alpha, k, g, plain))
     for k in args.reference_ks:  # drafts from a reference: an all-rejecting run's own greedy tokens
         kw = {"speculative": "mtp", "mtp": mtp, "draft_tokens": k}
-        ref = hybridlm.generate(
-            runner, prompt, max_new_tokens=n, oracle_draft=(np.zeros(1, np.int32), 0.0), **kw
-        )
+        ref = hybridlm.generate(runner, prompt, max_new_tokens=n, oracle_draft=(None, 0.0), **kw)
         reference = np.concatenate([prompt, ref.tokens[0]])
         for alpha in args.alphas:
             for _ in range(2):
                 g = hybridlm.generate(runner, prompt, max_new_tokens=n, oracle_draft=(reference, alpha), **kw)
             record = _record("mtp_oracle_reference", alpha, k, g, plain)
             _emit(args.out, {**record, "same_tokens_as_reference": bool((g.tokens == ref.tokens).all())})
+    if args.budget:
+        del runner, model
+        offloaded(args, mtp, prompt)
+
+
+def offloaded(args, mtp, prompt) -> None:
+    """Plain and coin-oracle MTP decode with the experts offloaded at `args.budget` (a process's second
+    model: load the resident one's runner first or not at all)."""
+    from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
+
+    model, host = load_offloaded(args.gguf, parts=1, progress=False)
+    runner = OffloadedRunner(
+        model, OffloadConfig(expert_budget=args.budget, cache_policy="static"), host_experts=host
+    )
+    n = args.new_tokens
+    for _ in range(2):
+        plain = hybridlm.generate(runner, prompt, max_new_tokens=n)
+    _emit(
+        args.out,
+        {"what": "plain_offloaded", "budget": args.budget, "tokens_per_s": plain.decode_tokens_per_s},
+    )
+    for k in args.ks:
+        for alpha in args.alphas:
+            kw = {"speculative": "mtp", "mtp": mtp, "draft_tokens": k, "oracle_draft": (None, alpha)}
+            for _ in range(2):
+                g = hybridlm.generate(runner, prompt, max_new_tokens=n, **kw)
+            _emit(
+                args.out, {**_record("mtp_oracle_coin_offloaded", alpha, k, g, plain), "budget": args.budget}
+            )
 
 
 def _record(what: str, alpha: float, k: int, g, plain) -> dict:
