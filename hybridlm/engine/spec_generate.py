@@ -136,7 +136,7 @@ def generate_speculative(
     if first_step_s is None:  # max_new_tokens came within the warm-up: all of it counts as the first step
         run.first_parts, first_step_s = len(run.parts), time.perf_counter() - t0
     tokens, stop_reason = _tokens(first, run.parts, max_new_tokens, stop_ids)
-    return GenerateResult(
+    result = GenerateResult(
         tokens=tokens,
         prefill=pre,
         decode_s=time.perf_counter() - t0,
@@ -145,6 +145,12 @@ def generate_speculative(
         speculative=run.stats(),
         first_step_tokens=sum(int(c) for _, c in run.parts[: run.first_parts]),
     )
+    timed = result.decode_tokens_per_s
+    iterations = result.speculative["iterations"]
+    per_iteration = result.speculative["tokens_per_iteration"]
+    # wall time an iteration (draft + verify + acceptance), from the timed blocks' rate
+    result.speculative["iteration_s"] = per_iteration / timed if timed and iterations else 0.0
+    return result
 
 
 class _Blocks:

@@ -105,6 +105,7 @@ def check_stats(stats: dict, draft_tokens) -> None:
     assert stats["tokens_per_iteration"] == pytest.approx(stats["mean_accepted"] + 1.0)
     assert 1 <= len(stats["acceptance_per_position"]) <= k_max
     assert all(0.0 <= a <= 1.0 for a in stats["acceptance_per_position"])
+    assert np.isfinite(stats["iteration_s"]) and stats["iteration_s"] >= 0
     assert all(1 <= k <= k_max for k in stats["draft_tokens_per_block"])
     if draft_tokens != "auto":
         assert (
