@@ -1,14 +1,14 @@
 """hybridlm: hybrid Gated DeltaNet / gated-attention sparse-MoE language models in JAX.
 
 Public surface: configuration (`ModelConfig`, `get_config`), the model (`HybridLM`, `init_random`, `load`),
-the engine (`prefill`, `generate`, `decode_step`), the tokenizer (`Tokenizer`) and the memory a run needs
-(`estimate_memory`).
+the engine (`prefill`, `generate`, `generate_stream`, `decode_step`), the tokenizer (`Tokenizer`) and the
+memory a run needs (`estimate_memory`).
 """
 
 from hybridlm import compile_cache
 from hybridlm.checkpoints.gguf import save_gguf
 from hybridlm.config import PRESETS, AttentionConfig, GatedDeltaNetConfig, ModelConfig, MoEConfig, get_config
-from hybridlm.engine import LayerwiseRunner, PrefillResult, decode_step, generate, prefill
+from hybridlm.engine import LayerwiseRunner, PrefillResult, decode_step, generate, generate_stream, prefill
 from hybridlm.loading import load
 from hybridlm.model import HybridLM, init_random
 from hybridlm.planning import estimate_memory
@@ -27,6 +27,7 @@ __all__ = [
     "decode_step",
     "estimate_memory",
     "generate",
+    "generate_stream",
     "get_config",
     "init_random",
     "load",

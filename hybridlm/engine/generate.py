@@ -143,38 +143,114 @@ def generate(
             oracle=oracle_draft,
         )
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
-    token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
-    carry = block_carry(key, np.zeros(pre.batch, bool), stop_ids, temperature, top_p)
-    carry = (carry[0], jnp.any(token[:, None] == carry[2][None, :], axis=1), *carry[2:])
-    parts: list[tuple[jax.Array, jax.Array]] = [(token[:, None], np.int32(1))]  # (tokens, count) per program
-    states, position, remaining, asked = pre.states, pre.prompt_tokens, max_new_tokens - 1, [1]
-    first_step_s = 0.0
-    t0 = time.perf_counter()
-    while remaining > 0:
-        steps = 1 if len(parts) == 1 else min(decode_block, remaining)  # the first compiles: timed apart
-        out, count, token, states, _, carry = runner.decode_block(
-            sampler, token, states, position, carry, steps
-        )
-        parts.append((out, count))
-        asked.append(steps)
-        position, remaining = position + steps, remaining - steps
-        if len(parts) == 2:
-            jax.block_until_ready(out)
-            first_step_s = time.perf_counter() - t0
-        # a program that ran short means every row had stopped; the one before this is read while this runs
-        if stop_ids.size and len(parts) > 2 and int(parts[-2][1]) < asked[-2]:
-            break
-    tokens = np.concatenate([np.asarray(out)[:, : int(count)] for out, count in parts], axis=1)
-    stop_reason = "length"
-    if stop_ids.size:
-        hit = np.isin(tokens, stop_ids)
-        if hit.any(axis=1).all():  # cut after the step where the last row produced its first stop id
-            tokens = tokens[:, : int(hit.argmax(axis=1).max()) + 1]
-            stop_reason = "eos"
+    stream = TokenStream(runner, pre, sampler, seed, stop_ids, temperature, top_p, max_new_tokens)
+    pieces = list(stream)
     return GenerateResult(
-        tokens=tokens,
+        tokens=np.concatenate(pieces, axis=1),
         prefill=pre,
-        decode_s=time.perf_counter() - t0,
-        first_step_s=first_step_s,
-        stop_reason=stop_reason,
+        decode_s=stream.decode_s,
+        first_step_s=stream.first_step_s,
+        stop_reason=stream.stop_reason,
     )
+
+
+def generate_stream(
+    model: HybridLM | LayerwiseRunner,
+    input_ids,
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    chunk_size: int | str = DEFAULT_CHUNK_SIZE,
+    decode_block: int = DECODE_BLOCK,
+) -> TokenStream:
+    """`generate` (plain decoding) as a stream: prefills now, then iterating the result yields the new tokens
+    as numpy [batch, n] int32 blocks while the next block decodes; the same tokens as `generate`.
+
+    Raises:
+      ValueError: as `generate`, at the call.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not (isinstance(decode_block, int) and decode_block >= 1):
+        raise ValueError(f"decode_block={decode_block!r} must be an int >= 1")
+    sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)
+    stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
+    runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
+    pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    return TokenStream(runner, pre, sampler, seed, stop_ids, temperature, top_p, max_new_tokens)
+
+
+class TokenStream:
+    """The new tokens of one generation after its prefill, as they come: the prefill's token, then each decode
+    block's (`LayerwiseRunner.decode_block`), each a numpy [batch, n] int32 array; the next block is enqueued
+    before one is read, so the device keeps busy while the host streams. Ends at max_new_tokens, or after the
+    step where every row has produced a stop id (tokens past it are not yielded).
+
+    Args:
+      runner: the runner that prefilled.
+      pre: the `PrefillResult` (its states are consumed).
+      sampler: a `BlockSampler`; seed, temperature, top_p: sampling (as `generate`).
+      stop_ids: [n] int stop ids (may be empty).
+      max_new_tokens: tokens to yield at most, the prefill's included.
+
+    After iteration: `stop_reason` ("eos" or "length"), `decode_s` (seconds from the first decode block's
+    enqueue to the last token), `first_step_s` (the first block's, one step: it compiles on a first call).
+    """
+
+    def __init__(self, runner, pre, sampler, seed: int, stop_ids, temperature, top_p, max_new_tokens: int):
+        self.runner, self.pre, self.sampler = runner, pre, sampler
+        self.seed, self.stop_ids = seed, np.asarray(stop_ids, np.int64).reshape(-1)
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.stop_reason, self.decode_s, self.first_step_s = "length", 0.0, 0.0
+
+    def __iter__(self):
+        pre, sampler = self.pre, self.sampler
+        token, key = sampler.pick(pre.logits, jax.random.key(self.seed), self.temperature, self.top_p)
+        carry = block_carry(key, np.zeros(pre.batch, bool), self.stop_ids, self.temperature, self.top_p)
+        carry = (carry[0], jnp.any(token[:, None] == carry[2][None, :], axis=1), *carry[2:])
+        first = np.asarray(token)[:, None]
+        self._finished = np.zeros(pre.batch, bool)
+        t0 = time.perf_counter()
+        cut = self._cut(first)
+        yield cut
+        if self.stop_reason == "eos":
+            return
+        states, position, remaining, pending = pre.states, pre.prompt_tokens, self.max_new_tokens - 1, None
+        while remaining > 0 or pending is not None:
+            current = None
+            if remaining > 0:
+                steps = 1 if position == pre.prompt_tokens else min(self.sampler.block, remaining)
+                out, count, token, states, _, carry = self.runner.decode_block(
+                    sampler, token, states, position, carry, steps
+                )
+                position, remaining, current = position + steps, remaining - steps, (out, count)
+                if steps == 1 and position == pre.prompt_tokens + 1:  # the first compiles: timed apart
+                    jax.block_until_ready(out)
+                    self.first_step_s = time.perf_counter() - t0
+            if pending is not None:  # the block before this one, read while this one runs
+                out, count = pending
+                cut = self._cut(np.asarray(out)[:, : int(count)])
+                self.decode_s = time.perf_counter() - t0
+                if cut.shape[1]:
+                    yield cut
+                if self.stop_reason == "eos":
+                    return
+            pending = current
+        self.decode_s = time.perf_counter() - t0
+
+    def _cut(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens, cut after the step where the last row produces its first stop id (stop_reason "eos")."""
+        if not self.stop_ids.size:
+            return tokens
+        hit = np.isin(tokens, self.stop_ids)
+        done = self._finished[:, None] | np.logical_or.accumulate(hit, axis=1)
+        all_done = done.all(axis=0)
+        if all_done.any():
+            self.stop_reason = "eos"
+            tokens = tokens[:, : int(all_done.argmax()) + 1]
+        self._finished = done[:, -1] if done.shape[1] else self._finished
+        return tokens

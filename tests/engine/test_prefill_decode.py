@@ -196,6 +196,26 @@ def test_decode_blocks_give_the_tokens_of_one_step_a_program(tiny_runner, prompt
         hybridlm.generate(tiny_runner, prompt[0, :12], decode_block=0)
 
 
+def test_generate_stream_yields_the_tokens_of_generate_block_by_block(tiny_runner, prompt):
+    kw = {
+        "max_new_tokens": 9,
+        "temperature": 1.0,
+        "top_k": 20,
+        "seed": 2,
+        "chunk_size": 16,
+        "decode_block": 3,
+    }
+    want = hybridlm.generate(tiny_runner, prompt[0, :12], **kw).tokens
+    pieces = list(hybridlm.generate_stream(tiny_runner, prompt[0, :12], **kw))
+    assert [p.shape[1] for p in pieces] == [1, 1, 3, 3, 1]  # the prefill's, the first step's, then blocks
+    np.testing.assert_array_equal(np.concatenate(pieces, axis=1), want)
+    stop = int(want[0, 4])
+    stream = hybridlm.generate_stream(tiny_runner, prompt[0, :12], eos_token_id=stop, **kw)
+    cut = np.concatenate(list(stream), axis=1)
+    np.testing.assert_array_equal(cut, want[:, : int(np.flatnonzero(want[0] == stop)[0]) + 1])
+    assert stream.stop_reason == "eos"
+
+
 def test_sample_greedy_needs_no_key_and_sampling_does():
     logits = jnp.log(jnp.array([[0.2, 0.5, 0.3]], jnp.float32))
     assert int(hybridlm.engine.sample(logits, None, temperature=0.0)[0]) == 1
