@@ -189,7 +189,7 @@ class _Blocks:
 
     def stats(self) -> dict:
         """Acceptance statistics of the whole run (`GenerateResult.speculative`)."""
-        tried, passed = self.counts()
+        tried, passed = self.counts() if self._counts is not None else (np.zeros(1), np.zeros(1))
         iterations, emitted = int(self.state.iterations), int(self.state.emitted)
         return {
             "method": "mtp",

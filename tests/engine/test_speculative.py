@@ -222,7 +222,10 @@ def test_sampling_is_seeded_and_stays_in_the_top_k(cases, forward):
     b = spec(runner, mtp, prompt, seed=5, **settings)
     c = spec(runner, mtp, prompt, seed=6, **settings)
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    assert a.speculative == b.speculative
+    timing = "iteration_s"  # wall time: the one field two runs need not share
+    assert {k: v for k, v in a.speculative.items() if k != timing} == {
+        k: v for k, v in b.speculative.items() if k != timing
+    }
     assert a.tokens.shape == c.tokens.shape == (1, NEW)
     assert not np.array_equal(a.tokens, c.tokens), "another seed drew the same 24 tokens"
     for got in (a, c):
