@@ -206,6 +206,7 @@ class TokenStream:
         self.seed, self.stop_ids = seed, np.asarray(stop_ids, np.int64).reshape(-1)
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.stop_reason, self.decode_s, self.first_step_s = "length", 0.0, 0.0
+        self._yielded = 0
 
     def __iter__(self):
         pre, sampler = self.pre, self.sampler
@@ -242,8 +243,21 @@ class TokenStream:
             pending = current
         self.decode_s = time.perf_counter() - t0
 
+    def decode_tokens_per_s(self) -> float:
+        """batch * tokens / second of the decode blocks after the first (`GenerateResult`'s rule), so far."""
+        n = self._yielded - 1
+        seconds = self.decode_s
+        if n > 1 and self.decode_s > self.first_step_s > 0:
+            n, seconds = n - 1, self.decode_s - self.first_step_s
+        return self.pre.batch * n / seconds if n > 0 and seconds > 0 else 0.0
+
     def _cut(self, tokens: np.ndarray) -> np.ndarray:
         """tokens, cut after the step where the last row produces its first stop id (stop_reason "eos")."""
+        tokens = self._stop(tokens)
+        self._yielded += tokens.shape[1]
+        return tokens
+
+    def _stop(self, tokens: np.ndarray) -> np.ndarray:
         if not self.stop_ids.size:
             return tokens
         hit = np.isin(tokens, self.stop_ids)
