@@ -17,7 +17,11 @@ import numpy as np
 
 from hybridlm.chat_template import ChatTemplate, check_messages
 from hybridlm.engine.generate import generate_stream
+from hybridlm.engine.prefill import prefill
+from hybridlm.engine.prefix_cache import PrefixCache
 from hybridlm.engine.runner import LayerwiseRunner
+from hybridlm.engine.sampling import check_sampling
+from hybridlm.state import init_layer_states
 from hybridlm.text_stream import StopStrings, TextStream
 
 
@@ -65,10 +69,20 @@ class Chat:
       chunk_size: prefill chunk size, or "auto".
       max_context: tokens a request may use, prompt and reply together (default: the model's
         max_position_embeddings).
+      prefix_cache: the `PrefixCache` of state snapshots (default: a new one; None for no reuse). Before
+        each reply the state after the conversation's history is saved, so that the next turn, which repeats
+        that history, prefills only what follows it.
     """
 
     def __init__(
-        self, model, tokenizer, *, template: ChatTemplate | None = None, chunk_size="auto", max_context=None
+        self,
+        model,
+        tokenizer,
+        *,
+        template: ChatTemplate | None = None,
+        chunk_size="auto",
+        max_context=None,
+        prefix_cache: PrefixCache | None | str = "default",
     ):
         self.runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
         self.tokenizer = tokenizer
@@ -77,6 +91,7 @@ class Chat:
         limit = self.runner.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
         self.lock = threading.Lock()
+        self.prefix_cache = PrefixCache() if prefix_cache == "default" else prefix_cache
 
     def prompt_ids(self, messages: Sequence[dict], *, enable_thinking: bool = False) -> list[int]:
         """The token ids of `messages` rendered with the template and a generation prompt.
@@ -84,11 +99,17 @@ class Chat:
         Raises:
           ValueError: malformed messages or a template error (naming them).
         """
+        return self._render(messages, enable_thinking)[0]
+
+    def _render(self, messages, enable_thinking: bool) -> tuple[list[int], int | None]:
+        """(prompt ids, the length of its history part: the messages without the generation prompt, where
+        those tokens start the prompt)."""
         check_messages(messages)
-        text = self.template.render(
-            list(messages), add_generation_prompt=True, enable_thinking=enable_thinking
-        )
-        return list(self.tokenizer.encode(text))
+        render = self.template.render
+        ids = list(self.tokenizer.encode(render(list(messages), enable_thinking=enable_thinking)))
+        past = render(list(messages), add_generation_prompt=False, enable_thinking=enable_thinking)
+        history = list(self.tokenizer.encode(past))
+        return ids, len(history) if 0 < len(history) < len(ids) and ids[: len(history)] == history else None
 
     def stream(self, messages: Sequence[dict], *, enable_thinking: bool = False, **sampling) -> ReplyStream:
         """The assistant's reply to `messages` as a stream of text deltas (`complete`'s keyword arguments).
@@ -96,7 +117,8 @@ class Chat:
         Raises:
           ValueError: malformed messages, or a prompt that leaves no room for max_tokens in max_context.
         """
-        return self.complete_ids(self.prompt_ids(messages, enable_thinking=enable_thinking), **sampling)
+        ids, history = self._render(messages, enable_thinking)
+        return self.complete_ids(ids, history_length=history, **sampling)
 
     def complete(self, prompt: str, **sampling) -> ReplyStream:
         """The continuation of raw text `prompt` (no template) as a stream of text deltas."""
@@ -112,9 +134,11 @@ class Chat:
         top_k: int = 0,
         seed: int = 0,
         stop: Sequence[str] = (),
+        history_length: int | None = None,
     ) -> ReplyStream:
         """The continuation of prompt token ids as a stream of text deltas, ended by the tokenizer's stop
-        tokens, a stop string (not included) or max_tokens.
+        tokens, a stop string (not included) or max_tokens. With a prefix cache the prompt resumes from its
+        longest cached prefix, and the state after its first `history_length` tokens is saved.
 
         Raises:
           ValueError: an empty prompt, max_tokens < 1, sampling settings out of range, or a prompt that leaves
@@ -130,26 +154,52 @@ class Chat:
                 f"the prompt's {ids.size} tokens + max_tokens {max_tokens} exceed the context of "
                 f"{self.max_context} tokens"
             )
+        check_sampling(temperature, top_k, top_p)
         stats = ReplyStats(prompt_tokens=int(ids.size))
         stops = StopStrings(list(stop)) if stop else None
-        return ReplyStream(
-            self._deltas(ids, stats, stops, max_tokens, temperature, top_p, top_k, seed), stats
-        )
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        return ReplyStream(self._deltas(ids, history_length, stats, stops, max_tokens, sampling), stats)
 
-    def _deltas(self, ids, stats: ReplyStats, stops, max_tokens, temperature, top_p, top_k, seed):
+    def stats(self) -> dict:
+        """The prefix cache's statistics (`PrefixCache.stats`), or {} without one."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
+
+    def _resume(self, ids: np.ndarray, history: int | None, max_tokens: int) -> tuple[list, int, int]:
+        """(states holding the prompt's first n tokens, n, tokens taken from the cache): from the longest
+        cached prefix, then prefilled up to the history's end and saved there."""
+        total = ids.size + max_tokens
+        capacity = max(16, 1 << (total - 1).bit_length())  # a power of two: whole prefill chunks
+        cache, config = self.prefix_cache, self.runner.config
+        snap = cache.lookup(ids) if cache is not None else None
+        if snap is None:
+            states, n = init_layer_states(config, 1, capacity, self.runner.model.dtype), 0
+        else:
+            states, n = cache.restore(snap, capacity), snap.length
+        if cache is not None and history is not None and n < history < ids.size:
+            pre = prefill(
+                self.runner,
+                ids[n:history],
+                chunk_size=self.chunk_size,
+                max_new_tokens=total - history,
+                resume=(states, n),
+            )
+            cache.insert(ids[:history], pre.states)
+            states, n = pre.states, history
+        return states, n, 0 if snap is None else snap.length
+
+    def _deltas(self, ids, history, stats: ReplyStats, stops, max_tokens, sampling: dict):
         """The generator behind a `ReplyStream`: holds the lock while it decodes."""
         with self.lock:
             t0 = time.perf_counter()
+            states, n, stats.cached_tokens = self._resume(ids, history, max_tokens)
             tokens = generate_stream(
                 self.runner,
-                ids,
+                ids[n:],
+                resume=(states, n),
                 max_new_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=seed,
                 eos_token_id=self.tokenizer.stop_token_ids,
                 chunk_size=self.chunk_size,
+                **sampling,
             )
             text = TextStream(self.tokenizer)
             stop_ids = set(self.tokenizer.stop_token_ids)

@@ -33,8 +33,20 @@ class Tokenizer:
         )
 
     def decode(self, ids) -> str:
-        """Text of token ids (any iterable of ints)."""
-        return self._tok.decode([int(i) for i in ids])
+        """Text of token ids (any iterable of ints); ids the vocabulary does not have (the model's embedding
+        rows past the tokenizer's, which a random model can sample) decode to nothing."""
+        ids = [int(i) for i in ids]
+        try:
+            return self._tok.decode(ids)
+        except KeyError:
+            return self._tok.decode([i for i in ids if self._known(i)])
+
+    def _known(self, token_id: int) -> bool:
+        try:
+            self._tok.decode([token_id])
+        except KeyError:
+            return False
+        return True
 
     @property
     def eos_token_id(self) -> int:

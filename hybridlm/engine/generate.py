@@ -166,9 +166,11 @@ def generate_stream(
     eos_token_id: int | Sequence[int] | None = None,
     chunk_size: int | str = DEFAULT_CHUNK_SIZE,
     decode_block: int = DECODE_BLOCK,
+    resume: tuple | None = None,
 ) -> TokenStream:
     """`generate` (plain decoding) as a stream: prefills now, then iterating the result yields the new tokens
-    as numpy [batch, n] int32 blocks while the next block decodes; the same tokens as `generate`.
+    as numpy [batch, n] int32 blocks while the next block decodes; the same tokens as `generate`. `resume`
+    = (states, start): the prompt continues a prefix those states hold (`prefill(resume=...)`).
 
     Raises:
       ValueError: as `generate`, at the call.
@@ -180,7 +182,7 @@ def generate_stream(
     sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)
     stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
-    pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens, resume=resume)
     return TokenStream(runner, pre, sampler, seed, stop_ids, temperature, top_p, max_new_tokens)
 
 

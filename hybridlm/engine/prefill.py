@@ -16,7 +16,7 @@ import numpy as np
 
 from hybridlm.engine.runner import PHASES, LayerwiseRunner, PhaseTimer
 from hybridlm.model import HybridLM, check_token_ids
-from hybridlm.state import LayerState, init_layer_states
+from hybridlm.state import KVCache, LayerState, init_layer_states
 
 # "auto": chosen per call by `hybridlm.planning.choose_chunk_size_for`, from the memory left and, with
 # offloaded experts, the bytes each chunk re-streams
@@ -36,11 +36,12 @@ class PrefillResult:
     capacity: int  # KV-cache length in tokens
     ttft_s: float  # seconds from call to logits ready (compilation included on a first call)
     phase_seconds: dict[str, float] | None = None  # per-phase wall time when profile=True
+    cached_tokens: int = 0  # leading prompt tokens the states already held (`prefill(resume=...)`)
 
     @property
     def tokens_per_s(self) -> float:
-        """Prefill throughput: batch * prompt tokens / TTFT."""
-        return self.batch * self.prompt_tokens / self.ttft_s
+        """Prefill throughput: batch * prefilled tokens (the cached ones not counted) / TTFT."""
+        return self.batch * (self.prompt_tokens - self.cached_tokens) / self.ttft_s
 
     def summary(self) -> dict:
         out = {
@@ -51,6 +52,8 @@ class PrefillResult:
             "ttft_s": self.ttft_s,
             "prefill_tokens_per_s": self.tokens_per_s,
         }
+        if self.cached_tokens:
+            out["cached_tokens"] = self.cached_tokens
         if self.phase_seconds is not None:
             out["phase_seconds"] = {p: self.phase_seconds.get(p, 0.0) for p in PHASES}
         return out
@@ -79,6 +82,7 @@ def prefill(
     max_new_tokens: int = 0,
     profile: bool = False,
     on_chunk=None,
+    resume: tuple[list[LayerState], int] | None = None,
 ) -> PrefillResult:
     """Ingests a prompt chunk by chunk and returns the next-token logits and the decode state.
 
@@ -94,13 +98,16 @@ def prefill(
         layer, before the final norm; start position; valid tokens; next_ids [batch, chunk] int32 = the
         prompt shifted left by one, zero past its end; the KV-cache capacity): the MTP drafter ingests the
         prompt this way.
+      resume: None, or (states holding positions [0, start), start): `input_ids` continue that prefix
+        (a prefix cache's snapshot, `hybridlm.engine.prefix_cache`). The states' KV capacity must hold
+        start + seq + max_new_tokens; the result's prompt_tokens counts the prefix too.
 
     Returns:
       A `PrefillResult`; only the last prompt token goes through the final norm and lm head.
 
     Raises:
-      ValueError: empty prompt, ids outside the vocabulary, a prompt longer than max_position_embeddings, or
-        a chunk_size neither a positive int nor "auto".
+      ValueError: empty prompt, ids outside the vocabulary, a prompt longer than max_position_embeddings, a
+        chunk_size neither a positive int nor "auto", or resumed states with too little KV capacity.
     """
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     config = runner.config
@@ -111,9 +118,10 @@ def prefill(
         raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
     check_token_ids(ids, config.vocab_size)
     batch, seq = ids.shape
-    if seq + max_new_tokens > config.max_position_embeddings:
+    offset = 0 if resume is None else int(resume[1])
+    if offset + seq + max_new_tokens > config.max_position_embeddings:
         raise ValueError(
-            f"prompt ({seq}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"prompt ({offset + seq}) + max_new_tokens ({max_new_tokens}) exceeds "
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     if chunk_size == "auto":
@@ -125,32 +133,41 @@ def prefill(
     chunk = effective_chunk_size(seq, chunk_size)
     num_chunks = -(-seq // chunk)
     capacity = cache_capacity(seq, chunk, max_new_tokens)
+    if resume is not None:
+        capacity = min((s.capacity for s in resume[0] if isinstance(s, KVCache)), default=capacity)
+        if offset + seq + max_new_tokens > capacity:
+            raise ValueError(
+                f"resumed states hold a KV cache of {capacity} tokens, fewer than the prefix ({offset}) + "
+                f"prompt ({seq}) + max_new_tokens ({max_new_tokens})"
+            )
     padded = np.zeros((batch, num_chunks * chunk + 1), np.int32)
     padded[:, :seq] = ids
 
     timer = PhaseTimer(profile)
     runner.on_prefill_start(num_chunks)
     t0 = time.perf_counter()
-    states = init_layer_states(config, batch, capacity, runner.model.dtype)
+    states = init_layer_states(config, batch, capacity, runner.model.dtype) if resume is None else resume[0]
     x = None
     for c in range(num_chunks):
         num_valid = min(chunk, seq - c * chunk)
+        start = offset + c * chunk
         x, states = runner.forward_chunk(
-            jnp.asarray(padded[:, c * chunk : (c + 1) * chunk]), states, c * chunk, num_valid, timer
+            jnp.asarray(padded[:, c * chunk : (c + 1) * chunk]), states, start, num_valid, timer
         )
         if on_chunk is not None:
-            on_chunk(x, c * chunk, num_valid, padded[:, c * chunk + 1 : (c + 1) * chunk + 1], capacity)
+            on_chunk(x, start, num_valid, padded[:, c * chunk + 1 : (c + 1) * chunk + 1], capacity)
     last = x[:, num_valid - 1]
     logits = jax.block_until_ready(timer("head", runner.head_logits, last))
     ttft = time.perf_counter() - t0
     return PrefillResult(
         logits=logits,
         states=states,
-        prompt_tokens=seq,
+        prompt_tokens=offset + seq,
         batch=batch,
         chunk_size=chunk,
         num_chunks=num_chunks,
         capacity=capacity,
         ttft_s=ttft,
         phase_seconds=dict(timer.seconds) if profile else None,
+        cached_tokens=offset,
     )
