@@ -46,13 +46,13 @@ class ApiError(Exception):
     """A request the server refuses: sent as an OpenAI error body with `status`."""
 
     def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None
-    ):  # noqa: A002
+        self, status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return JSONResponse({"error": error}, status_code=self.status)
 
 
@@ -265,8 +265,9 @@ class _Job:
         service.jobs.add(self)
 
     async def _watch(self, request: fastapi.Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        with contextlib.suppress(Exception):  # a receive that fails: the connection is gone too
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
         self.stop("the client disconnected")
 
     def stop(self, reason: str) -> None:
@@ -311,8 +312,12 @@ class _Job:
             self.reply.close()  # never started: nothing runs it
             return
         loop = asyncio.get_running_loop()
-        closing = self.service.worker.submit(self.reply.close)
-        closing.add_done_callback(lambda _: loop.call_soon_threadsafe(turns.release))
+
+        def release(_) -> None:  # on the worker thread, once the reply is closed
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody waits for the turn
+                loop.call_soon_threadsafe(turns.release)
+
+        self.service.worker.submit(self.reply.close).add_done_callback(release)
 
 
 class _Service:
@@ -345,7 +350,7 @@ class _Service:
           ApiError: a prompt past the context, token ids outside the vocabulary, or settings Chat refuses.
         """
         context, vocab = self.chat.max_context, self.chat.runner.config.vocab_size
-        if ids and not all(0 <= i < vocab for i in ids):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
         room = context - len(ids)
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -481,10 +486,10 @@ async def _whole(reply: _Reply, job: _Job) -> dict:
         async for delta in job.deltas():
             parts.append(delta)
     except _Stopped as e:
-        raise ApiError(503, f"the reply stopped: {e}", type="server_error") from None
+        raise ApiError(503, f"the reply stopped: {e}", kind="server_error") from None
     except Exception as e:
         logger.exception("reply %s failed", reply.id)
-        raise ApiError(500, f"{type(e).__name__}: {e}", type="server_error") from None
+        raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error") from None
     finally:
         job.close()
     return reply.whole("".join(parts), job.stats)
