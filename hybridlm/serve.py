@@ -325,7 +325,6 @@ class _Service:
 
     def __init__(self, chat: Chat, model_name: str, default_max_tokens: int):
         self.chat, self.model_name, self.default_max_tokens = chat, model_name, default_max_tokens
-        self.created = int(time.time())
         self.turns = FifoTurns()
         self.worker = _Worker()
         self.jobs: set[_Job] = set()
@@ -442,10 +441,6 @@ class _Reply:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, stats: ReplyStats) -> dict:
-        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": _usage(stats)}
-
     async def events(self, job: _Job) -> AsyncIterator[str]:
         """The server-sent events of a streamed reply, ending in `data: [DONE]`."""
         try:
@@ -455,7 +450,7 @@ class _Reply:
                 yield _event(self.chunk(delta))
             yield _event(self.chunk(None, job.stats.finish_reason))
             if self.include_usage:
-                yield _event(self.usage_chunk(job.stats))
+                yield _event({**self.chunk(None), "choices": [], "usage": _usage(job.stats)})
         except _Stopped as e:
             yield _event(_error_body(str(e)))
         except Exception as e:  # noqa: BLE001  (the status is sent: the error becomes the last event)
@@ -531,15 +526,16 @@ def create_app(
     async def http_error(request, e: StarletteHTTPException):  # unknown paths, wrong methods
         return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
 
+    entry = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hybridlm"}
+
     @app.get("/v1/models")
     async def models():
-        entry = {"id": model_name, "object": "model", "created": service.created, "owned_by": "hybridlm"}
         return {"object": "list", "data": [entry]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         service.check_model(name)
-        return {"id": model_name, "object": "model", "created": service.created, "owned_by": "hybridlm"}
+        return entry
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
