@@ -70,29 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         ("generate", "prefill, then decode new tokens"),
     ):
         s = sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES, formatter_class=formatter)
-        s.add_argument("--model", metavar="PATH", help="HF checkpoint directory or .gguf file")
-        s.add_argument(
-            "--preset",
-            default=None,
-            help="named architecture for --random-weights (default tiny); without --random-weights an error",
-        )
-        s.add_argument(
-            "--random-weights", action="store_true", help="random weights of --preset (default tiny)"
-        )
-        s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
-        s.add_argument(
-            "--expert-format",
-            choices=("int8", "int4"),
-            default=None,
-            help="store routed experts quantized (int8 / 4-bit): random weights, or an HF checkpoint "
-            "directory's experts as they load",
-        )
-        s.add_argument(
-            "--dtype",
-            choices=("float32", "bfloat16"),
-            default=None,
-            help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
-        )
+        add_model_arguments(s)
         s.add_argument("--prompt-file", metavar="PATH", help="text file to use as the prompt")
         s.add_argument("--prompt", help="prompt text (instead of --prompt-file)")
         s.add_argument(
@@ -151,17 +129,45 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also one pass synchronised after every phase: seconds per phase",
             )
-        _add_offload_arguments(s)
+        add_offload_arguments(s)
         s.add_argument(
             "--dry-run",
             action="store_true",
             help="print the memory estimate and the chunk size, then exit without loading any weights",
         )
         s.add_argument("--json", action="store_true", help="print one JSON object")
+    from hybridlm.cli_chat import add_chat_commands
+
+    add_chat_commands(sub)
     return p
 
 
-def _add_offload_arguments(s: argparse.ArgumentParser) -> None:
+def add_model_arguments(s: argparse.ArgumentParser) -> None:
+    """Where the weights come from and how they are stored: options of every command that loads a model."""
+    s.add_argument("--model", metavar="PATH", help="HF checkpoint directory or .gguf file")
+    s.add_argument(
+        "--preset",
+        default=None,
+        help="named architecture for --random-weights (default tiny); without --random-weights an error",
+    )
+    s.add_argument("--random-weights", action="store_true", help="random weights of --preset (default tiny)")
+    s.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
+    s.add_argument(
+        "--expert-format",
+        choices=("int8", "int4"),
+        default=None,
+        help="store routed experts quantized (int8 / 4-bit): random weights, or an HF checkpoint "
+        "directory's experts as they load",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
+
+
+def add_offload_arguments(s: argparse.ArgumentParser) -> None:
     """The expert-offload options of both commands."""
     s.add_argument(
         "--expert-budget",
@@ -323,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         check_arguments(args)  # before importing JAX
+        if args.command in ("serve", "chat"):
+            from hybridlm.cli_chat import run_chat_command
+
+            return run_chat_command(args)
         report = _run(args)
         if args.json:
             print(json.dumps(report))
@@ -347,15 +357,13 @@ def _run(args: argparse.Namespace) -> dict:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-', 1)}") from None
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
-    if dtype is None:  # the documented default for every source, GGUF files and HF directories included
-        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    dtype = resolve_dtype(args)
     host_parts = host_parts_for(args.command, args.max_new_tokens, args.host_parts)
     try:  # the model's shapes and the prompt first: a bad one is refused before minutes of loading
         model_cfg, header = model_config(args)
         tokenizer, ids = _prompt(args, model_cfg.vocab_size, header)
     except (ValueError, KeyError, OSError) as e:
-        raise UsageError(_reason(e)) from None
+        raise UsageError(reason(e)) from None
     check_context(model_cfg, len(ids), args)
     if getattr(args, "speculative", None) and header is not None and model_cfg.mtp_layers == 0:
         raise UsageError(
@@ -366,27 +374,8 @@ def _run(args: argparse.Namespace) -> dict:
         return plan
     counters = hybridlm.compile_cache.counters()
     t_load = time.perf_counter()
-    try:
-        model, host_experts, source = _load_model(args, dtype, host_parts)
-    except (ValueError, KeyError, OSError) as e:  # GGUFError and CheckpointError are ValueErrors
-        raise UsageError(_reason(e)) from None
-    if args.expert_budget is not None:
-        from hybridlm.offload import OffloadConfig, OffloadedRunner
-
-        try:
-            config = OffloadConfig(
-                expert_budget=args.expert_budget,
-                cache_policy=args.cache_policy,
-                prefetch=args.prefetch,
-                chunk_size=min(args.chunk_size, len(ids)),
-                host_parts=None if host_experts else host_parts,
-                mixed_formats=args.mixed_formats,
-            )
-            runner = OffloadedRunner(model, config, host_experts=host_experts)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    else:
-        runner = hybridlm.LayerwiseRunner(model)
+    runner, source = load_runner(args, dtype, host_parts, min(args.chunk_size, len(ids)))
+    model = runner.model
     load_s = time.perf_counter() - t_load  # to prefill-ready: weights placed, offload pool built
     before = counters.snapshot()
     report = {
@@ -413,6 +402,48 @@ def _run(args: argparse.Namespace) -> dict:
     return report
 
 
+def resolve_dtype(args: argparse.Namespace):
+    """--dtype as a JAX dtype; by default float32 on CPU, bfloat16 on GPU (every source, GGUF files and HF
+    directories included)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
+    return dtype or (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def load_runner(args: argparse.Namespace, dtype, host_parts: int | None, chunk_size: int | None):
+    """(runner, a description of where the weights come from): the model of --model or --random-weights, in
+    an `OffloadedRunner` with --expert-budget (`chunk_size`: the largest chunk to check its budget for, or
+    None), else a `LayerwiseRunner`.
+
+    Raises:
+      UsageError: weights that cannot be loaded, or an offload configuration that cannot work.
+    """
+    import hybridlm
+
+    try:
+        model, host_experts, source = _load_model(args, dtype, host_parts)
+    except (ValueError, KeyError, OSError) as e:  # GGUFError and CheckpointError are ValueErrors
+        raise UsageError(reason(e)) from None
+    if args.expert_budget is None:
+        return hybridlm.LayerwiseRunner(model), source
+    from hybridlm.offload import OffloadConfig, OffloadedRunner
+
+    try:
+        config = OffloadConfig(
+            expert_budget=args.expert_budget,
+            cache_policy=args.cache_policy,
+            prefetch=args.prefetch,
+            chunk_size=chunk_size,
+            host_parts=None if host_experts else host_parts,
+            mixed_formats=args.mixed_formats,
+        )
+        return OffloadedRunner(model, config, host_experts=host_experts), source
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def process_age_s() -> float:
     """Seconds since this process started (Linux /proc), else since the CLI module was imported."""
     try:
@@ -425,7 +456,7 @@ def process_age_s() -> float:
         return time.time() - _T_IMPORT
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     """One line for an exception: an OSError's reason and path, else its message without KeyError quotes."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
@@ -525,14 +556,9 @@ def _prompt(args: argparse.Namespace, vocab_size: int, header=None):
       UsageError: an empty prompt, or token ids the model's vocabulary does not have.
       GGUFError: malformed tokenizer metadata.
     """
-    from hybridlm.tokenizer import Tokenizer, default_prompt
+    from hybridlm.tokenizer import default_prompt
 
-    tokenizer = None
-    if header is not None:
-        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
-
-        tokenizer = tokenizer_from_gguf(args.model, header)
-    tokenizer = tokenizer or Tokenizer()
+    tokenizer = tokenizer_for(args, header)
     text = args.prompt if args.prompt is not None else default_prompt()  # check_arguments read --prompt-file
     ids = tokenizer.encode(text)
     if not ids:
@@ -543,6 +569,23 @@ def _prompt(args: argparse.Namespace, vocab_size: int, header=None):
             "entries (a different tokenizer?)"
         )
     return tokenizer, ids
+
+
+def tokenizer_for(args: argparse.Namespace, header=None):
+    """The tokenizer of the run: the GGUF file's own vocabulary where it has one (`header`), else Qwen's.
+
+    Raises:
+      GGUFError: malformed tokenizer metadata.
+    """
+    from hybridlm.tokenizer import Tokenizer
+
+    if header is not None:
+        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(args.model, header)
+        if tokenizer is not None:
+            return tokenizer
+    return Tokenizer()
 
 
 def _prefill_report(args: argparse.Namespace, runner, ids: list[int], tokenizer) -> dict:
@@ -628,7 +671,7 @@ def _speculative_options(args: argparse.Namespace, runner) -> dict:
                 keep_quantized=None if os.path.isdir(args.model) else "experts",
             )
         except ValueError as e:
-            raise UsageError(f"--speculative mtp: {_reason(e)}") from None
+            raise UsageError(f"--speculative mtp: {reason(e)}") from None
     else:
         config = dataclasses.replace(runner.config, mtp_layers=max(runner.config.mtp_layers, 1))
         mtp = init_random_mtp(config, args.seed + 1, dtype=runner.model.dtype)
