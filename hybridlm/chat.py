@@ -99,11 +99,17 @@ class Chat:
         Raises:
           ValueError: malformed messages or a template error (naming them).
         """
-        return self._render(messages, enable_thinking)[0]
+        return self.prompt_with_history(messages, enable_thinking=enable_thinking)[0]
 
-    def _render(self, messages, enable_thinking: bool) -> tuple[list[int], int | None]:
-        """(prompt ids, the length of its history part: the messages without the generation prompt, where
-        those tokens start the prompt)."""
+    def prompt_with_history(
+        self, messages: Sequence[dict], *, enable_thinking: bool = False
+    ) -> tuple[list[int], int | None]:
+        """(prompt ids, the length of their history part: the messages without the generation prompt, where
+        those tokens start the prompt, else None), for `complete_ids(ids, history_length=...)`.
+
+        Raises:
+          ValueError: malformed messages or a template error (naming them).
+        """
         check_messages(messages)
         render = self.template.render
         ids = list(self.tokenizer.encode(render(list(messages), enable_thinking=enable_thinking)))
@@ -117,7 +123,7 @@ class Chat:
         Raises:
           ValueError: malformed messages, or a prompt that leaves no room for max_tokens in max_context.
         """
-        ids, history = self._render(messages, enable_thinking)
+        ids, history = self.prompt_with_history(messages, enable_thinking=enable_thinking)
         return self.complete_ids(ids, history_length=history, **sampling)
 
     def complete(self, prompt: str, **sampling) -> ReplyStream:

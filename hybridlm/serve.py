@@ -342,8 +342,11 @@ class _Service:
                 code="model_not_found",
             )
 
-    def start(self, ids: Sequence[int], body: _Request, max_tokens: int | None, request) -> _Job:
-        """The job answering prompt `ids` with `body`'s sampling settings.
+    def start(
+        self, ids: Sequence[int], body: _Request, max_tokens: int | None, request, history: int | None = None
+    ) -> _Job:
+        """The job answering prompt `ids` with `body`'s sampling settings; `history`: the length of the
+        prompt's conversation history, whose state the prefix cache saves (`Chat.complete_ids`).
 
         Raises:
           ApiError: a prompt past the context, token ids outside the vocabulary, or settings Chat refuses.
@@ -377,6 +380,7 @@ class _Service:
                 top_k=top_k,
                 seed=seed,
                 stop=stop,
+                history_length=history,
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
@@ -543,11 +547,13 @@ def create_app(
         messages = [m.for_template() for m in body.messages]
         thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
         try:
-            ids = await asyncio.to_thread(chat.prompt_ids, messages, enable_thinking=thinking)
+            ids, history = await asyncio.to_thread(
+                chat.prompt_with_history, messages, enable_thinking=thinking
+            )
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _answer(service, ids, body, max_tokens, request, chat=True)
+        return await _answer(service, ids, body, max_tokens, request, chat=True, history=history)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: fastapi.Request):
@@ -563,11 +569,11 @@ def create_app(
     return app
 
 
-async def _answer(service: _Service, ids, body: _Request, max_tokens, request, *, chat: bool):
+async def _answer(service: _Service, ids, body: _Request, max_tokens, request, *, chat: bool, history=None):
     """The response to a validated request: a stream of events, or the whole reply."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     reply = _Reply(chat, service.model_name, include_usage and body.stream)
-    job = service.start(ids, body, max_tokens, request)
+    job = service.start(ids, body, max_tokens, request, history)
     if body.stream:
         return _EventStream(reply.events(job), job)
     return await _whole(reply, job)
