@@ -102,13 +102,13 @@ def test_invalid_bytes_are_replaced_only_when_finished_or_followed(tok, split_id
     assert TextStream(tok).push(ids) == tok.decode(ids) and tok.decode(ids).endswith("A")
 
 
-def test_unknown_id_raises_and_leaves_the_stream_unchanged(tok):
+def test_an_id_without_text_streams_as_nothing(tok):
+    """The model's embedding rows past the tokenizer's (a random model samples them) decode to nothing,
+    also in the middle of a split character."""
     ids = tok.encode("🙂 ok")
     ts = TextStream(tok)
     first = ts.push(ids[:1])
-    with pytest.raises(KeyError):
-        ts.push([NUM_IDS + 5])
-    assert first + ts.push(ids[1:]) + ts.finish() == "🙂 ok"
+    assert first + ts.push([NUM_IDS + 5]) + ts.push(ids[1:]) + ts.finish() == "🙂 ok"
 
 
 def run_stops(stops, deltas):

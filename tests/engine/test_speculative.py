@@ -117,7 +117,7 @@ def check_stats(stats: dict, draft_tokens) -> None:
 # greedy: the speculative tokens are plain greedy decoding's
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_equals_plain_decoding(cases, arch, seed, length):
     runner, mtp, prompt, plain, reference = cases(arch, seed, length)
