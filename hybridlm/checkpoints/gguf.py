@@ -62,6 +62,21 @@ def _is_trunk_tensor(name: str, num_layers: int) -> bool:
     return index is None or index < num_layers
 
 
+def _open_checked(path: str, keep_quantized: str | None):
+    """(header, config, architecture) of a GGUF file whose tensor table was checked against its config.
+
+    Raises:
+      ValueError: keep_quantized neither None nor "experts"; GGUFError (a ValueError) for a malformed file.
+    """
+    if keep_quantized not in (None, "experts"):
+        raise ValueError(f"keep_quantized={keep_quantized!r}; choose None or 'experts'")
+    header = read_header(path)
+    config = config_from_gguf(header)
+    arch = _architecture(header)
+    _check_tensor_table(header, config)
+    return header, config, arch
+
+
 def load_gguf(
     path: str | os.PathLike,
     *,
@@ -102,12 +117,7 @@ def load_gguf(
       OSError: the file could not be read.
     """
     path = os.fspath(path)
-    if keep_quantized not in (None, "experts"):
-        raise ValueError(f"keep_quantized={keep_quantized!r}; choose None or 'experts'")
-    header = read_header(path)
-    config = config_from_gguf(header)
-    arch = _architecture(header)
-    _check_tensor_table(header, config)
+    header, config, arch = _open_checked(path, keep_quantized)
     if dtype is None:
         embed = header.tensors.get("token_embd.weight")
         dtype = jnp.float32 if embed is not None and embed.type == T.F32 else jnp.bfloat16
@@ -180,12 +190,7 @@ def load_gguf_mtp(
         NaN/Inf weights.
     """
     path = os.fspath(path)
-    if keep_quantized not in (None, "experts"):
-        raise ValueError(f"keep_quantized={keep_quantized!r}; choose None or 'experts'")
-    header = read_header(path)
-    config = config_from_gguf(header)
-    arch = _architecture(header)
-    _check_tensor_table(header, config)
+    header, config, arch = _open_checked(path, keep_quantized)
     if config.mtp_layers == 0:
         raise GGUFError(f"{path} has no MTP block ({arch}.nextn_predict_layers is absent or 0)")
     dedicated = sorted(

@@ -113,12 +113,9 @@ def generate(
       ValueError: max_new_tokens or decode_block < 1, sampling settings out of range
         (`sampling.check_sampling`), or a bad prompt (see `prefill`).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not (isinstance(decode_block, int) and decode_block >= 1):
-        raise ValueError(f"decode_block={decode_block!r} must be an int >= 1")
-    sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)  # checks them before the prefill
-    stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
+    sampler, stop_ids = _decode_settings(
+        max_new_tokens, decode_block, temperature, top_k, top_p, eos_token_id
+    )
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     if speculative is not None:
         if speculative != "mtp" or mtp is None:
@@ -154,6 +151,21 @@ def generate(
     )
 
 
+def _decode_settings(max_new_tokens, decode_block, temperature, top_k, top_p, eos_token_id):
+    """(the `BlockSampler`, stop ids [n] int64) of `generate` / `generate_stream`'s settings, checked before
+    any prefill work.
+
+    Raises:
+      ValueError: max_new_tokens or decode_block < 1, or sampling settings out of range.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not (isinstance(decode_block, int) and decode_block >= 1):
+        raise ValueError(f"decode_block={decode_block!r} must be an int >= 1")
+    sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)
+    return sampler, np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
+
+
 def generate_stream(
     model: HybridLM | LayerwiseRunner,
     input_ids,
@@ -175,12 +187,9 @@ def generate_stream(
     Raises:
       ValueError: as `generate`, at the call.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not (isinstance(decode_block, int) and decode_block >= 1):
-        raise ValueError(f"decode_block={decode_block!r} must be an int >= 1")
-    sampler = BlockSampler.of(decode_block, temperature, top_k, top_p)
-    stop_ids = np.array([] if eos_token_id is None else np.ravel(eos_token_id), np.int64)
+    sampler, stop_ids = _decode_settings(
+        max_new_tokens, decode_block, temperature, top_k, top_p, eos_token_id
+    )
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens, resume=resume)
     return TokenStream(runner, pre, sampler, seed, stop_ids, temperature, top_p, max_new_tokens)
