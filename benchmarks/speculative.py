@@ -1,7 +1,7 @@
 """Decode and MTP speculative decoding on a GGUF file through `hybridlm.generate`, with oracle drafts.
 
     python -m benchmarks.speculative --gguf F.gguf [--new-tokens 128] [--alphas 0.5 0.75 0.9] [--ks 1 2 3 4]
-        [--budget 12GiB]
+        [--budget 12GiB [--offloaded-only]]
 
 Random MTP weights accept almost nothing, so the drafts are oracle drafts: "coin", each accepted with
 probability alpha (the verify's own tokens emitted); "reference", each the token of an all-rejecting run with
@@ -83,17 +83,28 @@ def main(argv=None) -> None:
     p.add_argument("--verify-ks", type=int, nargs="+", default=[3], help="verifies of k + 1 tokens to time")
     p.add_argument("--reference-ks", type=int, nargs="*", default=[3], help="k of the reference-oracle runs")
     p.add_argument("--budget", default=None, help="also offloaded at this expert budget, e.g. 12GiB")
+    p.add_argument("--offloaded-only", action="store_true", help="skip the resident figures (needs --budget)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.offloaded_only and not args.budget:
+        p.error("--offloaded-only needs --budget")
     t0 = time.perf_counter()
-    model = hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
     mtp = load_mtp(args.gguf, keep_quantized="experts")
+    prompt = np.arange(1000, 1000 + args.prompt_tokens, dtype=np.int32)
+    if not args.offloaded_only:
+        resident(args, mtp, prompt, t0)
+    if args.budget:
+        offloaded(args, mtp, prompt)
+
+
+def resident(args, mtp, prompt, t0: float) -> None:
+    """Plain and oracle MTP decode with every expert on the device; the verify's cost against a step."""
+    model = hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
     runner = hybridlm.LayerwiseRunner(model)
     _emit(
         args.out,
         {"what": "load", "seconds": time.perf_counter() - t0, "device": jax.devices()[0].device_kind},
     )
-    prompt = np.arange(1000, 1000 + args.prompt_tokens, dtype=np.int32)
     n = args.new_tokens
     for _ in range(2):  # the second is warm
         plain = hybridlm.generate(runner, prompt, max_new_tokens=n)
@@ -114,9 +125,6 @@ def main(argv=None) -> None:
                 g = hybridlm.generate(runner, prompt, max_new_tokens=n, oracle_draft=(reference, alpha), **kw)
             record = _record("mtp_oracle_reference", alpha, k, g, plain)
             _emit(args.out, {**record, "same_tokens_as_reference": bool((g.tokens == ref.tokens).all())})
-    if args.budget:
-        del runner, model
-        offloaded(args, mtp, prompt)
 
 
 def offloaded(args, mtp, prompt) -> None:

@@ -15,6 +15,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# Compiler options of the programs that loop over decode steps on the device (`decode_block`, the speculative
+# and paged blocks). A decode step is ~1 200 small kernels (30 a layer), each launched from the host by XLA's
+# while-loop thunk; captured as one CUDA graph, with the loop as a conditional node, their launch cost goes.
+# The list is XLA's default command-buffer types plus WHILE and CONDITIONAL (the option takes no "+X" form).
+DEVICE_LOOP_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
 
 class StaticGraph:
     """An nnx `GraphDef` (and the treedef of its weights) as a static jit argument whose hash is computed
@@ -143,7 +152,9 @@ def decode(graph: StaticGraph, treedef, leaves, tokens, states, position):
     return model_step(graph.merge(jax.tree_util.tree_unflatten(treedef, leaves)), tokens, states, position)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5, 7))
+@functools.partial(
+    jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5, 7), compiler_options=DEVICE_LOOP_OPTIONS
+)
 def decode_block(graph: StaticGraph, treedef, sampler, leaves, token, states, position, carry, steps):
     """Up to `sampler.block` decode steps in one program: the device feeds each sampled token back itself, so
     the host enqueues one program per block instead of one per token (`LayerwiseRunner.decode_block`).

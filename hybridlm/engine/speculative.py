@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridlm.engine.phases import StaticGraph, flat_layer
+from hybridlm.engine.phases import DEVICE_LOOP_OPTIONS, StaticGraph, flat_layer
 from hybridlm.engine.sampling import BlockSampler, filter_logits
 from hybridlm.engine.spec_sampling import accept_drafts, accept_greedy
 from hybridlm.model import head_logits
@@ -214,7 +214,9 @@ def _probs(sampler: BlockSampler, temperature, top_p, logits):
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
+@functools.partial(
+    jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6, compiler_options=DEVICE_LOOP_OPTIONS
+)
 def spec_block(
     cfg: SpecConfig, target, mtp_graph: StaticGraph, block: int, target_args, mtp_leaves, s, limit
 ):

@@ -32,6 +32,12 @@ TUNING_OP = "moe"
 # ids and weights, ties included.
 ARGMAX_TOP_K_MIN_TOKENS = 32768
 
+# Up to this many tokens route_top_k ranks the experts by pairwise comparison (`top_k_by_rank`: an
+# [tokens, experts, experts] compare-and-count that XLA fuses into one or two kernels) instead of
+# jax.lax.top_k's sort, a kernel of its own that costs several small fusions' time at decode. Same ids and
+# weights, ties included.
+RANK_TOP_K_MAX_TOKENS = 16
+
 # Up to this many token copies (tokens x top_k) `routed_experts` runs the grouped matmuls on the copies in
 # (token, slot) order with each row's expert given (`row_groups`): no sort, no inverse permutation, and the
 # combine a plain weighted sum. Each copy then reads its expert's weights alone, so larger batches sort
@@ -61,6 +67,27 @@ def top_k_by_argmax(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, -1), jnp.stack(indices, -1)
 
 
+def top_k_by_rank(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis by ranks: rank_i = #{j : x_j > x_i, or x_j == x_i and j < i}, then
+    the entry of rank r is the r-th largest.
+
+    Returns the same values and int32 indices as `jax.lax.top_k` (largest first; among equal values the lower
+    index first). Costs [..., n, n] comparisons: for few rows. x must hold no NaN.
+    """
+    n = x.shape[-1]
+    col = jnp.arange(n, dtype=jnp.int32)
+    # x stored once: a fusion that recomputed x's producer (a softmax) for the two operands could round x_i
+    # one way and x_j another, and two entries would share a rank
+    x = jax.lax.optimization_barrier(x)
+    xi, xj = x[..., :, None], x[..., None, :]  # [..., i, j]
+    before = (xj > xi) | ((xj == xi) & (col[None, :] < col[:, None]))
+    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [..., n], a permutation of [0, n)
+    onehot = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, n]
+    indices = jnp.sum(jnp.where(onehot, col, 0), axis=-1, dtype=jnp.int32)
+    values = jnp.sum(jnp.where(onehot, x[..., None, :], 0), axis=-1, dtype=x.dtype)  # one nonzero term: exact
+    return values, indices
+
+
 def route_top_k(
     router_logits: jax.Array, top_k: int, *, normalize: bool = True
 ) -> tuple[jax.Array, jax.Array]:
@@ -75,7 +102,9 @@ def route_top_k(
       weights [tokens, top_k] in router_logits.dtype, expert ids [tokens, top_k] int32 (by decreasing weight).
     """
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # in [0, 1]: no -inf
-    if router_logits.shape[0] >= _threshold("ARGMAX_TOP_K_MIN_TOKENS"):
+    if router_logits.shape[0] <= _threshold("RANK_TOP_K_MAX_TOKENS"):
+        weights, ids = top_k_by_rank(probs, top_k)
+    elif router_logits.shape[0] >= _threshold("ARGMAX_TOP_K_MIN_TOKENS"):
         weights, ids = top_k_by_argmax(probs, top_k)
     else:
         weights, ids = jax.lax.top_k(probs, top_k)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridlm.engine.phases import StaticGraph
+from hybridlm.engine.phases import DEVICE_LOOP_OPTIONS, StaticGraph
 from hybridlm.model import head_logits
 from hybridlm.offload.expert_cache import ExpertLayout
 from hybridlm.offload.residency import Residency
@@ -90,6 +90,46 @@ def fetch_experts(
     )
 
 
+def page_experts(
+    layout: ExpertLayout,
+    part_start: tuple[int, ...],
+    source: str,
+    held,
+    host: tuple,
+    pool,
+    slot_row: jax.Array,
+    flat: jax.Array,
+    *,
+    distinct_once: bool = False,
+):
+    """The experts of one layer's routed copies `flat` [n] (expert ids) on the device, from wherever `source`
+    (static: HELD, IN_POOL, MIXED or IN_HOST) says they are.
+
+    Args:
+      held: the layer's (gate_up, down) held outside the pool (HELD), else unused.
+      host: the layer's pinned host parts; pool: the device pool; slot_row: [experts] int32 pool slot or -1.
+      distinct_once: fetch each distinct expert of the copies once (a verify's tokens share experts), rather
+        than one fetch a copy (a decode step's top-k copies are distinct already).
+
+    Returns:
+      ((gate_up, down) with a leading [n] axis, local [n] int32: the row of each copy's expert, hits int32
+      scalar: the copies whose expert was on the device).
+    """
+    local = jnp.arange(flat.shape[0], dtype=jnp.int32)  # copy j runs fetched expert j
+    if source == HELD:
+        return jax.tree_util.tree_map(lambda a: a[flat], held), local, jnp.int32(flat.shape[0])
+    hits = jnp.sum(slot_row[flat] >= 0).astype(jnp.int32)
+    if source == IN_POOL or not distinct_once:
+        return fetch_experts(layout, host, part_start, pool, slot_row[flat], flat, source), local, hits
+    # the distinct experts, padded with repeats of the first, which are skipped
+    order = jnp.sort(flat)
+    distinct = jnp.sum(order[1:] != order[:-1]) + 1
+    uniq, local = jnp.unique(flat, return_inverse=True, size=flat.shape[0])
+    skip = jnp.arange(flat.shape[0]) >= distinct
+    experts = fetch_experts(layout, host, part_start, pool, slot_row[uniq], uniq, source, skip)
+    return experts, local.astype(jnp.int32), hits
+
+
 def paged_step(
     layout: ExpertLayout,
     graphs: tuple,
@@ -128,18 +168,13 @@ def paged_step(
         new_states.append(state)
         u = layer.post_norm(h).reshape(batch, hidden)
         weights, ids = layer.ffn.route(u)  # [batch, top_k]
-        flat = ids.reshape(-1)
-        if sources[i] == HELD:
-            experts = jax.tree_util.tree_map(lambda a, flat=flat: a[flat], held[i])
-            step_hits.append(jnp.int32(flat.shape[0]))
-        else:
-            slots = slot_table[i][flat]
-            experts = fetch_experts(layout, host[i], part_start, pool, slots, flat, sources[i])
-            step_hits.append(jnp.sum(slots >= 0).astype(jnp.int32))
+        experts, local, hit = page_experts(
+            layout, part_start, sources[i], held[i], host[i], pool, slot_table[i], ids.reshape(-1)
+        )
+        step_hits.append(hit)
         layer.ffn.experts_gate_up.set_value(experts[0])
         layer.ffn.experts_down.set_value(experts[1])
-        local = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(ids.shape)  # copy j runs fetched expert j
-        x = h + layer.ffn.experts(u, weights, local, valid).reshape(batch, 1, hidden)
+        x = h + layer.ffn.experts(u, weights, local.reshape(ids.shape), valid).reshape(batch, 1, hidden)
     head_weight = embed.T if lm_head is None else lm_head  # as HybridLM.head_weight
     logits = head_logits(head_graph.merge(head_leaves), head_weight, x[:, 0])
     return logits, new_states, hits + jnp.stack(step_hits)
@@ -148,7 +183,12 @@ def paged_step(
 decode_paged = jax.jit(paged_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 16))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(11, 17, 18))
+@functools.partial(
+    jax.jit,
+    static_argnums=(0, 1, 2, 3, 4, 5),
+    donate_argnums=(11, 17, 18),
+    compiler_options=DEVICE_LOOP_OPTIONS,
+)
 def decode_paged_block(
     sampler,
     layout: ExpertLayout,
@@ -242,26 +282,20 @@ class _PagedModel:
             new_states.append(state)
             u = layer.post_norm(h).reshape(batch * seq, hidden)
             weights, ids = layer.ffn.route(u)  # [seq, top_k]
-            flat = ids.reshape(-1)
-            local = jnp.arange(flat.shape[0], dtype=jnp.int32)  # copy j runs fetched expert j
-            if t.sources[i] == HELD:
-                experts = jax.tree_util.tree_map(lambda a, flat=flat: a[flat], self.held[i])
-            elif t.sources[i] == IN_POOL:
-                slots = self.slot_table[i][flat]
-                experts = fetch_experts(t.layout, self.host[i], t.part_start, self.pool, slots, flat, IN_POOL)
-            else:  # the distinct experts, padded with repeats of the first, which are skipped
-                order = jnp.sort(flat)
-                distinct = jnp.sum(order[1:] != order[:-1]) + 1
-                uniq, local = jnp.unique(flat, return_inverse=True, size=flat.shape[0])
-                skip = jnp.arange(flat.shape[0]) >= distinct
-                slots = self.slot_table[i][uniq]
-                experts = fetch_experts(
-                    t.layout, self.host[i], t.part_start, self.pool, slots, uniq, t.sources[i], skip
-                )
+            experts, local, _ = page_experts(
+                t.layout,
+                t.part_start,
+                t.sources[i],
+                self.held[i],
+                self.host[i],
+                self.pool,
+                self.slot_table[i],
+                ids.reshape(-1),
+                distinct_once=True,
+            )
             layer.ffn.experts_gate_up.set_value(experts[0])
             layer.ffn.experts_down.set_value(experts[1])
-            local = local.reshape(ids.shape).astype(jnp.int32)
-            x = h + layer.ffn.experts(u, weights, local).reshape(batch, seq, hidden)
+            x = h + layer.ffn.experts(u, weights, local.reshape(ids.shape)).reshape(batch, seq, hidden)
         return x, new_states
 
 

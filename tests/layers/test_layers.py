@@ -155,26 +155,30 @@ def test_routed_experts_decode_step_quantized(quantize, implementation):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_top_k_by_argmax_is_lax_top_k():
+@pytest.mark.parametrize("method", ["argmax", "rank"])
+def test_top_k_by_method_is_lax_top_k(method):
     rng = np.random.default_rng(3)
     x = rng.random((64, 256)).astype(np.float32)
     x[0, [3, 9, 200]] = 0.5  # ties: the lower index first, as lax.top_k
     x[1, :] = 0.25  # a row of equal values
     x[2, -8:] = 1.0
     want_v, want_i = jax.lax.top_k(jnp.asarray(x), 8)
-    got_v, got_i = moe_lib.top_k_by_argmax(jnp.asarray(x), 8)
+    got_v, got_i = getattr(moe_lib, f"top_k_by_{method}")(jnp.asarray(x), 8)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     assert got_i.dtype == jnp.int32
 
 
-def test_route_top_k_same_either_way(monkeypatch):
-    logits = jax.random.normal(jax.random.key(0), (40, 256))
-    want = route_top_k(logits, 8)
-    monkeypatch.setattr(moe_lib, "ARGMAX_TOP_K_MIN_TOKENS", 1)
-    got = route_top_k(logits, 8)
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+@pytest.mark.parametrize("tokens", [40, 3])
+def test_route_top_k_same_every_way(monkeypatch, tokens):
+    logits = jax.random.normal(jax.random.key(0), (tokens, 256))
+    monkeypatch.setattr(moe_lib, "RANK_TOP_K_MAX_TOKENS", 0)
+    want = route_top_k(logits, 8)  # jax.lax.top_k
+    for name, value in (("ARGMAX_TOP_K_MIN_TOKENS", 1), ("RANK_TOP_K_MAX_TOKENS", 64)):
+        monkeypatch.setattr(moe_lib, name, value)
+        got = route_top_k(logits, 8)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("seq", [8, 1])
