@@ -130,7 +130,12 @@ def open_chat(args: argparse.Namespace):
     chunk_size = None if args.chunk_size == "auto" else args.chunk_size
     runner, source = cli.load_runner(args, dtype, host_parts, chunk_size)
     chat = Chat(
-        runner, tokenizer, template=template, chunk_size=args.chunk_size, max_context=args.max_context
+        runner,
+        tokenizer,
+        template=template,
+        chunk_size=args.chunk_size,
+        max_context=args.max_context,
+        batch_decode=args.command == "serve",  # concurrent clients decode in one batch
     )
     return chat, source
 

@@ -1,10 +1,13 @@
 """An OpenAI-compatible HTTP server over a `Chat`: `GET /v1/models`, `POST /v1/chat/completions`,
 `POST /v1/completions`, streaming as server-sent events, on FastAPI and uvicorn.
 
-Requests decode one at a time, in arrival order: each waits for its turn in a FIFO queue (`FifoTurns`), then
-its `ReplyStream` runs on one worker thread (the model's calls block). Batching the decode steps of several
-clients into one step is not implemented. A client that disconnects, while queued or mid-reply, gives up its
-turn at once: its reply is closed and the next request starts. Errors are OpenAI error bodies
+Requests start in arrival order: each waits for its turn in a FIFO queue (`FifoTurns`), then its `ReplyStream`
+runs on one worker thread (the model's calls block). With a `Chat(batch_decode=True)` (what `hybridlm serve`
+makes) the turn passes on once the reply has prefilled and joined the shared decode batch
+(`engine.batch.DecodeBatcher`): replies then decode together, one decode step for all, each waiting for its
+own tokens on a thread of its own. Without it a reply holds the turn to its end. A client that disconnects,
+while queued or mid-reply, gives up its turn or its batch row at once: its reply is closed and the next
+request starts. Errors are OpenAI error bodies
 (`{"error": {"message", "type", "param", "code"}}`): 400 for malformed or invalid requests and for prompts
 past the context (`context_length_exceeded`), 404 for an unknown model.
 
@@ -259,6 +262,8 @@ class _Job:
     def __init__(self, service: _Service, reply: ReplyStream, request: fastapi.Request):
         self.service, self.reply, self.stats = service, reply, reply.stats
         self._turn: asyncio.Future | None = None
+        self._released = False  # the turn passed on while the reply decodes in the batch
+        self._inflight: concurrent.futures.Future | None = None
         self._closed = False
         self._stop = asyncio.get_running_loop().create_future()  # result: why the request stopped
         self._listener = asyncio.ensure_future(self._watch(request))
@@ -292,7 +297,12 @@ class _Job:
         while True:
             if self._stop.done():
                 raise _Stopped(self._stop.result())
-            delta = await self._until(asyncio.wrap_future(self.service.worker.submit(next, self.reply, None)))
+            if self.reply.decoding and not self._released:  # prefilled and in the batch: the next may start
+                self._released = True
+                self.service.turns.release()
+            runs = self.service.readers if self._released else self.service.worker
+            self._inflight = runs.submit(next, self.reply, None)
+            delta = await self._until(asyncio.wrap_future(self._inflight))
             if delta is None:
                 return
             yield delta
@@ -305,6 +315,14 @@ class _Job:
         self._closed = True
         self._listener.cancel()
         self.service.jobs.discard(self)
+        self.reply.cancel()  # a reply waiting for its batch's tokens returns now
+        if self._released:  # its turn passed on already: close it once its last call has returned
+            inflight = self._inflight
+            if inflight is None or inflight.done():
+                self.service.readers.submit(self.reply.close)
+            else:
+                inflight.add_done_callback(lambda _: self.reply.close())
+            return
         turn, turns = self._turn, self.service.turns
         if turn is None or not turn.done() or turn.cancelled():
             if turn is not None:
@@ -327,6 +345,8 @@ class _Service:
         self.chat, self.model_name, self.default_max_tokens = chat, model_name, default_max_tokens
         self.turns = FifoTurns()
         self.worker = _Worker()
+        # the threads that wait for batched replies' tokens (one call each at a time)
+        self.readers = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="hybridlm-reply")
         self.jobs: set[_Job] = set()
 
     def stop_all(self, reason: str) -> None:
@@ -514,6 +534,7 @@ def create_app(
         yield
         service.stop_all("the server is shutting down")
         await asyncio.to_thread(service.worker.stop, SHUTDOWN_GRACE_S)
+        service.readers.shutdown(wait=False, cancel_futures=True)
 
     app = fastapi.FastAPI(title="hybridlm", lifespan=lifespan)
     app.state.service = service

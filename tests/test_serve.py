@@ -419,3 +419,55 @@ def test_sigterm_stops_the_serve_command():
             proc.kill()
     assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2], rest[-2:]
     assert proc.returncode == -signal.SIGTERM and "Finished server process" in err, err
+
+
+def test_batched_server_decodes_concurrent_clients_together(tiny_model):
+    """`Chat(batch_decode=True)`, as `hybridlm serve` makes it: concurrent greedy clients get the replies they
+    get alone, from shared decode blocks; a streaming client that leaves mid-reply frees its batch row."""
+    chat = RecordingChat(tiny_model, Tokenizer(), chunk_size=64, max_context=CONTEXT, batch_decode=True)
+    topics = ["rivers", "the moon", "bread", "prime numbers"]
+    config = uvicorn.Config(create_app(chat, MODEL), log_level="warning")
+    with _serving(uvicorn.Server(config)) as (url, _):
+
+        def ask(i: int) -> str:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+            messages = [{"role": "user", "content": f"Tell me about {topics[i]}."}]
+            settings = dict(model=MODEL, messages=messages, max_tokens=40 + i, temperature=0)
+            if i % 2:
+                chunks = client.chat.completions.create(**settings, stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return client.chat.completions.create(**settings).choices[0].message.content
+
+        alone = [ask(i) for i in range(4)]
+        assert chat.batcher.peak_rows == 1
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, range(4)))
+        assert together == alone and len(set(alone)) == 4
+        assert chat.batcher.peak_rows >= 2  # 4 replies of 3 blocks each, prefilled in under a block each
+
+        body = {"model": MODEL, "messages": [USER], "max_tokens": LONG, "temperature": 0, "stream": True}
+        before = len(chat.replies)
+        endpoint = url + "/v1/chat/completions"
+        with httpx.Client(timeout=300) as http, http.stream("POST", endpoint, json=body) as r:
+            lines, contents = r.iter_lines(), 0
+            while contents < 3:
+                contents += bool(_content(next(lines)))
+        assert ask(0) == alone[0]  # answered while (or after) the left reply's row is dropped
+        deadline = time.monotonic() + 120
+        while chat.batcher.rows() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert chat.batcher.rows() == 0
+        left = chat.replies[before]
+        assert left.stats.finish_reason is None and 3 <= left.stats.completion_tokens < LONG
+
+
+def test_serve_clients_benchmark_runs():
+    """`python -m benchmarks.serve_clients` at toy size: well-formed figures, no failed response."""
+    from benchmarks import serve_clients
+
+    records = serve_clients.main(
+        ["--preset", "tiny", "--clients", "1", "2", "--seconds", "2", "--max-tokens", "6"]
+    )
+    assert [r["clients"] for r in records] == [1, 2]
+    for r in records:
+        assert r["requests"] >= 1 and r["completion_tokens"] >= r["requests"] and r["tokens_per_s"] > 0

@@ -49,14 +49,18 @@ def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], posit
         check_token_ids(tokens, vocab_size)
     if isinstance(position, jax.Array):
         return
-    pos = int(position)
-    capacity = min((s.capacity for s in states if isinstance(s, KVCache)), default=None)
-    if pos < 0:
-        raise ValueError(f"decode position {pos} is negative")
-    if capacity is not None and pos >= capacity:
+    positions = np.asarray(position)
+    if positions.ndim and positions.shape != np.shape(tokens):
         raise ValueError(
-            f"decode position {pos} is past the KV cache's capacity of {capacity} tokens; reserve room "
-            f"for the tokens to decode when prefilling (hybridlm.prefill(..., max_new_tokens=N))"
+            f"positions must be a scalar or one per sequence, shape {np.shape(tokens)}, got {positions.shape}"
+        )
+    capacity = min((s.capacity for s in states if isinstance(s, KVCache)), default=None)
+    if positions.size and int(positions.min()) < 0:
+        raise ValueError(f"decode position {int(positions.min())} is negative")
+    if capacity is not None and positions.size and int(positions.max()) >= capacity:
+        raise ValueError(
+            f"decode position {int(positions.max())} is past the KV cache's capacity of {capacity} tokens; "
+            f"reserve room for the tokens to decode when prefilling (hybridlm.prefill(..., max_new_tokens=N))"
         )
 
 
@@ -142,7 +146,8 @@ class LayerwiseRunner:
           states: per-layer states holding positions [0, position) (donated: do not reuse them). Uncommitted
             tokens or states are committed first (`commit`), so that every step runs one compiled program.
           position: absolute position of `tokens` (a Python int or int32 scalar; not static, so one
-            compilation serves every step).
+            compilation serves every step), or [batch] int32, one a sequence (sequences at different
+            positions decoded together).
 
         Returns:
           logits [batch, vocab] float32 for the next position, and the new states.
@@ -186,7 +191,7 @@ class LayerwiseRunner:
             tokens = jnp.asarray(tokens, jnp.int32)  # (a no-op asarray still costs a dispatch)
         if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
             tokens, states = commit((tokens, states))
-        return tokens, states, position if isinstance(position, jax.Array) else np.int32(position)
+        return tokens, states, position if isinstance(position, jax.Array) else np.asarray(position, np.int32)
 
     def decode_step_layerwise(
         self, tokens: jax.Array, states: list[LayerState], position

@@ -137,6 +137,16 @@ def cached_attention(
     return carry[0].astype(q.dtype)
 
 
+def _write_rows(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
+    """The cache with one token a sequence written at its own position: k, v [batch, 1, kv_heads, head_dim],
+    positions [batch] int32 (a position past the capacity writes nothing)."""
+    rows = jnp.arange(k.shape[0])
+    return KVCache(
+        key=cache.key.at[rows, positions].set(k[:, 0].astype(cache.key.dtype), mode="drop"),
+        value=cache.value.at[rows, positions].set(v[:, 0].astype(cache.value.dtype), mode="drop"),
+    )
+
+
 class GatedAttention(nnx.Module):
     """GQA attention with q/k RMSNorm, partial RoPE and a sigmoid output gate."""
 
@@ -165,7 +175,8 @@ class GatedAttention(nnx.Module):
         Args:
           x: [batch, seq, hidden] normalised input.
           cache: KV cache holding positions [0, start); None: the chunk is a whole sequence starting at 0.
-          start: absolute position of x[:, 0] (int32 scalar, may be traced).
+          start: absolute position of x[:, 0] (int32 scalar, may be traced), or [batch] int32, one position a
+            sequence, for one token a sequence (a decode step of sequences at different positions).
 
         Returns:
           out [batch, seq, hidden], and the cache with this chunk's keys/values written at [start, start+seq)
@@ -179,7 +190,10 @@ class GatedAttention(nnx.Module):
         k = linear(x, self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
         v = linear(x, self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
         q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
-        positions = start + jnp.arange(seq)
+        per_row = jnp.ndim(start) == 1
+        if per_row and (seq != 1 or cache is None):
+            raise ValueError(f"per-sequence positions take one token a sequence and a cache, got seq={seq}")
+        positions = (start[:, None] if per_row else start) + jnp.arange(seq)  # [seq] or [batch, seq]
         cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
 
@@ -189,11 +203,17 @@ class GatedAttention(nnx.Module):
             new_cache = None
         else:
             out = cached_attention(q, k, v, cache, jnp.asarray(start, jnp.int32), implementation=impl)
-            new_cache = KVCache(
-                key=jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), start, axis=1),
-                value=jax.lax.dynamic_update_slice_in_dim(
-                    cache.value, v.astype(cache.value.dtype), start, axis=1
-                ),
+            new_cache = (
+                _write_rows(cache, k, v, start)
+                if per_row
+                else KVCache(
+                    key=jax.lax.dynamic_update_slice_in_dim(
+                        cache.key, k.astype(cache.key.dtype), start, axis=1
+                    ),
+                    value=jax.lax.dynamic_update_slice_in_dim(
+                        cache.value, v.astype(cache.value.dtype), start, axis=1
+                    ),
+                )
             )
         out = out.reshape(batch, seq, a.num_heads * a.head_dim) * jax.nn.sigmoid(
             gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)

@@ -388,3 +388,36 @@ def test_exact_mode_gathers_only_the_chunks_experts(tiny, host_experts, referenc
     out = hybridlm.prefill(runner, prompts["short"], chunk_size=1)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=RTOL)
     assert groups and set(groups) == {TOP_K}  # one token: its top_k experts, a power of two
+
+
+def test_batched_decode_with_offloaded_runner(tiny, host_experts, base_runner, prompts):
+    """Two sequences at different positions decoded in one batch (`engine.batch`) with paged experts: each
+    gets the greedy tokens it gets alone on the all-resident runner."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from hybridlm.engine.batch import DecodeBatcher
+
+    eb = expert_bytes(host_experts)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=2 * NUM_EXPERTS * eb, cache_policy="static"),
+        host_experts=host_experts,
+    )
+    seqs = [prompts["short"], prompts["short"][:7]]
+    want = [hybridlm.generate(base_runner, s, max_new_tokens=5, chunk_size=16).tokens[0] for s in seqs]
+    batcher = DecodeBatcher(runner, threading.Lock(), block=4)
+    try:
+        rows = []
+        for s in seqs:
+            with batcher.lock:  # the batcher's thread may be decoding on the runner
+                pre = hybridlm.prefill(runner, s, chunk_size=16, max_new_tokens=5)
+            first = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
+            greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+            rows.append((first, batcher.join(pre.states, pre.prompt_tokens, first, 4, stop_ids=[], **greedy)))
+        got = [np.concatenate([np.asarray(f), *row]) for f, row in rows]
+    finally:
+        batcher.close(timeout=60)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)

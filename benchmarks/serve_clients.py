@@ -1,0 +1,162 @@
+"""Concurrent streaming clients against `hybridlm serve` (batched decoding) on localhost.
+
+    python -m benchmarks.serve_clients --gguf F.gguf [--clients 1 8] [--seconds 120] [--max-tokens 256]
+        [--budget 12GiB] [--out results.jsonl]
+    python -m benchmarks.serve_clients --preset tiny --seconds 5      # random weights, for a quick check
+
+For each client count N, N threads each send streaming chat completions (greedy, distinct prompts) in a
+bounded loop for `--seconds`, through the `openai` client. Every response is checked: it ends with a finish
+reason, its usage counts as many tokens as arrived, and "length" replies hold max_tokens tokens (no lost,
+mixed or truncated response). Prints one JSON line per N: completion tokens/s over all clients, requests, time
+to first token (median), and the ratio to the first N's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import threading
+import time
+
+import jax
+import openai
+
+import hybridlm
+from hybridlm.chat import Chat
+from hybridlm.serve import make_server
+
+MODEL = "bench"
+
+
+def _client_loop(url: str, index: int, deadline: float, max_tokens: int, records: list) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+    turn = 0
+    while time.monotonic() < deadline:
+        prompt = f"Client {index}, request {turn}: write about topic number {index * 1000 + turn}."
+        t0 = time.perf_counter()
+        ttft, text, usage, finish = None, [], None, None
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    ttft = ttft or time.perf_counter() - t0
+                    text.append(choice.delta.content)
+                finish = choice.finish_reason or finish
+        if finish is None or usage is None:
+            raise AssertionError(f"client {index}: a response without finish reason or usage")
+        if finish == "length" and usage.completion_tokens != max_tokens:
+            got = usage.completion_tokens
+            raise AssertionError(f"client {index}: a 'length' reply of {got} tokens, max_tokens {max_tokens}")
+        records.append((usage.completion_tokens, ttft or time.perf_counter() - t0, time.perf_counter()))
+        turn += 1
+
+
+def measure(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
+    """Runs `clients` client threads for `seconds`; their figures."""
+    records: list = []
+    errors: list = []
+    start = time.monotonic()
+    deadline = start + seconds
+
+    def run(i):
+        try:
+            _client_loop(url, i, deadline, max_tokens, records)
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise AssertionError(f"{len(errors)} clients failed: {errors[:3]}")
+    tokens = sum(r[0] for r in records)
+    return {
+        "clients": clients,
+        "requests": len(records),
+        "completion_tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_median_s": statistics.median(r[1] for r in records) if records else None,
+    }
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf")
+    source.add_argument("--preset", help="random weights of a preset (e.g. tiny)")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--seconds", type=float, default=120.0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--budget", default=None, help="offload experts beyond this budget, e.g. 12GiB (--gguf)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from hybridlm.tokenizer import Tokenizer
+
+    if args.gguf:
+        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
+
+        if args.budget:
+            from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
+
+            model, host = load_offloaded(args.gguf, parts=1, progress=False)
+            model = OffloadedRunner(model, OffloadConfig(expert_budget=args.budget), host_experts=host)
+        else:
+            model = hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
+        tokenizer = tokenizer_from_gguf(args.gguf) or Tokenizer()
+    else:
+        model, tokenizer = hybridlm.init_random(hybridlm.get_config(args.preset), seed=0), Tokenizer()
+    chat = Chat(model, tokenizer, max_context=8192, batch_decode=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = make_server(chat, MODEL, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    out = []
+    try:
+        measure(url, 1, min(args.seconds, 5.0), min(args.max_tokens, 16))  # compiles the first programs
+        base = None
+        for n in args.clients:
+            record = measure(url, n, args.seconds, args.max_tokens)
+            base = base or record["tokens_per_s"]
+            record.update(
+                what="serve_clients",
+                ratio_to_first=record["tokens_per_s"] / base,
+                peak_rows=chat.batcher.peak_rows,
+                device=jax.devices()[0].device_kind,
+                jax_version=jax.__version__,
+                budget=args.budget,
+            )
+            out.append(record)
+            line = json.dumps(record)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+    return out
+
+
+if __name__ == "__main__":
+    main()
