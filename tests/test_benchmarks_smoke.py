@@ -264,3 +264,15 @@ def test_trace_summary_device_streams(tmp_path):
     (gap,) = s["compute_gaps"]["largest"]
     assert gap["ms"] == 0.004 and gap["after"] == "gmm" and gap["before"] == "attention"
     assert gap["copy_during_ms"] == 0.004
+
+
+def test_conversation_benchmark_runs(capsys):
+    """`python -m benchmarks.conversation` at toy size: a resumed second turn and alternating calls."""
+    from benchmarks import conversation
+
+    conversation.main(["--preset", "tiny", "--history", "40", "--turn", "12", "--reply", "4"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    turn, alternating = records
+    assert turn["what"] == "second_turn" and turn["cached_tokens"] == 40
+    assert 0 < turn["ttft_resumed_s"] and 0 < turn["ttft_cold_s"]
+    assert alternating["what"] == "alternating" and len(alternating["calls"]) == 3

@@ -1,0 +1,137 @@
+"""A conversation's second turn through `Chat` (prefix cache of state snapshots), and alternating generate /
+prefill calls on one runner.
+
+    python -m benchmarks.conversation --gguf F.gguf [--history 32768] [--turn 256] [--budget 12GiB]
+        [--out results.jsonl]
+    python -m benchmarks.conversation --preset tiny --history 200 --turn 20    # random weights, a quick check
+
+Turn 1 sends `--history` prompt tokens and gets a short reply; its history's state is saved (`Chat`).
+Turn 2 sends the history, the reply and `--turn` new tokens: its time to first token (TTFT) resumed from the
+snapshot, against the same prompt sent to a `Chat` without a prefix cache (cold). Then `generate` (16 new
+tokens) and `prefill` alternate on the same runner over a `--turn`-token prompt: each call's prefill seconds
+against a lone warm `prefill` of the same prompt. One JSON line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+import hybridlm
+from hybridlm.chat import Chat
+
+
+def _emit(out: str | None, record: dict) -> None:
+    record = {**record, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__}
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def second_turn(runner, tokenizer, args) -> None:
+    """TTFT of a second turn resumed from the history's snapshot, and cold."""
+    rng = np.random.default_rng(0)
+    vocab = min(runner.config.vocab_size, 150_000)  # plain tokens, no special ones
+    history = rng.integers(0, vocab, args.history).astype(np.int32)
+    header = rng.integers(0, vocab, 4).astype(np.int32)  # what follows the history in turn 1's prompt
+    turn = rng.integers(0, vocab, args.turn).astype(np.int32)
+    context = args.history + args.turn + 3 * args.reply + 8
+    chat = Chat(runner, tokenizer, max_context=context)
+    first = chat.complete_ids(
+        np.concatenate([history, header]), max_tokens=args.reply, history_length=history.size
+    )
+    reply = np.asarray(tokenizer.encode(first.text()), np.int32)[: args.reply]
+    prompt = np.concatenate([history, header, reply, turn])
+    for _ in range(2):  # the first compiles the resumed prefill's programs; the snapshot stays
+        second = chat.complete_ids(prompt, max_tokens=1)
+        second.text()
+    cold = Chat(runner, tokenizer, max_context=context, prefix_cache=None)
+    for _ in range(2):  # the second is warm
+        reply_cold = cold.complete_ids(prompt, max_tokens=1)
+        reply_cold.text()
+    _emit(
+        args.out,
+        {
+            "what": "second_turn",
+            "budget": args.budget,
+            "history_tokens": int(history.size),
+            "new_tokens": int(prompt.size - history.size),
+            "ttft_resumed_s": second.stats.ttft_s,
+            "cached_tokens": second.stats.cached_tokens,
+            "ttft_cold_s": reply_cold.stats.ttft_s,
+            "first_turn_ttft_s": first.stats.ttft_s,
+            "prefix_cache": chat.stats(),
+        },
+    )
+
+
+def alternating(runner, args) -> None:
+    """Prefill seconds of `prefill` calls alternating with `generate` calls, against a lone warm prefill."""
+    prompt = np.random.default_rng(1).integers(0, 150_000, args.turn).astype(np.int32)
+
+    def timed_prefill() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(hybridlm.prefill(runner, prompt, max_new_tokens=16).logits)
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        lone = timed_prefill()
+    lone = min(lone, timed_prefill())
+    calls = []
+    for _ in range(3):
+        g = hybridlm.generate(runner, prompt, max_new_tokens=16)
+        calls.append({"generate_ttft_s": g.prefill.ttft_s, "prefill_s": timed_prefill()})
+    worst = max(max(c["prefill_s"], c["generate_ttft_s"]) for c in calls)
+    _emit(
+        args.out,
+        {
+            "what": "alternating",
+            "budget": args.budget,
+            "lone_prefill_s": lone,
+            "calls": calls,
+            "worst_over_lone": worst / lone,
+        },
+    )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf")
+    source.add_argument("--preset", help="random weights of a preset (e.g. tiny)")
+    p.add_argument("--history", type=int, default=32768)
+    p.add_argument("--turn", type=int, default=256)
+    p.add_argument("--reply", type=int, default=16, help="tokens of the first turn's reply")
+    p.add_argument("--budget", default=None, help="offload experts beyond this budget, e.g. 12GiB (--gguf)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from hybridlm.tokenizer import Tokenizer
+
+    if args.gguf:
+        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
+
+        if args.budget:
+            from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
+
+            model, host = load_offloaded(args.gguf, parts=1, progress=False)
+            runner = OffloadedRunner(model, OffloadConfig(expert_budget=args.budget), host_experts=host)
+        else:
+            runner = hybridlm.LayerwiseRunner(
+                hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
+            )
+        tokenizer = tokenizer_from_gguf(args.gguf) or Tokenizer()
+    else:
+        model = hybridlm.init_random(hybridlm.get_config(args.preset), seed=0)
+        runner, tokenizer = hybridlm.LayerwiseRunner(model), Tokenizer()
+    second_turn(runner, tokenizer, args)
+    alternating(runner, args)
+
+
+if __name__ == "__main__":
+    main()
