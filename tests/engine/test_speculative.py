@@ -131,10 +131,10 @@ def test_greedy_equals_plain_decoding(cases, arch, seed, length):
     assert oracle.speculative["iterations"] < random.speculative["iterations"]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_one_draft_and_auto_depth(cases, arch):
-    """k = 1, and the adaptive depth with every oracle draft right (the longest depth wins)."""
-    runner, mtp, prompt, plain, reference = cases(arch, 0, LENGTHS[1])
+def test_greedy_one_draft_and_auto_depth(cases):
+    """k = 1, and the adaptive depth with every oracle draft right (the longest depth wins); one architecture
+    (the depth logic is the driver's, the same for both)."""
+    runner, mtp, prompt, plain, reference = cases("qwen3.5", 0, LENGTHS[1])
     one = spec(runner, mtp, prompt, draft_tokens=1, oracle_draft=(reference, 0.75))
     np.testing.assert_array_equal(one.tokens[0], plain)
     assert one.speculative["mean_accepted"] > 0
@@ -363,8 +363,8 @@ def test_refusals(cases):
 )
 def test_offloaded_experts_verify_as_resident(cases, budget, host_parts):
     """With the experts paged (layers whose experts are in host memory fetch each distinct expert of the
-    verify's copies once; pool layers gather), speculative greedy tokens equal plain greedy, random and oracle
-    drafts alike."""
+    verify's copies once; pool layers gather), speculative greedy tokens equal plain greedy: with random
+    drafts (rejected) through one host part, oracle drafts (some accepted) through the default parts."""
     from hybridlm.offload import HostExperts, OffloadConfig, OffloadedRunner
     from hybridlm.offload.decode import IN_HOST, IN_POOL
 
@@ -376,10 +376,10 @@ def test_offloaded_experts_verify_as_resident(cases, budget, host_parts):
         else HostExperts.from_model(model, parts=host_parts)
     )
     offloaded = OffloadedRunner(model, OffloadConfig(expert_budget=budget), host_experts=host)
-    for oracle in (None, (reference, 0.75)):
-        got = spec(offloaded, mtp, prompt, oracle_draft=oracle)
-        np.testing.assert_array_equal(got.tokens[0], plain, err_msg=f"oracle={oracle is not None}")
-    assert got.speculative["mean_accepted"] > 0
+    oracle = None if host_parts == 1 else (reference, 0.75)
+    got = spec(offloaded, mtp, prompt, oracle_draft=oracle)
+    np.testing.assert_array_equal(got.tokens[0], plain)
+    assert oracle is None or got.speculative["mean_accepted"] > 0
     sources = set(offloaded.decoder.view.sources)
     assert {IN_HOST, IN_POOL} <= sources
 
