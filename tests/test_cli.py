@@ -339,8 +339,16 @@ def test_sigint_exits_130_with_one_line(tmp_path):
     """A real SIGINT while the CLI waits on its prompt (a FIFO nobody writes to yet)."""
     fifo = tmp_path / "prompt"
     os.mkfifo(fifo)
+    # The child takes SIGINT as a terminal's foreground job does: Python's default handler, not blocked. A
+    # child inherits the mask and ignored signals of the thread that starts it, and a long test session can
+    # hand it SIGINT blocked or ignored (seen in CI: no exit, no output).
+    start = (
+        "import runpy, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+        "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'hybridlm'; "
+        "runpy.run_module('hybridlm', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridlm", "prefill", "--prompt-file", str(fifo)],
+        [sys.executable, "-c", start, "prefill", "--prompt-file", str(fifo)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -361,7 +369,9 @@ def test_sigint_exits_130_with_one_line(tmp_path):
                 out, err = proc.communicate(timeout=15)
                 break
             except subprocess.TimeoutExpired:
-                assert time.monotonic() < deadline, "the CLI did not stop on SIGINT"
+                with open(f"/proc/{proc.pid}/status") as f:  # what the child does with SIGINT (signal 2)
+                    masks = [line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+                assert time.monotonic() < deadline, f"the CLI did not stop on SIGINT; {masks}"
     finally:
         os.close(writer)
     assert proc.returncode == 130 and err == "hybridlm: interrupted\n" and out == ""
