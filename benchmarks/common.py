@@ -158,3 +158,41 @@ def kernel_split_ms(call: Callable, calls: int = 10, top: int = 16) -> dict[str,
 
 def random_ids(vocab_size: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab_size, shape).astype(np.int32)
+
+
+def add_model_source_args(p) -> None:
+    """--gguf FILE or --preset NAME (random weights), and --budget, for the benchmarks of the user's path."""
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf")
+    source.add_argument("--preset", help="random weights of a preset (e.g. tiny)")
+    p.add_argument("--budget", default=None, help="offload experts beyond this budget, e.g. 12GiB (--gguf)")
+
+
+def runner_and_tokenizer(args):
+    """(runner, tokenizer) of `add_model_source_args`' options: the GGUF file with its experts kept
+    quantized (offloaded beyond --budget) and its own tokenizer, or a preset's random weights and Qwen's."""
+    import hybridlm
+    from hybridlm.tokenizer import Tokenizer
+
+    if not args.gguf:
+        model = hybridlm.init_random(hybridlm.get_config(args.preset), seed=0)
+        return hybridlm.LayerwiseRunner(model), Tokenizer()
+    from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
+
+    if args.budget:
+        from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
+
+        model, host = load_offloaded(args.gguf, parts=1, progress=False)
+        runner = OffloadedRunner(model, OffloadConfig(expert_budget=args.budget), host_experts=host)
+    else:
+        runner = hybridlm.LayerwiseRunner(hybridlm.load(args.gguf, keep_quantized="experts", progress=False))
+    return runner, tokenizer_from_gguf(args.gguf) or Tokenizer()
+
+
+def emit_line(out: str | None, record: dict) -> None:
+    """Prints `record` with the device and JAX version as one JSON line, and appends it to `out` if given."""
+    line = json.dumps({**record, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__})
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")

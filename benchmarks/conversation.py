@@ -15,23 +15,14 @@ against a lone warm `prefill` of the same prompt. One JSON line per figure.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import numpy as np
 
 import hybridlm
+from benchmarks.common import add_model_source_args, emit_line, runner_and_tokenizer
 from hybridlm.chat import Chat
-
-
-def _emit(out: str | None, record: dict) -> None:
-    record = {**record, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__}
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def second_turn(runner, tokenizer, args) -> None:
@@ -55,7 +46,7 @@ def second_turn(runner, tokenizer, args) -> None:
     for _ in range(2):  # the second is warm
         reply_cold = cold.complete_ids(prompt, max_tokens=1)
         reply_cold.text()
-    _emit(
+    emit_line(
         args.out,
         {
             "what": "second_turn",
@@ -88,7 +79,7 @@ def alternating(runner, args) -> None:
         g = hybridlm.generate(runner, prompt, max_new_tokens=16)
         calls.append({"generate_ttft_s": g.prefill.ttft_s, "prefill_s": timed_prefill()})
     worst = max(max(c["prefill_s"], c["generate_ttft_s"]) for c in calls)
-    _emit(
+    emit_line(
         args.out,
         {
             "what": "alternating",
@@ -102,33 +93,13 @@ def alternating(runner, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf")
-    source.add_argument("--preset", help="random weights of a preset (e.g. tiny)")
+    add_model_source_args(p)
     p.add_argument("--history", type=int, default=32768)
     p.add_argument("--turn", type=int, default=256)
     p.add_argument("--reply", type=int, default=16, help="tokens of the first turn's reply")
-    p.add_argument("--budget", default=None, help="offload experts beyond this budget, e.g. 12GiB (--gguf)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from hybridlm.tokenizer import Tokenizer
-
-    if args.gguf:
-        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
-
-        if args.budget:
-            from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
-
-            model, host = load_offloaded(args.gguf, parts=1, progress=False)
-            runner = OffloadedRunner(model, OffloadConfig(expert_budget=args.budget), host_experts=host)
-        else:
-            runner = hybridlm.LayerwiseRunner(
-                hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
-            )
-        tokenizer = tokenizer_from_gguf(args.gguf) or Tokenizer()
-    else:
-        model = hybridlm.init_random(hybridlm.get_config(args.preset), seed=0)
-        runner, tokenizer = hybridlm.LayerwiseRunner(model), Tokenizer()
+    runner, tokenizer = runner_and_tokenizer(args)
     second_turn(runner, tokenizer, args)
     alternating(runner, args)
 

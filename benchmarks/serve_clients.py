@@ -14,16 +14,14 @@ to first token (median), and the ratio to the first N's figure.
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 import threading
 import time
 
-import jax
 import openai
 
-import hybridlm
+from benchmarks.common import add_model_source_args, emit_line, runner_and_tokenizer
 from hybridlm.chat import Chat
 from hybridlm.serve import make_server
 
@@ -97,30 +95,13 @@ def measure(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf")
-    source.add_argument("--preset", help="random weights of a preset (e.g. tiny)")
+    add_model_source_args(p)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--budget", default=None, help="offload experts beyond this budget, e.g. 12GiB (--gguf)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from hybridlm.tokenizer import Tokenizer
-
-    if args.gguf:
-        from hybridlm.checkpoints.gguf_tokenizer import tokenizer_from_gguf
-
-        if args.budget:
-            from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
-
-            model, host = load_offloaded(args.gguf, parts=1, progress=False)
-            model = OffloadedRunner(model, OffloadConfig(expert_budget=args.budget), host_experts=host)
-        else:
-            model = hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
-        tokenizer = tokenizer_from_gguf(args.gguf) or Tokenizer()
-    else:
-        model, tokenizer = hybridlm.init_random(hybridlm.get_config(args.preset), seed=0), Tokenizer()
+    model, tokenizer = runner_and_tokenizer(args)
     chat = Chat(model, tokenizer, max_context=8192, batch_decode=True)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -141,16 +122,10 @@ def main(argv=None) -> list[dict]:
                 what="serve_clients",
                 ratio_to_first=record["tokens_per_s"] / base,
                 peak_rows=chat.batcher.peak_rows,
-                device=jax.devices()[0].device_kind,
-                jax_version=jax.__version__,
                 budget=args.budget,
             )
             out.append(record)
-            line = json.dumps(record)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            emit_line(args.out, record)
     finally:
         server.should_exit = True
         thread.join(60)

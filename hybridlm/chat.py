@@ -293,8 +293,9 @@ class _BatchedTokens:
         stop_ids = self.chat.tokenizer.stop_token_ids
         first = np.asarray(self.first)[None, :]
         self._tokens = 1
-        if np.isin(first, stop_ids).any() or self.max_tokens == 1:
-            self.stop_reason = "eos" if np.isin(first, stop_ids).any() else "length"
+        stopped = bool(np.isin(first, stop_ids).any())
+        if stopped or self.max_tokens == 1:
+            self.stop_reason = "eos" if stopped else "length"
             yield first
             return
         s = self.sampling
