@@ -97,13 +97,14 @@ def cached_attention(
     Every call is a plain `jax.nn.dot_product_attention` (cuDNN flash attention on GPU) and no [seq, capacity]
     mask is built.
 
-    With cuDNN the block loop has a static trip count (capacity / block, up to MAX_UNROLLED_BLOCKS, unrolled);
-    a block at or past `start` has zero valid keys, which cuDNN skips, and is merged with weight 0. A loop
-    over the ceil(start / block) blocks with a traced trip count would make XLA's GPU runtime read the loop
-    predicate back to the host, so dispatching the program would wait for the device (unrolled, the host does
-    not block and the device time per call is lower too). Beyond
-    MAX_UNROLLED_BLOCKS blocks, and with the XLA implementation (CPU; not bfloat16 on GPU), where an empty
-    block would cost a full block, that loop is used.
+    With cuDNN the block loop has a static trip count (unrolled): capacity / block blocks, or, beyond
+    MAX_UNROLLED_BLOCKS of them, fewer longer blocks that divide the capacity (cuDNN skips a block's invalid
+    keys, so a longer block costs no more work). A block at or past `start` has zero valid keys and is merged
+    with weight 0. A loop over the ceil(start / block) blocks with a traced trip count would make XLA's GPU
+    runtime read the loop predicate back to the host, so dispatching the program would wait for the device
+    (unrolled, the host does not block and the device time per call is lower too). With the XLA
+    implementation (CPU; not bfloat16 on GPU), where an empty block would cost a full block, that loop is
+    used.
 
     Args:
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] of this chunk (post-RoPE).
@@ -125,6 +126,9 @@ def cached_attention(
         static_blocks = few or _resolve(implementation, q.dtype) == "cudnn"
     out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
     blocks = cache.capacity // seq if not few and cache.capacity % seq == 0 else 1
+    if static_blocks and blocks > MAX_UNROLLED_BLOCKS:
+        # a short chunk over a long cache (a resumed conversation turn) keeps the unrolled form
+        blocks = max(d for d in range(1, MAX_UNROLLED_BLOCKS + 1) if blocks % d == 0)
     block = cache.capacity // blocks
 
     merge_block = functools.partial(merge_cached_block, q, cache, start, block, implementation)

@@ -181,16 +181,16 @@ def test_route_top_k_same_every_way(monkeypatch, tokens):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("seq", [8, 1])
+@pytest.mark.parametrize("seq", [16, 8, 1])
 @pytest.mark.parametrize("unrolled", [True, False])
-@pytest.mark.parametrize("start", [0, 8, 13, 24])
+@pytest.mark.parametrize("start", [0, 8, 13, 24, 100])
 def test_cached_attention_matches_masked_softmax(start, unrolled, seq, monkeypatch):
     # unrolled: a static block loop whose blocks past `start` are empty (the cuDNN path); else the loop with a
-    # traced trip count (the XLA path, and beyond MAX_UNROLLED_BLOCKS). seq=1 is decode: the whole cache is
-    # one block.
+    # traced trip count (the XLA path). seq=16 unrolled: 8 blocks of its length, beyond MAX_UNROLLED_BLOCKS,
+    # merged into 4 of 32. seq=8 and 1 (a verify, decode): the whole cache is one block.
     if unrolled:
         monkeypatch.setattr(gated_attention, "MAX_UNROLLED_BLOCKS", 4)
-    batch, heads, kv_heads, hd, capacity = 1, 4, 2, 16, 32
+    batch, heads, kv_heads, hd, capacity = 1, 4, 2, 16, 128
     k0 = jax.random.key(start)
     q, k, v = (
         jax.random.normal(jax.random.fold_in(k0, i), (batch, seq, h, hd))
