@@ -40,7 +40,8 @@ def fetch_experts(
     skip: jax.Array | None = None,
 ):
     """The weights of experts `ids` [n] of one layer as (gate_up, down) [n, ...] on the device, each from the
-    pool where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its pinned host part.
+    pool (`PackedExperts`) where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its
+    pinned host part; the gathered bytes are unpacked once.
 
     `source` (static): IN_POOL, every expert of the layer is in the pool (a gather, no control flow); IN_HOST,
     none is; MIXED, some are. A copy from host memory is a dynamic slice of the host part holding the expert,
@@ -52,7 +53,7 @@ def fetch_experts(
     made the step slower. `skip` [n] bool (optional): rows whose copy is not needed (zeros come back), so that
     a verify fetches each distinct expert once."""
     if source == IN_POOL:
-        return jax.tree_util.tree_map(lambda a: a[slots], pool)
+        return pool.take(slots).unpack()
     starts = jnp.asarray(part_start, jnp.int32)
 
     def from_host(p):
@@ -79,15 +80,10 @@ def fetch_experts(
         else:
             index = part
         rows.append(jax.lax.switch(index, branches, ids[j] - starts[part]))
-    copied = layout.unpack(jnp.concatenate(rows))  # leaves [n, ...]
-    if not mixed:
-        return copied
-    where = slots >= 0
-    return jax.tree_util.tree_map(
-        lambda a, c: jnp.where(where.reshape((-1,) + (1,) * (c.ndim - 1)), a[jnp.maximum(slots, 0)], c),
-        pool,
-        copied,
-    )
+    copied = jnp.concatenate(rows)  # [n, nbytes]
+    if mixed:  # each row from the pool or from its copy, still packed: one unpack for both
+        copied = jnp.where((slots >= 0)[:, None], pool.data[jnp.maximum(slots, 0)], copied)
+    return layout.unpack(copied)
 
 
 def page_experts(
@@ -106,7 +102,7 @@ def page_experts(
     (static: HELD, IN_POOL, MIXED or IN_HOST) says they are.
 
     Args:
-      held: the layer's (gate_up, down) held outside the pool (HELD), else unused.
+      held: the layer's experts held outside the pool (HELD; `PackedExperts`), else unused.
       host: the layer's pinned host parts; pool: the device pool; slot_row: [experts] int32 pool slot or -1.
       distinct_once: fetch each distinct expert of the copies once (a verify's tokens share experts), rather
         than one fetch a copy (a decode step's top-k copies are distinct already).
@@ -117,7 +113,7 @@ def page_experts(
     """
     local = jnp.arange(flat.shape[0], dtype=jnp.int32)  # copy j runs fetched expert j
     if source == HELD:
-        return jax.tree_util.tree_map(lambda a: a[flat], held), local, jnp.int32(flat.shape[0])
+        return held.take(flat).unpack(), local, jnp.int32(flat.shape[0])
     hits = jnp.sum(slot_row[flat] >= 0).astype(jnp.int32)
     if source == IN_POOL or not distinct_once:
         return fetch_experts(layout, host, part_start, pool, slot_row[flat], flat, source), local, hits
@@ -304,7 +300,7 @@ class PagedView(NamedTuple):
 
     slot_table: jax.Array  # int32 [layers, experts] on the device: pool slot, or -1
     sources: tuple[str, ...]  # per layer: HELD, IN_POOL, MIXED or IN_HOST
-    held: tuple  # per layer: (gate_up, down) held outside the pool, or None
+    held: tuple  # per layer: its `PackedExperts` held outside the pool, or None
 
 
 class PagedDecoder:

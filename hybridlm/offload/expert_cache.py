@@ -3,9 +3,10 @@
 One *expert* is the pair (gate_up[e], down[e]) of one layer: `[hidden, 2*ffn]` and `[ffn, hidden]`, float or
 `QuantizedWeights` (values + scales (+ offsets)). On the host every expert is ONE contiguous uint8 buffer
 (all its leaves packed back to back, `ExpertLayout`), so paging an expert is a single `jax.device_put` and the
-bytes moved are exactly the expert's bytes. On the device the pool keeps the unpacked leaves with a leading
-slot axis (`[slots, hidden, 2*ffn]`, ...), so the grouped matmul runs on the pool unchanged with slot ids in
-place of expert ids. Eviction is delegated to `hybridlm.offload.policies`.
+bytes moved are exactly the expert's bytes. On the device the pool keeps those same bytes, one row a slot
+(`PackedExperts`, uint8 [slots, nbytes]): a program gathers the rows it needs and unpacks them into the
+kernels' leaves, so that a budget holds as many experts as their compact form allows (a GGUF Q4_K expert:
+4.5 bits a weight instead of 6 unpacked). Eviction is delegated to `hybridlm.offload.policies`.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ class ExpertLayout:
 
     @property
     def device_nbytes(self) -> int:
-        """Bytes of one expert unpacked on the device (a pool slot)."""
+        """Bytes of one expert unpacked on the device (as the model and the kernels hold it; a pool slot
+        holds `nbytes`, `PackedExperts`)."""
         return sum(self.leaf_nbytes)
 
     def pack_numpy(self, leaves_e: list[np.ndarray]) -> np.ndarray:
@@ -198,10 +200,44 @@ class ExpertLayout:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def _scatter_slots(layout: ExpertLayout, pool, staged: jax.Array, slots: jax.Array):
-    """pool[slots[j]] = unpack(staged[j]) for staged uint8 [m, nbytes]; slots past the pool are dropped."""
-    values = layout.unpack(staged)  # leaves [m, ...]
-    return jax.tree_util.tree_map(lambda p, v: p.at[slots].set(v.astype(p.dtype), mode="drop"), pool, values)
+@jax.tree_util.register_pytree_node_class
+class PackedExperts:
+    """Experts on the device in their host byte layout, uint8 [n, nbytes] (`ExpertLayout`), unpacked into the
+    kernels' weights only where a program uses them (`unpack`). The pool and the held layers keep experts so:
+    a GGUF Q4_K expert takes its file's 4.5 bits a weight there instead of the 6 bits of its unpacked codes,
+    scales and offsets, so a budget holds a third more of them. A pytree whose layout is static."""
+
+    def __init__(self, layout: ExpertLayout, data: jax.Array):
+        self.layout, self.data = layout, data
+
+    def tree_flatten(self):
+        return (self.data,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(layout, children[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def take(self, rows: jax.Array) -> PackedExperts:
+        """The experts at `rows` [m] int32 (traceable)."""
+        return PackedExperts(self.layout, self.data[rows])
+
+    def unpack(self):
+        """(gate_up, down) with a leading [n] axis, as the model holds them (traceable)."""
+        return self.layout.unpack(self.data)
+
+
+def unpacked(experts):
+    """`experts` as weights: `PackedExperts` unpacked, anything else (already weights) as it is."""
+    return experts.unpack() if isinstance(experts, PackedExperts) else experts
+
+
+def _scatter_slots(layout: ExpertLayout, pool: PackedExperts, staged: jax.Array, slots: jax.Array):
+    """pool[slots[j]] = staged[j] for staged uint8 [m, nbytes]; slots past the pool are dropped."""
+    return PackedExperts(layout, pool.data.at[slots].set(staged, mode="drop"))
 
 
 _write_slots = jax.jit(_scatter_slots, static_argnums=0, donate_argnums=1)
@@ -240,7 +276,8 @@ def _copy_rows_into_pool(
 
 
 class ExpertCache:
-    """`num_slots` device slots of experts, the (layer, expert) -> slot map and the eviction policy.
+    """`num_slots` device slots of experts (`PackedExperts`), the (layer, expert) -> slot map and the
+    eviction policy.
 
     The cache does bookkeeping and owns the pool arrays; copies are issued by the scheduler. An entry is
     *resident* (slot holds its weights, or will once the pending write is enqueued) or *pending* (allocated,
@@ -282,11 +319,15 @@ class ExpertCache:
         self.key_of: dict[int, Key] = {}
         self.free = list(range(num_slots - 1, -1, -1))
         self.speculative: set[Key] = set()  # prefetched and not yet asked for
-        self.pool = layout.zeros(num_slots, sharding) if sharding is not None else None
+        self.pool = (
+            PackedExperts(layout, jnp.zeros((num_slots, layout.nbytes), jnp.uint8, device=sharding))
+            if sharding is not None
+            else None
+        )
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.layout.device_nbytes
+        return self.num_slots * self.layout.nbytes
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of

@@ -19,7 +19,7 @@ import numpy as np
 from hybridlm.checkpoints.gguf_device import Q4KBlocks
 from hybridlm.model import EXPERT_PARAMS, HybridLM
 from hybridlm.offload.config import MIXED_FORMATS, default_host_parts
-from hybridlm.offload.expert_cache import ExpertLayout, format_bytes
+from hybridlm.offload.expert_cache import ExpertLayout, PackedExperts, format_bytes
 from pallas_kernels.quantized import QuantizedWeights, common_format, quantize_like, reencode
 
 
@@ -269,10 +269,20 @@ class HostExperts:
                 jax.block_until_ready([b for b, _ in self.to_device(0, self.part_experts(p)[:m], sharding)])
                 m *= 2
 
+    def packed_layer(self, layer: int, sharding=None) -> PackedExperts:
+        """All experts of `layer` on the device in their host bytes (`PackedExperts`, [experts, nbytes])."""
+        parts = jax.device_put(self.layers[layer], sharding or device_sharding())
+        return PackedExperts(self.layout, parts[0] if len(parts) == 1 else _concat(tuple(parts)))
+
     def unpack_layer(self, layer: int, sharding=None):
         """All experts of `layer` on the device as the model holds them: (gate_up, down) [experts, ...]."""
         staged = jax.device_put(self.layers[layer], sharding or device_sharding())
         return _unpack_all(self.layout, tuple(staged))
+
+
+@jax.jit
+def _concat(parts):
+    return jnp.concatenate(parts)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -378,7 +388,7 @@ def describe_layout(layout: ExpertLayout) -> str:
     ]
     if layout.q4_k:
         kinds = [
-            f"the file's Q4_K blocks, unpacked on the device to {kind}" if k is not None else kind
+            f"the file's Q4_K blocks, unpacked where used to {kind}" if k is not None else kind
             for kind, k in zip(kinds, layout.q4_k, strict=True)
         ]
         return (

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridlm.engine import phases
-from hybridlm.offload.expert_cache import ExpertLayout
+from hybridlm.offload.expert_cache import ExpertLayout, unpacked
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -48,20 +48,20 @@ def pool_experts_table(graph, params, pool, table, spec, h, u, weights, ids, num
 
 @functools.partial(jax.jit, static_argnums=0)
 def pool_experts(graph, params, pool, gather, remap, h, u, weights, ids, num_valid):
-    """`phases.experts` of the all-resident runner on experts in the pool.
+    """`phases.experts` of the all-resident runner on experts in the pool (`PackedExperts`, unpacked here).
 
-    gather: int32 [groups] pool slots copied out of the pool into a contiguous [groups, ...] array (a device
-      copy) that the grouped matmul runs on; None: it runs on the whole pool (groups = slots;
+    gather: int32 [groups] pool slots copied out of the pool into a contiguous [groups, nbytes] array (a
+      device copy), unpacked for the grouped matmul; None: it runs on the whole pool (groups = slots;
       only for a pool of at most one layer, see `pool_tables`).
     remap: int32 [experts] expert id -> group (the gathered row or the pool slot); None: the identity (the
       layer gathered in expert order: exactly the shapes, group order and tile sizes of the all-resident
       model).
     """
     if gather is not None:
-        pool = jax.tree_util.tree_map(lambda p: p[gather], pool)  # [groups, ...]
+        pool = pool.take(gather)  # [groups, nbytes]
     if remap is not None:
         ids = remap[ids]  # [tokens, top_k] expert id -> group
-    return phases.experts(graph, params, h, u, weights, ids, num_valid, pool)
+    return phases.experts(graph, params, h, u, weights, ids, num_valid, pool.unpack())
 
 
 def _to_device(host_parts):
@@ -85,15 +85,16 @@ def pool_experts_copying(graph, params, pool, gather, remap, h, u, weights, ids,
 
 
 def _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts):
-    """`phases.experts` with the weights `experts`, and host buffers `host_parts` copied to the device beside
-    it."""
-    return phases.experts(graph, params, h, u, weights, ids, num_valid, experts), _to_device(host_parts)
+    """`phases.experts` with the weights `experts` (or `PackedExperts`, unpacked here), and host buffers
+    `host_parts` copied to the device beside it."""
+    out = phases.experts(graph, params, h, u, weights, ids, num_valid, unpacked(experts))
+    return out, _to_device(host_parts)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def held_experts(graph, params, experts, h, u, weights, ids, num_valid, host_parts=()):
-    """`phases.experts` with the layer's experts (gate_up, down) [experts, ...] held on the device outside the
-    pool (`OffloadedRunner.held_layers`, held as the all-resident model holds them: no gather out of the
+    """`phases.experts` with the layer's experts held on the device outside the pool
+    (`OffloadedRunner.held_layers`: `PackedExperts` in expert order, unpacked here; no gather out of the
     pool). Host buffers `host_parts` are copied to the device beside it (returned second)."""
     return _experts_copying(graph, params, experts, h, u, weights, ids, num_valid, host_parts)
 

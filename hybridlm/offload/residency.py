@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from hybridlm.offload.config import OffloadConfig
-from hybridlm.offload.expert_cache import ExpertCache, format_bytes
+from hybridlm.offload.expert_cache import ExpertCache, PackedExperts, format_bytes
 from hybridlm.offload.host import MAX_ROWS_PER_COPY, HostExperts
 from hybridlm.offload.part_queue import PartQueue
 from hybridlm.offload.policies import Key, static_pinned_keys
@@ -61,17 +61,13 @@ class Residency:
     ):
         self.host, self.config = host, config
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        # a pool slot holds an expert unpacked; a copy moves its host bytes (fewer for Q4_K blocks)
-        self.budget, self.expert_bytes, self.copy_bytes = (
-            budget,
-            host.layout.device_nbytes,
-            host.layout.nbytes,
-        )
+        # a pool slot and a held expert keep the host bytes that a copy moves (`PackedExperts`)
+        self.budget, self.expert_bytes, self.copy_bytes = budget, host.layout.nbytes, host.layout.nbytes
         self.total_slots = budget // self.expert_bytes
         self.sharding = sharding
         self.cache: ExpertCache | None = None
         self.held_layers: frozenset[int] = frozenset()  # whole-layer mode: held outside the pool
-        self.held: dict[int, tuple] = {}  # ... those loaded: layer -> (gate_up, down) on the device
+        self.held: dict[int, PackedExperts] = {}  # ... those loaded: layer -> its experts on the device
         self.staged: dict[Key, Staged] = {}  # pending (prefetched) keys -> their staged batch
         self.queue = PartQueue(num_layers)  # (layer, host part) allocated, to be copied inside a program
         self.staging_slots: int | None = None
@@ -283,7 +279,7 @@ class Residency:
         else:
             s.misses += lookups
             s.bytes_h2d += self.num_experts * self.copy_bytes
-            self.held[layer] = self.host.unpack_layer(layer, self.sharding)
+            self.held[layer] = self.host.packed_layer(layer, self.sharding)
         return self.held[layer]
 
     def pool_tables(

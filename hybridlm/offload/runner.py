@@ -80,7 +80,7 @@ class OffloadedRunner(LayerwiseRunner):
         self.num_layers = self.config.num_layers
         self._check_device_memory(config.device_memory_bytes)
         layout = self._layout(model, host_experts)
-        self.expert_bytes = layout.device_nbytes  # a pool slot; a copy moves layout.nbytes
+        self.expert_bytes = layout.nbytes  # a pool slot holds what a copy moves (`PackedExperts`)
         self.total_slots = self.budget // self.expert_bytes
         # before copying anything to the host
         check_budget(

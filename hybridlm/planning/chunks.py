@@ -55,7 +55,7 @@ class OffloadPlan:
     """What the cost model needs of an offloaded run (`OffloadConfig`'s fields that size the pool).
 
     Attributes:
-      expert_bytes: one expert in a pool slot (unpacked on the device).
+      expert_bytes: one expert in a pool slot (its host bytes, `offload.expert_cache.PackedExperts`).
       budget: device bytes of the pool and its staging.
       copy_bytes: one expert as the host stores it, what a copy moves (a GGUF file's Q4_K blocks take fewer
         bytes than the slot); None: expert_bytes.

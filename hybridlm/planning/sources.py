@@ -27,7 +27,7 @@ class ModelSource(NamedTuple):
     config: ModelConfig
     expert_format: str  # a key of EXPERT_BYTES_PER_WEIGHT, or a GGUF file's description
     bytes_per_weight: float | None  # a GGUF file's experts as the loader keeps them; None: the format's
-    device_bytes_per_weight: float | None = None  # in a pool slot, where it differs (Q4_K blocks unpacked)
+    device_bytes_per_weight: float | None = None  # in a pool slot, where it differs from bytes_per_weight
 
 
 def model_source(
@@ -139,7 +139,8 @@ def _gguf_expert_storage(
     weights = expert_weights(config)
     if offloaded:
         layout = one_layout(layouts, mixed_formats)
-        return f"GGUF: {describe_layout(layout)}", layout.nbytes / weights, layout.device_nbytes / weights
+        # pool slots keep the host bytes (`offload.expert_cache.PackedExperts`): no separate slot size
+        return f"GGUF: {describe_layout(layout)}", layout.nbytes / weights, None
     mean = sum(x.nbytes for x in layouts) / len(layouts)
     return f"GGUF: {describe_layout(max(layouts, key=lambda x: x.nbytes))}", mean / weights, None
 

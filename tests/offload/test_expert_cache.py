@@ -19,7 +19,7 @@ from hybridlm.offload import (
     static_pinned_keys,
 )
 from hybridlm.offload.exact import ExactMode
-from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout
+from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout, PackedExperts
 from hybridlm.offload.host import power_of_two_parts
 from hybridlm.offload.part_queue import MAX_PARTS_PER_PROGRAM
 
@@ -271,16 +271,12 @@ def test_copy_rows_writes_host_rows_into_their_slots(host_experts, rows):
         tuple(parts), jax.device_put(table, sharding), jax.device_put(np.int32(1), sharding), (base, width), m
     )
     flat = [s for sl in slots for s in sl]
-    want = layout.unpack(
-        jnp.asarray(np.concatenate([np.asarray(p)[r] for p, r in zip(parts, rows, strict=False) if r]))
-    )
-    for leaf, old, new in zip(
-        jax.tree_util.tree_leaves(cache.pool), before, jax.tree_util.tree_leaves(want), strict=False
-    ):
-        got = np.asarray(leaf)
-        np.testing.assert_array_equal(got[flat], np.asarray(new))
-        others = [s for s in range(6) if s not in flat]
-        np.testing.assert_array_equal(got[others], old[others])
+    want = np.concatenate([np.asarray(p)[r] for p, r in zip(parts, rows, strict=False) if r])
+    (old,) = before
+    got = np.asarray(cache.pool.data)  # the pool keeps the host bytes (`PackedExperts`)
+    np.testing.assert_array_equal(got[flat], want)
+    others = [s for s in range(6) if s not in flat]
+    np.testing.assert_array_equal(got[others], old[others])
 
 
 def test_copy_batches_pad_few_rows_into_one_program(tiny, host_experts):
@@ -426,7 +422,8 @@ def test_fetch_experts_takes_each_copy_from_where_it_lies(
     assert len(host.layers[0]) == parts
     layout, layer = host.layout, 2
     want = host.unpack_layer(layer)  # (gate_up, down) [experts, ...]
-    pool = jax.tree_util.tree_map(lambda a: a[::-1], want)  # slot s holds expert E-1-s
+    packed = host.packed_layer(layer)
+    pool = PackedExperts(layout, packed.data[::-1])  # slot s holds expert E-1-s
     ids = jnp.asarray([0, 5, 9, 15, 7], jnp.int32)
     layer_parts, starts = tuple(host.layers[layer]), tuple(host.part_start)
     switches = _count_calls(monkeypatch, jax.lax, ("switch",))
