@@ -1,7 +1,8 @@
 """Layer-by-layer jitted execution of the model over one chunk of tokens, and the one-program decode step.
 
-The phases of a layer (mixer, router, experts) are the jitted functions of `hybridlm.engine.phases`; the
-Python loop over layers only enqueues work (no host sync) unless per-phase timing is asked for. The same seams
+The phases of a layer (mixer, router, experts) are the jitted functions of `hybridlm.engine.phases`; a chunk
+runs them four whole layers a program (`phases.layer_group`), or, for per-phase timing, one phase a program.
+The Python loop over groups only enqueues work (no host sync) unless timing is asked for. The same phase seams
 let the offload runner page expert weights between layers.
 A decode step (one token per sequence) is short enough on the device that ~120 such calls would bound it on
 the host, so `LayerwiseRunner.decode_step` runs every layer and the head in one program instead.
@@ -21,9 +22,15 @@ from flax import nnx
 from hybridlm.engine import phases
 from hybridlm.engine.phases import StaticGraph, flat_layer
 from hybridlm.model import HybridLM, check_token_ids
+from hybridlm.sharding import model_mesh, replicated
 from hybridlm.state import KVCache, LayerState
 
 PHASES = ("embed", "gdn", "attention", "router", "experts", "head")
+
+# Whole layers a prefill program runs (`LayerwiseRunner.forward_chunk` without per-phase timing): the
+# models' pattern of three Gated DeltaNet layers and one attention layer, so that every group of a model is
+# one compiled program.
+LAYER_GROUP = 4
 
 
 def check_decode_inputs(vocab_size: int, tokens, states: list[LayerState], position) -> None:
@@ -80,18 +87,19 @@ class PhaseTimer:
         return out
 
 
-def commit(tree):
+def commit(tree, sharding=None):
     """`tree` with its uncommitted device arrays committed where they lie (an alias: no copy, same buffers).
 
     jit compiles a program once per kind of input, and an uncommitted array (made without a placement, e.g. by
     jnp.zeros) is another kind than a committed one (placed by `jax.device_put`, or computed from one). A
     model with both (experts placed by a benchmark, the rest not) would give decode states of both kinds and
     compile the one-program step twice, the second time inside the decode loop. Committing the weights makes
-    every program output committed. Arrays in host memory are left as they are."""
+    every program output committed. Arrays in host memory are left as they are. `sharding`: where to commit
+    them instead (a model on several devices: replicated over its mesh, `hybridlm.sharding`)."""
 
     def one(x):
         if isinstance(x, jax.Array) and not x.committed and x.sharding.memory_kind in (None, "device"):
-            return jax.device_put(x, x.sharding)
+            return jax.device_put(x, sharding or x.sharding)
         return x
 
     return jax.tree_util.tree_map(one, tree)
@@ -121,6 +129,10 @@ class LayerwiseRunner:
         self.final_norm = flat_layer(*nnx.split(committed.final_norm))
         self.lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
         self.whole = (StaticGraph(graphdef), params)
+        # where states and other uncommitted inputs go: None (where they lie), or replicated over the mesh of
+        # a model on several devices
+        mesh = model_mesh(model)
+        self.placement = None if mesh is None else replicated(mesh)
 
     @functools.cached_property
     def _flat_weights(self) -> tuple:
@@ -170,7 +182,8 @@ class LayerwiseRunner:
         check_decode_inputs(self.config.vocab_size, token, states, position + max(steps, 1) - 1)
         treedef, leaves = self._flat_weights
         token, states, position = self.step_inputs(token, states, position)
-        carry = carry if all(a.committed for a in carry) else commit(carry)  # one compilation per sampler
+        if not all(a.committed for a in carry):
+            carry = commit(carry, self.placement)  # one compilation per sampler
         return phases.decode_block(
             self.whole[0], treedef, sampler, leaves, token, states, position, carry, np.int32(steps)
         )
@@ -182,22 +195,21 @@ class LayerwiseRunner:
         graph, leaves = flat_layer(self.whole[0].graphdef, self.whole[1])
         return ResidentTarget(graph), tuple(leaves)
 
-    @staticmethod
-    def step_inputs(tokens, states, position) -> tuple:
+    def step_inputs(self, tokens, states, position) -> tuple:
         """(tokens int32, states, position) as a one-program decode step takes them: tokens and states
         committed (one kind of input every step: one compilation) and a Python position as an int32 scalar
         (not static)."""
         if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
             tokens = jnp.asarray(tokens, jnp.int32)  # (a no-op asarray still costs a dispatch)
         if not (tokens.committed and all(a.committed for a in jax.tree_util.tree_leaves(states))):
-            tokens, states = commit((tokens, states))
+            tokens, states = commit((tokens, states), self.placement)
         return tokens, states, position if isinstance(position, jax.Array) else np.asarray(position, np.int32)
 
     def decode_step_layerwise(
         self, tokens: jax.Array, states: list[LayerState], position
     ) -> tuple[jax.Array, list[LayerState]]:
-        """`decode_step` through `forward_chunk` (three programs per layer, the seams where the offload runner
-        pages experts) and the head: the same results, with ~120 dispatches a step instead of one.
+        """`decode_step` through `forward_chunk` (the prefill programs, whose seams the offload runner pages
+        experts at) and the head: the same results, with several dispatches a step instead of one.
 
         Raises:
           ValueError: tokens not one per sequence, a position outside the KV cache, or token ids outside the
@@ -209,7 +221,8 @@ class LayerwiseRunner:
     def forward_chunk(
         self, ids: jax.Array, states: list[LayerState], start, num_valid: int, timer: PhaseTimer | None = None
     ) -> tuple[jax.Array, list[LayerState]]:
-        """Runs all layers over one chunk.
+        """Runs all layers over one chunk: `LAYER_GROUP` whole layers a program, or, with an enabled timer,
+        each phase of each layer as its own program, timed.
 
         Args:
           ids: [batch, chunk] int32 token ids (padding after num_valid).
@@ -223,10 +236,13 @@ class LayerwiseRunner:
         """
         timer = timer or PhaseTimer(False)
         if not all(a.committed for a in jax.tree_util.tree_leaves(states)):
-            states = commit(states)  # as the programs' outputs are: the next chunk's programs compile nothing
+            # as the programs' outputs are: the next chunk's programs compile nothing
+            states = commit(states, self.placement)
         start = jnp.asarray(start, jnp.int32)
         num_valid = jnp.asarray(num_valid, jnp.int32)
         x = timer("embed", phases.embed, self.embed_table, ids)
+        if not timer.enabled:
+            return self._forward_groups(x, states, start, num_valid)
         new_states = []
         for (graph, params), state, layer_type in zip(
             self.layers, states, self.config.layer_types, strict=False
@@ -239,4 +255,15 @@ class LayerwiseRunner:
                 continue
             u, weights, expert_ids = timer("router", phases.route, graph, params, x)
             x = timer("experts", phases.experts, graph, params, x, u, weights, expert_ids, num_valid)
+        return x, new_states
+
+    def _forward_groups(self, x, states, start, num_valid) -> tuple[jax.Array, list[LayerState]]:
+        """All layers over one chunk, `LAYER_GROUP` whole layers a program (`phases.layer_group`)."""
+        dense = self.config.moe is None
+        new_states: list[LayerState] = []
+        for g in range(0, len(self.layers), LAYER_GROUP):
+            graphs, params = zip(*self.layers[g : g + LAYER_GROUP], strict=True)
+            group = tuple(states[g : g + LAYER_GROUP])
+            x, out = phases.layer_group(graphs, dense, params, x, group, start, num_valid)
+            new_states.extend(out)
         return x, new_states

@@ -269,9 +269,9 @@ def test_each_program_compiles_once_with_committed_and_uncommitted_weights():
             var.set_value(jax.device_put(var.get_value(), jax.devices()[0]))
     runner = hybridlm.LayerwiseRunner(model)
     ids = np.random.default_rng(3).integers(0, 248_320, (1, 48)).astype(np.int32)
-    mix_before = phases.mix._cache_size()
+    groups_before = phases.layer_group._cache_size()
     result = hybridlm.prefill(runner, ids, chunk_size=24, max_new_tokens=4)  # two chunks of an unused size
-    assert phases.mix._cache_size() - mix_before == 2  # one per layer type
+    assert phases.layer_group._cache_size() - groups_before == 1  # every group of 4 layers: one program
     states, logits = result.states, result.logits
     for pos in range(48, 51):
         logits, states = runner.decode_step(jnp.argmax(logits, -1).astype(jnp.int32), states, pos)
