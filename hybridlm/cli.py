@@ -168,7 +168,15 @@ def add_model_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def add_offload_arguments(s: argparse.ArgumentParser) -> None:
-    """The expert-offload options of both commands."""
+    """The expert-placement options of both commands: several devices, or offload to host memory."""
+    s.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the routed experts over the first N devices of this host (expert parallel, the rest "
+        "replicated; hybridlm.sharding); not with --expert-budget",
+    )
     s.add_argument(
         "--expert-budget",
         metavar="BYTES",
@@ -512,6 +520,7 @@ def _plan(args: argparse.Namespace, dtype, prompt_tokens: int) -> dict:
             cache_policy=args.cache_policy,
             prefetch=args.prefetch,
             mixed_formats=args.mixed_formats,
+            devices=getattr(args, "devices", None) or 1,
             check=not args.dry_run,
         )
     except (ValueError, FileNotFoundError) as e:
@@ -524,6 +533,11 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
     """(model, host experts or None, a description of where the weights come from)."""
     import hybridlm
 
+    devices = getattr(args, "devices", None)
+    if devices is not None and args.expert_budget is not None:
+        raise ValueError(
+            "--devices splits the experts over devices and --expert-budget offloads them: pick one"
+        )
     if args.model and args.expert_budget is not None:
         # experts straight into pinned host memory (GGUF: 4-, 8-bit kept): the device never holds them all
         from hybridlm.offload import load_offloaded
@@ -542,10 +556,15 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
             dtype=dtype,
             expert_format=args.expert_format,
             keep_quantized=None if os.path.isdir(args.model) else "experts",
+            devices=devices,
         )
         return model, None, args.model
     config = hybridlm.get_config(args.preset or "tiny")
     model = hybridlm.init_random(config, args.seed, dtype=dtype, expert_format=args.expert_format)
+    if devices is not None:
+        from hybridlm import sharding
+
+        model = sharding.shard_model(model, sharding.expert_mesh(devices))
     return model, None, f"{config.name} (random weights, seed {args.seed})"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from hybridlm.model import HybridLM
 
 
@@ -15,6 +17,7 @@ def load(
     expert_format: str | None = None,
     progress: bool = True,
     expert_sink=None,
+    devices=None,
 ) -> HybridLM:
     """Loads a model from an HF checkpoint directory or a `.gguf` file.
 
@@ -28,15 +31,21 @@ def load(
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter as it
         loads, the model holding 1-element placeholders instead (`hybridlm.model.loaded_value`; used by
         `hybridlm.offload.load_offloaded`).
+      devices: None (one device), or a device count / sequence of devices: the routed experts are split over
+        them and the rest replicated (`hybridlm.sharding`); each layer's experts go to their devices as they
+        load, so no device holds more than its share.
 
     Raises:
       FileNotFoundError: `path` does not exist.
       ValueError: unknown architecture / model_type, or a malformed checkpoint (message names the tensor);
-        keep_quantized given for a directory or expert_format for a GGUF file.
+        keep_quantized given for a directory or expert_format for a GGUF file; devices more than present,
+        or experts that do not split evenly over them; devices together with expert_sink.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if devices is not None:
+        return _load_on_devices(path, devices, expert_sink, dtype, keep_quantized, expert_format, progress)
     if os.path.isdir(path):
         if keep_quantized is not None:
             raise ValueError("keep_quantized applies to GGUF files only")
@@ -59,6 +68,46 @@ def load(
             path, dtype=dtype, keep_quantized=keep_quantized, progress=progress, expert_sink=expert_sink
         )
     raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file (magic {magic!r})")
+
+
+def _load_on_devices(path, devices, expert_sink, dtype, keep_quantized, expert_format, progress) -> HybridLM:
+    """`load` onto a mesh of `devices`: each routed-expert parameter split over them as it loads."""
+    from hybridlm import sharding
+
+    if expert_sink is not None:
+        raise ValueError(
+            "devices= and expert_sink= exclude each other (experts go to the devices or the sink)"
+        )
+    mesh = sharding.expert_mesh(devices)
+    placed: dict[tuple[int, str], object] = {}
+
+    n = mesh.shape[sharding.EXPERT_AXIS]
+
+    def sink(layer: int, name: str, value) -> None:
+        from hybridlm.checkpoints.gguf_device import Q4KBlocks
+
+        if isinstance(value, Q4KBlocks):  # a file's Q4_K experts come to a sink as its blocks
+            value = value.to_quantized()
+        experts = jax.tree_util.tree_leaves(value)[0].shape[0]
+        if experts % n:
+            raise ValueError(
+                f"{path}: {experts} experts a layer do not split evenly over {n} devices; use a device count "
+                f"that divides {experts}"
+            )
+        placed[(layer, name)] = jax.block_until_ready(jax.device_put(value, sharding.expert_sharding(mesh)))
+
+    model = load(
+        path,
+        dtype=dtype,
+        keep_quantized=keep_quantized,
+        expert_format=expert_format,
+        progress=progress,
+        expert_sink=sink if n > 1 else None,
+    )
+    sharding.check_shardable(model.config, mesh)
+    for (layer, name), value in placed.items():
+        getattr(model.layers[layer].ffn, name).set_value(value)
+    return sharding.shard_model(model, mesh)
 
 
 def load_mtp(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None = None):

@@ -60,6 +60,15 @@ def test_weight_bytes_are_the_models(dtype, expert_format):
     assert planning.expert_bytes(config, name) * config.moe.num_experts * config.num_layers == experts
 
 
+def test_experts_split_over_devices_count_their_share_on_each():
+    kw = {"prompt_tokens": 100, "chunk_size": 64, "expert_format": "int4", "trunk_dtype": jnp.bfloat16}
+    one = planning.estimate_memory(TINY, **kw)
+    two = planning.estimate_memory(TINY, devices=2, **kw)
+    assert two.components["routed experts"].nbytes * 2 == one.components["routed experts"].nbytes
+    assert two.components["trunk weights"].nbytes == one.components["trunk weights"].nbytes  # replicated
+    assert "split over 2 devices" in two.components["routed experts"].detail
+
+
 @pytest.mark.parametrize("prompt, chunk, new", [(40, 16, 5), (300, 64, 0), (7, 2048, 30)])
 def test_state_bytes_are_the_engines(tiny_runner, prompt, chunk, new):
     ids = np.arange(1, prompt + 1)

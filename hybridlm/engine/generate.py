@@ -111,7 +111,8 @@ def generate(
 
     Raises:
       ValueError: max_new_tokens or decode_block < 1, sampling settings out of range
-        (`sampling.check_sampling`), or a bad prompt (see `prefill`).
+        (`sampling.check_sampling`), a bad prompt (see `prefill`), or speculative decoding of a model split
+        over several devices.
     """
     sampler, stop_ids = _decode_settings(
         max_new_tokens, decode_block, temperature, top_k, top_p, eos_token_id
@@ -122,6 +123,11 @@ def generate(
             raise ValueError(
                 f"speculative={speculative!r}: the one method is 'mtp', with its module given as mtp= "
                 "(hybridlm.load_mtp)"
+            )
+        if runner.placement is not None:
+            raise ValueError(
+                "speculative decoding runs on one device; this model is split over several "
+                "(hybridlm.sharding): decode it without speculative="
             )
         from hybridlm.engine.spec_generate import generate_speculative  # it builds on this module
 

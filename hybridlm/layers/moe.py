@@ -222,6 +222,9 @@ class SparseMoE(nnx.Module):
         self.shared_gate_up = p((h, 2 * m.shared_ffn_dim))  # [hidden, 2*shared_ffn]
         self.shared_down = p((m.shared_ffn_dim, h))  # [shared_ffn, hidden]
         self.shared_token_gate = p((h,))  # [hidden]
+        # None, or the mesh whose "expert" axis the routed experts are split over (`hybridlm.sharding`);
+        # static: part of the module's graph
+        self.expert_mesh = None
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [tokens, hidden] -> (weights [tokens, top_k], expert ids [tokens, top_k] int32)."""
@@ -231,16 +234,18 @@ class SparseMoE(nnx.Module):
     def experts(
         self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, valid: jax.Array | None = None
     ) -> jax.Array:
-        """Routed + shared experts for routed tokens: [tokens, hidden] -> [tokens, hidden]."""
-        routed = routed_experts(
-            x,
-            weights,
-            expert_ids,
-            self.experts_gate_up.get_value(),
-            self.experts_down.get_value(),
-            valid=valid,
-            implementation=self.config.moe_implementation,
-        )
+        """Routed + shared experts for routed tokens: [tokens, hidden] -> [tokens, hidden]. With an
+        `expert_mesh` the routed experts run split over its devices (`hybridlm.sharding.expert_parallel`)."""
+        args = (x, weights, expert_ids, self.experts_gate_up.get_value(), self.experts_down.get_value())
+        impl = self.config.moe_implementation
+        if self.expert_mesh is None:
+            routed = routed_experts(*args, valid=valid, implementation=impl)
+        else:
+            from hybridlm.sharding import expert_parallel
+
+            routed = expert_parallel(
+                self.expert_mesh, routed_experts, *args, valid=valid, implementation=impl
+            )
         shared = swiglu(x, self.shared_gate_up[...], self.shared_down[...])
         shared_gate = jax.nn.sigmoid((x @ self.shared_token_gate[...]).astype(jnp.float32)).astype(x.dtype)
         return routed + shared_gate[:, None] * shared

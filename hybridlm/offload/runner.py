@@ -28,6 +28,7 @@ from hybridlm.offload.part_queue import PartQueue
 from hybridlm.offload.prefill import Chunk, PrefillSchedule, chunk_inputs
 from hybridlm.offload.residency import Residency, check_budget
 from hybridlm.offload.stats import CacheStats, LayerStats
+from hybridlm.sharding import model_mesh
 from hybridlm.state import LayerState
 
 
@@ -64,6 +65,11 @@ class OffloadedRunner(LayerwiseRunner):
     def __init__(self, model: HybridLM, config: OffloadConfig, *, host_experts: HostExperts | None = None):
         if model.config.moe is None:
             raise ValueError("OffloadedRunner needs a sparse-MoE model (config.moe is None)")
+        if model_mesh(model) is not None:
+            raise ValueError(
+                "the model is split over several devices (hybridlm.sharding); offloading experts to host "
+                "memory runs on one device: load it without devices= or without an expert budget"
+            )
         host_parts = config.host_parts
         if host_parts is not None and host_experts is not None and len(host_experts.part_rows) != host_parts:
             raise ValueError(

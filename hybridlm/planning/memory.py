@@ -220,8 +220,10 @@ def estimate_memory(
     batch: int = 1,
     expert_host_bytes_per_weight: float | None = None,
     backend: str = "gpu",
+    devices: int = 1,
 ) -> MemoryEstimate:
-    """Device and host bytes a prefill (and decode of `max_new_tokens`) of `config` needs.
+    """Device and host bytes a prefill (and decode of `max_new_tokens`) of `config` needs (device bytes: on
+    each device).
 
     Args:
       config: the model.
@@ -237,6 +239,8 @@ def estimate_memory(
       expert_host_bytes_per_weight: bytes a routed-expert weight takes as stored (overrides the format's;
         e.g. a GGUF file's experts as the loader keeps them, `model_source`).
       backend: "gpu", or "cpu" (one memory for device and host; attention through XLA).
+      devices: devices the resident routed experts are split over (`hybridlm.sharding`); everything else is
+        on each of them.
 
     Returns:
       A `MemoryEstimate`.
@@ -265,7 +269,8 @@ def estimate_memory(
         "trunk weights": Component("device", trunk_bytes(config, trunk_dtype), f"{dtype_name}"),
     }
     if config.moe and expert_budget is None:
-        parts["routed experts"] = Component("device", experts, f"{one} bytes an expert")
+        split = f", split over {devices} devices" if devices > 1 else ""
+        parts["routed experts"] = Component("device", -(-experts // devices), f"{one} bytes an expert{split}")
     elif config.moe:
         parts["expert pool"] = Component("device", int(expert_budget), "the budget: pool slots and staging")
         parts["pinned experts"] = Component("host", experts, f"{one} bytes an expert")

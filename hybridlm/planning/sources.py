@@ -163,6 +163,7 @@ def plan_run(
     mixed_formats: str = "widen",
     batch: int = 1,
     check: bool = True,
+    devices: int = 1,
 ) -> dict:
     """The memory estimate and chunk size of a run, before any weight is allocated (`hybridlm prefill`,
     `generate` and `--dry-run`).
@@ -175,6 +176,7 @@ def plan_run(
       max_new_tokens, batch: as the run's.
       expert_budget, cache_policy, prefetch: the offload options (budget None: resident).
       check: refuse what does not fit (`check_fits`); False reports it under "fits".
+      devices: devices the resident experts are split over (`hybridlm.sharding`; each the first's memory).
 
     Returns:
       {"chunk_size", "chunk_reason", "fits", "refusal", "device_free_bytes", "host_available_bytes",
@@ -214,6 +216,7 @@ def plan_run(
             batch=batch,
             expert_host_bytes_per_weight=source.bytes_per_weight,
             backend=backend,
+            devices=devices,
         )
 
     if check:
