@@ -1,14 +1,14 @@
 """Concurrent streaming clients against `hybridlm serve` (batched decoding) on localhost.
 
-    python -m benchmarks.serve_clients --gguf F.gguf [--clients 1 8] [--seconds 120] [--max-tokens 256]
-        [--budget 12GiB] [--out results.jsonl]
+    python -m benchmarks.serve_clients --gguf F.gguf [--clients 1 8] [--seconds 120 [120]]
+        [--max-tokens 256] [--budget 12GiB] [--out results.jsonl]
     python -m benchmarks.serve_clients --preset tiny --seconds 5      # random weights, for a quick check
 
 For each client count N, N threads each send streaming chat completions (greedy, distinct prompts) in a
-bounded loop for `--seconds`, through the `openai` client. Every response is checked: it ends with a finish
-reason, its usage counts as many tokens as arrived, and "length" replies hold max_tokens tokens (no lost,
-mixed or truncated response). Prints one JSON line per N: completion tokens/s over all clients, requests, time
-to first token (median), and the ratio to the first N's figure.
+bounded loop for `--seconds` (one value, or one per N), through the `openai` client. Every response is
+checked: it ends with a finish reason, its usage counts as many tokens as arrived, and "length" replies hold
+max_tokens tokens (no lost, mixed or truncated response). Prints one JSON line per N: completion tokens/s
+over all clients, requests, time to first token (median), and the ratio to the first N's figure.
 """
 
 from __future__ import annotations
@@ -97,10 +97,15 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_source_args(p)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--seconds", type=float, default=120.0)
+    p.add_argument(
+        "--seconds", type=float, nargs="+", default=[120.0], help="per client count (one value: for each)"
+    )
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if len(args.seconds) not in (1, len(args.clients)):
+        p.error("--seconds takes one value or one per --clients count")
+    seconds = args.seconds * len(args.clients) if len(args.seconds) == 1 else args.seconds
     model, tokenizer = runner_and_tokenizer(args)
     chat = Chat(model, tokenizer, max_context=8192, batch_decode=True)
     sock = socket.socket()
@@ -113,10 +118,11 @@ def main(argv=None) -> list[dict]:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     out = []
     try:
-        measure(url, 1, min(args.seconds, 5.0), min(args.max_tokens, 16))  # compiles the first programs
+        for n in sorted({1, max(args.clients)}):  # compiles the programs of one row and of the most rows
+            measure(url, n, min(seconds[0], 5.0), min(args.max_tokens, 16))
         base = None
-        for n in args.clients:
-            record = measure(url, n, args.seconds, args.max_tokens)
+        for n, duration in zip(args.clients, seconds, strict=True):
+            record = measure(url, n, duration, args.max_tokens)
             base = base or record["tokens_per_s"]
             record.update(
                 what="serve_clients",
