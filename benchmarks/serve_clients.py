@@ -5,10 +5,11 @@
     python -m benchmarks.serve_clients --preset tiny --seconds 5      # random weights, for a quick check
 
 For each client count N, N threads each send streaming chat completions (greedy, distinct prompts) in a
-bounded loop for `--seconds` (one value, or one per N), through the `openai` client. Every response is
-checked: it ends with a finish reason, its usage counts as many tokens as arrived, and "length" replies hold
-max_tokens tokens (no lost, mixed or truncated response). Prints one JSON line per N: completion tokens/s
-over all clients, requests, time to first token (median), and the ratio to the first N's figure.
+bounded loop for `--seconds` (one value, or one per N; each client sends at least one request), through the
+`openai` client. Every response is checked: it ends with a finish reason, its usage counts as many tokens as
+arrived, and "length" replies hold max_tokens tokens (no lost, mixed or truncated response). Prints one JSON
+line per N: completion tokens/s over all clients, requests, time to first token (median), and the ratio to the
+first N's figure.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ MODEL = "bench"
 def _client_loop(url: str, index: int, deadline: float, max_tokens: int, records: list) -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
     turn = 0
-    while time.monotonic() < deadline:
+    while turn == 0 or time.monotonic() < deadline:  # at least one request
         prompt = f"Client {index}, request {turn}: write about topic number {index * 1000 + turn}."
         t0 = time.perf_counter()
         ttft, text, usage, finish = None, [], None, None
@@ -118,8 +119,10 @@ def main(argv=None) -> list[dict]:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     out = []
     try:
-        for n in sorted({1, max(args.clients)}):  # compiles the programs of one row and of the most rows
-            measure(url, n, min(seconds[0], 5.0), min(args.max_tokens, 16))
+        # One request a client at the measured max_tokens, one client and then the most: the batched decode
+        # programs of every row count and KV capacity the timed runs meet compile here, not inside them.
+        for n in sorted({1, max(args.clients)}):
+            measure(url, n, 0.0, args.max_tokens)
         base = None
         for n, duration in zip(args.clients, seconds, strict=True):
             record = measure(url, n, duration, args.max_tokens)
