@@ -2,7 +2,7 @@
 prefill calls on one runner.
 
     python -m benchmarks.conversation --gguf F.gguf [--history 32768] [--turn 256] [--budget 12GiB]
-        [--out results.jsonl]
+        [--parts second_turn alternating] [--out results.jsonl]
     python -m benchmarks.conversation --preset tiny --history 200 --turn 20    # random weights, a quick check
 
 Turn 1 sends `--history` prompt tokens and gets a short reply; its history's state is saved (`Chat`).
@@ -91,17 +91,29 @@ def alternating(runner, args) -> None:
     )
 
 
+PARTS = ("second_turn", "alternating")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_source_args(p)
     p.add_argument("--history", type=int, default=32768)
     p.add_argument("--turn", type=int, default=256)
     p.add_argument("--reply", type=int, default=16, help="tokens of the first turn's reply")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="the figures to measure (default: both)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     runner, tokenizer = runner_and_tokenizer(args)
-    second_turn(runner, tokenizer, args)
-    alternating(runner, args)
+    if "second_turn" in args.parts:
+        second_turn(runner, tokenizer, args)
+    if "alternating" in args.parts:
+        alternating(runner, args)
 
 
 if __name__ == "__main__":
