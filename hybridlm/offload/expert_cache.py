@@ -192,13 +192,6 @@ class ExpertLayout:
             leaf += count
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
-    def zeros(self, n: int, sharding):
-        """A pool of n zero slots on `sharding`."""
-        leaves = [
-            jnp.zeros((n,) + s, d, device=sharding) for s, d in zip(self.shapes, self.dtypes, strict=False)
-        ]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
 
 @jax.tree_util.register_pytree_node_class
 class PackedExperts:
