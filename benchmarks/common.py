@@ -141,6 +141,22 @@ def profiler_trace(directory: str | pathlib.Path):
         yield
 
 
+def traced_run(trace_dir: str | None, out: str | None, name: str, fn: Callable) -> None:
+    """With a trace directory: fn() once more under the profiler (its result waited for), the perfetto trace
+    under trace_dir/name and a summary of it (`benchmarks.traces.summarize`) as a JSON line; else nothing."""
+    if not trace_dir:
+        return
+    from benchmarks import traces
+
+    directory = pathlib.Path(trace_dir) / name
+    with profiler_trace(directory):
+        jax.block_until_ready(fn())
+    for f in traces.trace_files(directory):
+        summary = traces.summarize(f, top=25)
+        summary.pop("host_threads", None)
+        emit_line(out, {"what": "trace", "run": name, **summary})
+
+
 def kernel_split_ms(call: Callable, calls: int = 10, top: int = 16) -> dict[str, float]:
     """Device milliseconds per call of each kernel `call` launches, from a profiler trace of `calls` calls
     (the kernels' own durations, launch gaps not counted)."""

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import hybridlm
-from benchmarks.common import add_model_source_args, emit_line, runner_and_tokenizer
+from benchmarks.common import add_model_source_args, emit_line, runner_and_tokenizer, traced_run
 from hybridlm.chat import Chat
 
 
@@ -42,6 +42,7 @@ def second_turn(runner, tokenizer, args) -> None:
     for _ in range(2):  # the first compiles the resumed prefill's programs; the snapshot stays
         second = chat.complete_ids(prompt, max_tokens=1)
         second.text()
+    traced_run(args.trace, args.out, "second_turn", lambda: chat.complete_ids(prompt, max_tokens=1).text())
     cold = Chat(runner, tokenizer, max_context=context, prefix_cache=None)
     for _ in range(2):  # the second is warm
         reply_cold = cold.complete_ids(prompt, max_tokens=1)
@@ -107,6 +108,7 @@ def main(argv=None) -> None:
         default=list(PARTS),
         help="the figures to measure (default: both)",
     )
+    p.add_argument("--trace", default=None, metavar="DIR", help="also a profiler trace of a resumed turn")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     runner, tokenizer = runner_and_tokenizer(args)

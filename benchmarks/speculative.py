@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hybridlm
+from benchmarks.common import traced_run
 from hybridlm.engine import phases
 from hybridlm.engine import speculative as spec
 from hybridlm.loading import load_mtp
@@ -84,6 +85,9 @@ def main(argv=None) -> None:
     p.add_argument("--reference-ks", type=int, nargs="*", default=[3], help="k of the reference-oracle runs")
     p.add_argument("--budget", default=None, help="also offloaded at this expert budget, e.g. 12GiB")
     p.add_argument("--offloaded-only", action="store_true", help="skip the resident figures (needs --budget)")
+    p.add_argument(
+        "--trace", default=None, metavar="DIR", help="also a profiler trace of each warm run, under DIR"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.offloaded_only and not args.budget:
@@ -109,6 +113,7 @@ def resident(args, mtp, prompt, t0: float) -> None:
     for _ in range(2):  # the second is warm
         plain = hybridlm.generate(runner, prompt, max_new_tokens=n)
     _emit(args.out, {"what": "plain", "tokens_per_s": plain.decode_tokens_per_s, "new_tokens": n})
+    traced_run(args.trace, args.out, "plain", lambda: hybridlm.generate(runner, prompt, max_new_tokens=n))
     _emit(args.out, {"what": "verify_cost", **verify_cost(runner, prompt, args.verify_ks)})
     for k in args.ks:
         for alpha in args.alphas:
@@ -116,6 +121,13 @@ def resident(args, mtp, prompt, t0: float) -> None:
             for _ in range(2):  # the second is warm
                 g = hybridlm.generate(runner, prompt, max_new_tokens=n, **kw)
             _emit(args.out, _record("mtp_oracle_coin", alpha, k, g, plain))
+            if alpha == args.alphas[0] and k == args.ks[-1]:
+                traced_run(
+                    args.trace,
+                    args.out,
+                    f"mtp_k{k}",
+                    lambda kw=kw: hybridlm.generate(runner, prompt, max_new_tokens=n, **kw),
+                )
     for k in args.reference_ks:  # drafts from a reference: an all-rejecting run's own greedy tokens
         kw = {"speculative": "mtp", "mtp": mtp, "draft_tokens": k}
         ref = hybridlm.generate(runner, prompt, max_new_tokens=n, oracle_draft=(None, 0.0), **kw)
@@ -142,6 +154,9 @@ def offloaded(args, mtp, prompt) -> None:
     _emit(
         args.out,
         {"what": "plain_offloaded", "budget": args.budget, "tokens_per_s": plain.decode_tokens_per_s},
+    )
+    traced_run(
+        args.trace, args.out, "plain_offloaded", lambda: hybridlm.generate(runner, prompt, max_new_tokens=n)
     )
     for k in args.ks:
         for alpha in args.alphas:
