@@ -19,7 +19,7 @@ from hybridlm.config import ModelConfig
 from hybridlm.layers.linear import linear
 from hybridlm.layers.norms import gated_rms_norm
 from hybridlm.state import GatedDeltaNetState
-from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_step
+from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_decode, gated_delta_rule_step
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -126,30 +126,49 @@ class GatedDeltaNet(nnx.Module):
         batch, seq, _ = x.shape
         state = self.zero_state(batch, x.dtype) if state is None else state
         num_valid = seq if num_valid is None else num_valid
+        if seq == 1:
+            return self._decode(x, state, num_valid)
         q, k, v, log_decay, beta, z, mixed = self._inputs(x, state, num_valid)
         new_conv = conv_history_after(state.conv.astype(mixed.dtype), mixed, num_valid)
-        if seq == 1:
-            o, recurrent = gated_delta_rule_step(
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                log_decay[:, 0],
-                beta[:, 0],
-                state.recurrent,
-                implementation=self._step,
-            )
-            o = o[:, None]
-        else:
-            o, recurrent = gated_delta_rule(
-                q,
-                k,
-                v,
-                log_decay,
-                beta,
-                initial_state=state.recurrent,
-                implementation=self.config.gdn_implementation,
-            )
+        o, recurrent = gated_delta_rule(
+            q,
+            k,
+            v,
+            log_decay,
+            beta,
+            initial_state=state.recurrent,
+            implementation=self.config.gdn_implementation,
+        )
         return self._output(o, z), GatedDeltaNetState(
+            conv=new_conv.astype(state.conv.dtype), recurrent=recurrent
+        )
+
+    def _decode(self, x, state: GatedDeltaNetState, num_valid) -> tuple[jax.Array, GatedDeltaNetState]:
+        """`__call__` for one token a sequence: the conv, norms, gates and the recurrent update in one kernel
+        on a GPU (`gated_delta_rule_decode`), where the chunk path runs several small fusions."""
+        cfg = self.config.gdn
+        batch = x.shape[0]
+        mixed, z, a, b = self._projections(x)
+        if not (isinstance(num_valid, int) and num_valid >= 1):
+            # a padded token leaves the state as it is: beta = 0 and g = 0 (softplus(-1e30) = 0)
+            a = jnp.where(num_valid >= 1, a, -1e30)
+            b = jnp.where(num_valid >= 1, b, -1e30)
+        o, recurrent = gated_delta_rule_decode(
+            mixed[:, 0],
+            state.conv,
+            self.conv_weight[...],
+            a[:, 0],
+            b[:, 0],
+            self.log_decay_rate[...],
+            self.delta_time_bias[...],
+            state.recurrent,
+            k_heads=cfg.num_k_heads,
+            key_dim=cfg.key_dim,
+            implementation=self._step,
+        )
+        new_conv = conv_history_after(state.conv.astype(mixed.dtype), mixed, num_valid)
+        z = z.reshape(batch, 1, cfg.num_v_heads, cfg.value_dim)
+        return self._output(o[:, None], z), GatedDeltaNetState(
             conv=new_conv.astype(state.conv.dtype), recurrent=recurrent
         )
 
@@ -202,10 +221,10 @@ class GatedDeltaNet(nnx.Module):
         cfg = self.config.gdn
         batch, seq, _ = x.shape
         kq = cfg.num_k_heads * cfg.key_dim
-        mixed = linear(x, self.qkv_proj[...])  # [b, t, conv_dim]
-        z = linear(x, self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))  # [b, t, v_heads]
-        a = linear(x, self.decay_proj[...]).astype(jnp.float32)
+        mixed, z, a, b = self._projections(x)
+        z = z.reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [b, t, v_heads]
+        a = a.astype(jnp.float32)
         log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.delta_time_bias[...].astype(jnp.float32)
         )  # g <= 0, [b, t, v_heads]
@@ -219,6 +238,16 @@ class GatedDeltaNet(nnx.Module):
         log_decay = jnp.where(valid[..., None], log_decay, 0.0)
         k = jnp.where(valid[..., None, None], k, 0.0)
         return q, k, v, log_decay, beta, z, mixed
+
+    def _projections(self, x):
+        """The input projections of x [b, t, hidden]: (mixed [b, t, conv_dim] pre-conv [q | k | v], z [b, t,
+        v_heads * value_dim], a [b, t, v_heads], b [b, t, v_heads]), in x.dtype."""
+        return (
+            linear(x, self.qkv_proj[...]),
+            linear(x, self.output_gate_proj[...]),
+            linear(x, self.decay_proj[...]),
+            linear(x, self.beta_proj[...]),
+        )
 
     def _output(self, o, z):
         """out_proj(gated_rms_norm(o, z)): o [b, t, v_heads, value_dim] -> [b, t, hidden] in z.dtype."""

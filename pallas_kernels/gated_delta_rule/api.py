@@ -120,6 +120,12 @@ def gated_delta_rule(
     return dispatch.first_accepted(names, call)
 
 
+def _step_default(batch: int, config: dict) -> str:
+    """The decode step's implementation for `batch` sequences when none is named: the fused Triton kernel on a
+    GPU up to config["max_batch"] sequences (beyond, the state reads dominate and XLA is as fast)."""
+    return "triton" if batch <= config["max_batch"] and jax.default_backend() == "gpu" else "reference"
+
+
 def gated_delta_rule_step(
     query: jax.Array,
     key: jax.Array,
@@ -152,9 +158,7 @@ def gated_delta_rule_step(
       ValueError: unknown `implementation`, or shapes that disagree.
     """
     config = step_config()
-    if implementation is None:
-        small = query.shape[0] <= config["max_batch"]
-        implementation = "triton" if small and jax.default_backend() == "gpu" else "reference"
+    implementation = implementation or _step_default(query.shape[0], config)
     if implementation == "reference":
         return reference.gated_delta_rule_step_reference(
             query, key, value, log_decay, beta, state, scale=scale
@@ -163,4 +167,57 @@ def gated_delta_rule_step(
         raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
     return decode_step.gated_delta_rule_step_triton(
         query, key, value, log_decay, beta, state, scale=scale, block_v=config["block_v"]
+    )
+
+
+def gated_delta_rule_decode(
+    mixed: jax.Array,
+    conv_state: jax.Array,
+    conv_weight: jax.Array,
+    decay_input: jax.Array,
+    beta_input: jax.Array,
+    log_decay_rate: jax.Array,
+    dt_bias: jax.Array,
+    state: jax.Array,
+    *,
+    k_heads: int,
+    key_dim: int,
+    scale: float | None = None,
+    implementation: StepImplementation | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One decode step of a Gated DeltaNet layer from its raw projections: the causal conv with SiLU, the L2
+    norm of q and k, the gates and the delta-rule update (`gated_delta_rule_step`).
+
+    Source: arXiv:2412.06464; HF `Qwen3_5MoeGatedDeltaNet`; spec §4.
+
+    Args:
+      mixed: [batch, conv_dim] the pre-conv [q | k | v] projections of the token (activation dtype).
+      conv_state: [batch, conv_kernel - 1, conv_dim] the previous tokens' pre-conv inputs.
+      conv_weight: [conv_kernel, conv_dim].
+      decay_input, beta_input: [batch, v_heads] the `a` and `b` projections.
+      log_decay_rate, dt_bias: [v_heads] A_log and dt_bias.
+      state: [batch, v_heads, key_dim, value_dim] float32.
+      k_heads, key_dim: the q/k heads and their size.
+      scale: multiplies the query; defaults to key_dim ** -0.5.
+      implementation: "reference" (`reference.gated_delta_rule_decode_reference`: XLA's fusions) or "triton"
+        (`decode_step.gated_delta_rule_decode_triton`: one Pallas kernel; the interpreter where no GPU is
+        present). None: "triton" on a GPU up to `step_config()["max_batch"]` sequences, else "reference".
+
+    Returns:
+      output: [batch, v_heads, value_dim] in mixed.dtype; new_state: same shape as state, float32.
+
+    Raises:
+      ValueError: unknown `implementation`, or shapes that disagree.
+    """
+    config = step_config()
+    implementation = implementation or _step_default(mixed.shape[0], config)
+    args = (mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state)
+    if implementation == "reference":
+        return reference.gated_delta_rule_decode_reference(
+            *args, k_heads=k_heads, key_dim=key_dim, scale=scale
+        )
+    if implementation != "triton":
+        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
+    return decode_step.gated_delta_rule_decode_triton(
+        *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
     )

@@ -37,6 +37,13 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, 
     s_out_ref[b, h, :, cols] = s
 
 
+def _check_tiles(**dims: int) -> None:
+    """Raises ValueError naming a dimension that is not a power of two >= 16 (the kernels' tile shapes)."""
+    for name, x in dims.items():
+        if x & (x - 1) or x < 16:
+            raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas step kernel")
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret"))
 def gated_delta_rule_step_triton(
     query, key, value, log_decay, beta, state, *, scale=None, block_v=32, interpret=None
@@ -64,9 +71,7 @@ def gated_delta_rule_step_triton(
     batch, k_heads, key_dim = key.shape
     _, v_heads, value_dim = value.shape
     block_v = min(block_v, value_dim)
-    for name, x in (("key_dim", key_dim), ("value_dim", value_dim), ("block_v", block_v)):
-        if x & (x - 1) or x < 16:
-            raise ValueError(f"{name}={x} must be a power of two >= 16 for the Pallas step kernel")
+    _check_tiles(key_dim=key_dim, value_dim=value_dim, block_v=block_v)
     scale = key_dim**-0.5 if scale is None else scale
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     f32 = jnp.float32
@@ -79,3 +84,164 @@ def gated_delta_rule_step_triton(
         interpret=interpret,
         name="gdn_step",
     )(query, key, value, log_decay.astype(f32), beta.astype(f32), state.astype(f32))
+
+
+def _softplus(x):
+    # log(1 + e^x) without overflow: max(x, 0) + log(1 + e^-|x|) (jax.nn.softplus's value)
+    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+
+
+def _conv_silu(mixed_ref, conv_ref, weight_ref, b, start, n, kernel, dtype):
+    """silu(causal depthwise conv) of channels [start, start + n) of row b for one token, in f32, rounded
+    through `dtype` as the layer's activations are: sum_j history[j] w[j] + x w[kernel - 1], taps in order."""
+    ch = pl.ds(start, n)
+    out = jnp.zeros((n,), jnp.float32)
+    for j in range(kernel - 1):
+        out = out + conv_ref[b, j, ch].astype(jnp.float32) * weight_ref[j, ch].astype(jnp.float32)
+    out = out + mixed_ref[b, ch].astype(jnp.float32) * weight_ref[kernel - 1, ch].astype(jnp.float32)
+    return (out * jax.nn.sigmoid(out)).astype(dtype).astype(jnp.float32)
+
+
+def _l2_normalize(x, dtype):
+    # the layer's l2_normalize (eps inside the root), its output rounded through the activation dtype
+    return (x * jax.lax.rsqrt(jnp.sum(x * x) + 1e-6)).astype(dtype).astype(jnp.float32)
+
+
+def _decode_kernel(
+    mixed_ref,
+    conv_ref,
+    weight_ref,
+    a_ref,
+    b_ref,
+    rate_ref,
+    bias_ref,
+    s_ref,
+    o_ref,
+    s_out_ref,
+    *,
+    k_heads,
+    key_dim,
+    group,
+    scale,
+    block_v,
+    kernel,
+):
+    # mixed_ref [batch, conv_dim]; conv_ref [batch, kernel - 1, conv_dim]; weight_ref [kernel, conv_dim];
+    # a_ref / b_ref [batch, v_heads] f32; rate_ref / bias_ref [v_heads] f32; s_ref / s_out_ref [batch,
+    # v_heads, key_dim, value_dim] f32 (aliased); o_ref [batch, v_heads, value_dim].
+    b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dtype = mixed_ref.dtype
+    kh = h // group
+    value_dim = o_ref.shape[2]
+    conv = functools.partial(_conv_silu, mixed_ref, conv_ref, weight_ref, b, kernel=kernel, dtype=dtype)
+    q = _l2_normalize(conv(kh * key_dim, key_dim), dtype) * scale  # [key_dim]
+    k = _l2_normalize(conv((k_heads + kh) * key_dim, key_dim), dtype)
+    v = conv(2 * k_heads * key_dim + h * value_dim + vb * block_v, block_v)  # [block_v]
+    g = -jnp.exp(rate_ref[h]) * _softplus(a_ref[b, h] + bias_ref[h])
+    beta = jax.nn.sigmoid(b_ref[b, h])
+    cols = pl.ds(vb * block_v, block_v)
+    s = s_ref[b, h, :, cols] * jnp.exp(g)  # [key_dim, block_v]
+    u = beta * (v - jnp.sum(k[:, None] * s, axis=0))
+    s = s + k[:, None] * u[None, :]
+    o_ref[b, h, cols] = jnp.sum(q[:, None] * s, axis=0).astype(o_ref.dtype)
+    s_out_ref[b, h, :, cols] = s
+
+
+@functools.partial(jax.jit, static_argnames=("k_heads", "key_dim", "scale", "block_v", "interpret"))
+def gated_delta_rule_decode_triton(
+    mixed,
+    conv_state,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    *,
+    k_heads: int,
+    key_dim: int,
+    scale=None,
+    block_v=32,
+    interpret=None,
+):
+    """One decode step of a Gated DeltaNet layer from its raw projections, in one Pallas (Triton) kernel: the
+    causal depthwise conv with SiLU, the L2 norm of q and k, the gates, and the delta-rule update
+    (`gated_delta_rule_step`), so that a decode step runs one kernel where XLA runs several small fusions.
+
+    Per (batch row, v-head, block of value columns); the conv of the head's q and k channels is recomputed by
+    each of its programs (a few hundred multiply-adds), the state tile is read and written once.
+
+    Args:
+      mixed: [batch, conv_dim] the token's pre-conv [q | k | v] projections (activation dtype), conv_dim =
+        2 * k_heads * key_dim + v_heads * value_dim.
+      conv_state: [batch, conv_kernel - 1, conv_dim] the previous tokens' pre-conv inputs.
+      conv_weight: [conv_kernel, conv_dim]; tap conv_kernel - 1 multiplies the current token.
+      decay_input, beta_input: [batch, v_heads] the `a` and `b` projections (any float dtype).
+      log_decay_rate, dt_bias: [v_heads] A_log and dt_bias: g = -exp(A_log) softplus(a + dt_bias),
+        beta = sigmoid(b).
+      state: [batch, v_heads, key_dim, value_dim] float32; updated in place when the caller donates it.
+      k_heads, key_dim: the q/k heads and their size (static); v_heads and value_dim follow from state.
+      scale: multiplies the query; defaults to key_dim ** -0.5.
+      block_v: value columns per program (a power of two, capped at value_dim).
+      interpret: run in the Pallas interpreter; None = only when no GPU is present.
+
+    Returns:
+      output [batch, v_heads, value_dim] in mixed.dtype, new_state float32.
+
+    Raises:
+      ValueError: shapes that disagree, or key_dim / value_dim / block_v that are not powers of two >= 16.
+
+    Source: arXiv:2412.06464; HF `Qwen3_5MoeGatedDeltaNet` (conv, norms, gates); spec §4.
+    """
+    batch, v_heads, state_key_dim, value_dim = state.shape
+    kernel = conv_weight.shape[0]
+    conv_dim = 2 * k_heads * key_dim + v_heads * value_dim
+    expected = {
+        "mixed": (mixed.shape, (batch, conv_dim)),
+        "conv_state": (conv_state.shape, (batch, kernel - 1, conv_dim)),
+        "conv_weight": (conv_weight.shape, (kernel, conv_dim)),
+        "decay_input": (decay_input.shape, (batch, v_heads)),
+        "beta_input": (beta_input.shape, (batch, v_heads)),
+        "log_decay_rate": (log_decay_rate.shape, (v_heads,)),
+        "dt_bias": (dt_bias.shape, (v_heads,)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"{name}.shape={tuple(got)}, expected {want} (state.shape={state.shape})")
+    if state_key_dim != key_dim or v_heads % k_heads:
+        raise ValueError(f"state.shape={state.shape} does not fit k_heads={k_heads}, key_dim={key_dim}")
+    block_v = min(block_v, value_dim)
+    _check_tiles(key_dim=key_dim, value_dim=value_dim, block_v=block_v)
+    scale = key_dim**-0.5 if scale is None else scale
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    f32 = jnp.float32
+    kernel_fn = functools.partial(
+        _decode_kernel,
+        k_heads=k_heads,
+        key_dim=key_dim,
+        group=v_heads // k_heads,
+        scale=scale,
+        block_v=block_v,
+        kernel=kernel,
+    )
+    return pl.pallas_call(
+        kernel_fn,
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, v_heads, value_dim), mixed.dtype),
+            jax.ShapeDtypeStruct(state.shape, f32),
+        ),
+        grid=(batch, v_heads, value_dim // block_v),
+        input_output_aliases={7: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4),
+        interpret=interpret,
+        name="gdn_decode",
+    )(
+        mixed,
+        conv_state,
+        conv_weight,
+        decay_input.astype(f32),
+        beta_input.astype(f32),
+        log_decay_rate.astype(f32),
+        dt_bias.astype(f32),
+        state.astype(f32),
+    )

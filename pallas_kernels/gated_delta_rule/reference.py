@@ -152,3 +152,75 @@ def gated_delta_rule_step_reference(query, key, value, log_decay, beta, state, *
         out.reshape(batch, v_heads, value_dim).astype(value.dtype),
         s.reshape(batch, v_heads, key_dim, value_dim),
     )
+
+
+def decode_inputs_reference(
+    mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, *, k_heads, key_dim
+):
+    """The gated-delta-rule inputs of one decode token from a Gated DeltaNet layer's raw projections, as the
+    layer computes them (HF `Qwen3_5MoeGatedDeltaNet`; spec §4): the causal depthwise conv with SiLU (in f32,
+    rounded to the activation dtype), q and k L2-normalised, g = -exp(A_log) softplus(a + dt_bias), beta =
+    sigmoid(b).
+
+    Args:
+      mixed: [batch, conv_dim]; conv_state: [batch, conv_kernel - 1, conv_dim]; conv_weight: [conv_kernel,
+        conv_dim]; decay_input, beta_input: [batch, v_heads]; log_decay_rate, dt_bias: [v_heads].
+
+    Returns:
+      (query, key [batch, k_heads, key_dim], value [batch, v_heads, value_dim] in mixed.dtype, log_decay,
+      beta [batch, v_heads] float32).
+    """
+    f32 = jnp.float32
+    batch = mixed.shape[0]
+    kernel = conv_weight.shape[0]
+    w = conv_weight.astype(f32)
+    out = 0.0
+    for j in range(kernel - 1):  # taps in the order of the layer's window formula (same rounding)
+        out = out + conv_state[:, j].astype(f32) * w[j]
+    out = out + mixed.astype(f32) * w[kernel - 1]
+    conv = jax.nn.silu(out).astype(mixed.dtype)
+    kq = k_heads * key_dim
+
+    def l2(x):  # the layer's l2_normalize: eps inside the root
+        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    query = l2(conv[:, :kq].reshape(batch, k_heads, key_dim))
+    key = l2(conv[:, kq : 2 * kq].reshape(batch, k_heads, key_dim))
+    v_heads = decay_input.shape[1]
+    value = conv[:, 2 * kq :].reshape(batch, v_heads, (conv.shape[1] - 2 * kq) // v_heads)
+    log_decay = -jnp.exp(log_decay_rate.astype(f32)) * jax.nn.softplus(
+        decay_input.astype(f32) + dt_bias.astype(f32)
+    )
+    beta = jax.nn.sigmoid(beta_input.astype(f32))
+    return query, key, value, log_decay, beta
+
+
+def gated_delta_rule_decode_reference(
+    mixed,
+    conv_state,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    *,
+    k_heads,
+    key_dim,
+    scale=None,
+):
+    """One decode step of a Gated DeltaNet layer from its raw projections: `decode_inputs_reference`, then
+    `gated_delta_rule_step_reference`. Arguments and returns as in
+    `decode_step.gated_delta_rule_decode_triton`."""
+    inputs = decode_inputs_reference(
+        mixed,
+        conv_state,
+        conv_weight,
+        decay_input,
+        beta_input,
+        log_decay_rate,
+        dt_bias,
+        k_heads=k_heads,
+        key_dim=key_dim,
+    )
+    return gated_delta_rule_step_reference(*inputs, state, scale=scale)

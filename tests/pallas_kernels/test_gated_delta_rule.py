@@ -196,6 +196,91 @@ def test_pallas_decode_step_through_the_api_and_its_errors():
         decode_step.gated_delta_rule_step_triton(**token, state=inputs["initial_state"][:, :1])
 
 
+def _decode_layer_inputs(batch, k_heads, v_heads, dim, dtype, seed, kernel=4):
+    """Random raw projections of one decode token of a Gated DeltaNet layer (`gated_delta_rule_decode`)."""
+    rng = np.random.default_rng(seed)
+    conv_dim = 2 * k_heads * dim + v_heads * dim
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+    return {
+        "mixed": normal(batch, conv_dim).astype(dtype),
+        "conv_state": normal(batch, kernel - 1, conv_dim).astype(dtype),
+        "conv_weight": normal(kernel, conv_dim, scale=0.5).astype(dtype),
+        "decay_input": normal(batch, v_heads),
+        "beta_input": normal(batch, v_heads),
+        "log_decay_rate": jnp.log(jnp.asarray(rng.uniform(1, 16, v_heads), jnp.float32)),
+        "dt_bias": jnp.asarray(rng.uniform(-2, 1, v_heads), jnp.float32),
+        "state": normal(batch, v_heads, dim, dim, scale=0.3),
+    }
+
+
+@pytest.mark.parametrize("dtype,group,block_v", [(jnp.float32, 1, 16), (jnp.bfloat16, 2, 32)])
+def test_fused_decode_matches_the_layer_inputs_and_step(dtype, group, block_v):
+    """The one-kernel decode (interpreter) from raw projections equals the layer's conv, norms and gates
+    followed by the step reference, over three tokens (each token's conv window shifted in)."""
+    k_heads, dim = 2, 32
+    inputs = _decode_layer_inputs(2, k_heads, k_heads * group, dim, dtype, seed=group)
+    kernel = functools.partial(
+        decode_step.gated_delta_rule_decode_triton,
+        k_heads=k_heads,
+        key_dim=dim,
+        block_v=block_v,
+        interpret=True,
+    )
+    ref = functools.partial(reference.gated_delta_rule_decode_reference, k_heads=k_heads, key_dim=dim)
+    got_state = want_state = inputs.pop("state")
+    rng = np.random.default_rng(5)
+    for t in range(3):
+        out, got_state = kernel(**inputs, state=got_state)
+        want, want_state = ref(**inputs, state=want_state)
+        assert out.dtype == dtype and got_state.dtype == jnp.float32
+        assert_close(f"output[{t}]", out, want, dtype)
+        assert_close(f"state[{t}]", got_state, want_state, dtype)
+        conv = inputs["conv_state"]
+        inputs["conv_state"] = jnp.concatenate([conv[:, 1:], inputs["mixed"][:, None]], axis=1)
+        inputs["mixed"] = jnp.asarray(rng.standard_normal(inputs["mixed"].shape), dtype)
+
+
+def test_fused_decode_api_and_errors():
+    inputs = _decode_layer_inputs(1, 2, 4, 16, jnp.float32, seed=7)
+    want = api.gated_delta_rule_decode(**inputs, k_heads=2, key_dim=16, implementation="reference")
+    got = api.gated_delta_rule_decode(**inputs, k_heads=2, key_dim=16, implementation="triton")
+    for name, g, w in zip(("output", "state"), got, want, strict=True):
+        assert_close(name, g, w, jnp.float32)
+    with pytest.raises(ValueError, match="conv_weight.shape"):
+        api.gated_delta_rule_decode(
+            **{**inputs, "conv_weight": inputs["conv_weight"][:, 1:]},
+            k_heads=2,
+            key_dim=16,
+            implementation="triton",
+        )
+    with pytest.raises(ValueError, match="unknown implementation"):
+        api.gated_delta_rule_decode(**inputs, k_heads=2, key_dim=16, implementation="mosaic")
+
+
+def test_fused_decode_lowers_for_cuda():
+    """The one-kernel decode through Pallas' Triton lowering for an H100 (an abstract device): Qwen3.5's
+    shapes."""
+    b, kh, vh, d = 1, 16, 32, 128
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    conv_dim = 2 * kh * d + vh * d
+    args = (
+        jax.ShapeDtypeStruct((b, conv_dim), bf16),
+        jax.ShapeDtypeStruct((b, 3, conv_dim), bf16),
+        jax.ShapeDtypeStruct((4, conv_dim), bf16),
+        jax.ShapeDtypeStruct((b, vh), bf16),
+        jax.ShapeDtypeStruct((b, vh), bf16),
+        jax.ShapeDtypeStruct((vh,), f32),
+        jax.ShapeDtypeStruct((vh,), f32),
+        jax.ShapeDtypeStruct((b, vh, d, d), f32),
+    )
+    assert "gdn_decode" in support.lowered_for_h100(
+        decode_step.gated_delta_rule_decode_triton, *args, k_heads=kh, key_dim=d, interpret=False
+    )
+
+
 def test_pallas_decode_step_lowers_for_cuda():
     """The step through Pallas' Triton lowering for an H100 (an abstract device: no GPU here; compiling the
     Triton IR needs one): Qwen3.5's head shape, batch 4."""
