@@ -19,7 +19,7 @@ from hybridlm.config import ModelConfig
 from hybridlm.layers.linear import linear
 from hybridlm.layers.norms import gated_rms_norm
 from hybridlm.state import GatedDeltaNetState
-from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_decode, gated_delta_rule_step
+from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_decode
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -184,18 +184,30 @@ class GatedDeltaNet(nnx.Module):
           out [batch, seq, hidden] in x.dtype, and a `GatedDeltaNetState` whose arrays have a leading [seq]
           axis: entry t is the state after token t.
         """
-        seq = x.shape[1]
-        q, k, v, log_decay, beta, z, mixed = self._inputs(x, state, seq)
+        cfg = self.config.gdn
+        batch, seq, _ = x.shape
+        mixed, z, a, b = self._projections(x)
         history = state.conv.astype(mixed.dtype)
         convs = [conv_history_after(history, mixed, t + 1).astype(state.conv.dtype) for t in range(seq)]
         recurrent, outs, states = state.recurrent, [], []
-        for t in range(seq):  # the decode step's kernel: the verify's numbers are decode's
-            o, recurrent = gated_delta_rule_step(
-                q[:, t], k[:, t], v[:, t], log_decay[:, t], beta[:, t], recurrent, implementation=self._step
+        for t in range(seq):  # the decode step's kernel, each token's conv window before it: decode's numbers
+            o, recurrent = gated_delta_rule_decode(
+                mixed[:, t],
+                state.conv if t == 0 else convs[t - 1],
+                self.conv_weight[...],
+                a[:, t],
+                b[:, t],
+                self.log_decay_rate[...],
+                self.delta_time_bias[...],
+                recurrent,
+                k_heads=cfg.num_k_heads,
+                key_dim=cfg.key_dim,
+                implementation=self._step,
             )
             outs.append(o)
             states.append(recurrent)
         o = jnp.stack(outs, axis=1)
+        z = z.reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
         return self._output(o, z), GatedDeltaNetState(conv=jnp.stack(convs), recurrent=jnp.stack(states))
 
     @property
