@@ -84,6 +84,53 @@ def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Arra
     return jnp.where(num_valid >= width, from_mixed, from_head)
 
 
+def tree_conv_windows(mixed: jax.Array, history: jax.Array, parents: jax.Array) -> list[jax.Array]:
+    """The causal conv window of every node of a token tree: the pre-conv inputs along the node's root path.
+
+    Row m of node i is the input m steps up its path (m = 0: node i itself, m = 1: its parent, ...); once the
+    path has passed the root, the rows continue into the incoming conv history, newest first, so a path of
+    d + 1 nodes reads the same window as a chain of those tokens after `history`.
+
+    Args:
+      mixed: [batch, nodes, channels] pre-conv inputs of the nodes.
+      history: [batch, conv_kernel - 1, channels] inputs before the root, oldest first.
+      parents: [nodes] int32, each node's parent, -1 at the root; parents[i] < i.
+
+    Returns:
+      conv_kernel arrays [batch, nodes, channels] in mixed.dtype, for m = 0 .. conv_kernel - 1.
+    """
+    width = history.shape[1]
+    node = jnp.arange(parents.shape[0], dtype=jnp.int32)
+    past = jnp.zeros_like(node)  # steps taken past the root
+    rows = [mixed]
+    for _ in range(width):
+        node = jnp.where(node >= 0, parents[jnp.maximum(node, 0)], -1)
+        past = past + (node < 0)
+        from_history = jnp.take(history, jnp.clip(width - past, 0, width - 1), axis=1)  # [b, nodes, c]
+        from_nodes = jnp.take(mixed, jnp.maximum(node, 0), axis=1)
+        rows.append(jnp.where((node >= 0)[None, :, None], from_nodes, from_history))
+    return rows
+
+
+def tree_depthwise_conv(rows: list[jax.Array], weight: jax.Array) -> jax.Array:
+    """`causal_depthwise_conv` over windows given row by row (`tree_conv_windows`): tap j multiplies row
+    conv_kernel - 1 - j, the taps summed in the same order (same rounding as the chain).
+
+    Args:
+      rows: conv_kernel arrays [batch, nodes, channels], row m the input m steps back.
+      weight: [conv_kernel, channels].
+
+    Returns:
+      [batch, nodes, channels] in rows[0].dtype.
+    """
+    kernel = weight.shape[0]
+    w = weight.astype(jnp.float32)
+    out = 0.0
+    for j in range(kernel):
+        out = out + rows[kernel - 1 - j].astype(jnp.float32) * w[j]
+    return jax.nn.silu(out).astype(rows[0].dtype)
+
+
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output
     projection."""
@@ -179,6 +226,53 @@ class GatedDeltaNet(nnx.Module):
         o = jnp.stack(outs, axis=1)
         return self._output(o, z), GatedDeltaNetState(conv=jnp.stack(convs), recurrent=jnp.stack(states))
 
+    def verify_tree(
+        self, x: jax.Array, state: GatedDeltaNetState, parents: jax.Array
+    ) -> tuple[jax.Array, GatedDeltaNetState]:
+        """Runs the layer over a token tree's nodes in one pass (a tree verify), keeping every node's state.
+
+        Node i's recurrent state is its parent's advanced by node i's token (the root's: `state`'s advanced
+        by the root token), its conv window the pre-conv inputs of its nearest ancestors, then the incoming
+        conv history (`tree_conv_windows`). Each node takes one decode-step kernel (`gated_delta_rule_step`),
+        as `verify` does per token, so a root-to-node path gives a chain verify's numbers for that path.
+        Source: the token-tree verification of SpecInfer (Miao et al., arXiv:2305.09781) and DDTree (Ringel,
+        Romano, arXiv:2604.12989), for a recurrent layer: the state branches where the tree does.
+
+        Args:
+          x: [batch, nodes, hidden] normalised input of the nodes, in topological order (one tree shared by
+            the batch rows).
+          state: the state before the root (node 0).
+          parents: [nodes] int32, each node's parent, -1 at the root; parents[i] < i.
+
+        Returns:
+          out [batch, nodes, hidden] in x.dtype, and a `GatedDeltaNetState` whose arrays have a leading
+          [nodes] axis: entry i is the state after the root path of node i (conv: its last conv_kernel - 1
+          inputs, oldest first).
+        """
+        nodes = x.shape[1]
+        if parents.shape != (nodes,):
+            raise ValueError(f"parents must be [nodes] = [{nodes}], got shape {parents.shape}")
+        mixed, z, log_decay, beta = self._projections(x)
+        rows = tree_conv_windows(mixed, state.conv.astype(mixed.dtype), parents)
+        q, k, v = self._heads(tree_depthwise_conv(rows, self.conv_weight[...]))
+        conv = jnp.stack(rows[-2::-1], axis=2)  # [b, nodes, kernel - 1, c]: the window less its oldest row
+        initial = state.recurrent
+
+        def step(slots, xs):  # slots: [nodes, b, v_heads, key_dim, value_dim], the states so far
+            node, parent, q_t, k_t, v_t, g_t, beta_t = xs
+            before = jnp.where(parent >= 0, slots[jnp.maximum(parent, 0)], initial)
+            o, after = gated_delta_rule_step(q_t, k_t, v_t, g_t, beta_t, before, implementation=self._step)
+            return jax.lax.dynamic_update_index_in_dim(slots, after, node, axis=0), o
+
+        def node_major(a):  # [b, nodes, ...] -> [nodes, b, ...]: the scan's axis first
+            return jnp.moveaxis(a, 1, 0)
+
+        xs = (jnp.arange(nodes, dtype=jnp.int32), parents, *map(node_major, (q, k, v, log_decay, beta)))
+        slots, o = jax.lax.scan(step, jnp.zeros((nodes, *initial.shape), initial.dtype), xs)
+        return self._output(jnp.moveaxis(o, 0, 1), z), GatedDeltaNetState(
+            conv=node_major(conv).astype(state.conv.dtype), recurrent=slots
+        )
+
     @property
     def _step(self) -> str | None:
         # "triton", "mosaic" (no step of its own) and None go to the fused Triton step (None: on a GPU for few
@@ -199,9 +293,21 @@ class GatedDeltaNet(nnx.Module):
         """(q, k [b, t, k_heads, key_dim] l2-normalised, v [b, t, v_heads, value_dim], log_decay, beta [b, t,
         v_heads] float32 (zero past num_valid, as k), z [b, t, v_heads, value_dim], mixed [b, t, conv_dim]
         the pre-conv inputs)."""
+        seq = x.shape[1]
+        mixed, z, log_decay, beta = self._projections(x)
+        conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
+        q, k, v = self._heads(conv_out)
+        valid = (jnp.arange(seq) < num_valid)[None, :]  # [1, t]
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        log_decay = jnp.where(valid[..., None], log_decay, 0.0)
+        k = jnp.where(valid[..., None, None], k, 0.0)
+        return q, k, v, log_decay, beta, z, mixed
+
+    def _projections(self, x):
+        """(mixed [b, t, conv_dim] the pre-conv inputs, z [b, t, v_heads, value_dim], log_decay, beta [b, t,
+        v_heads] float32)."""
         cfg = self.config.gdn
         batch, seq, _ = x.shape
-        kq = cfg.num_k_heads * cfg.key_dim
         mixed = linear(x, self.qkv_proj[...])  # [b, t, conv_dim]
         z = linear(x, self.output_gate_proj[...]).reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
         beta = jax.nn.sigmoid(linear(x, self.beta_proj[...]).astype(jnp.float32))  # [b, t, v_heads]
@@ -209,16 +315,18 @@ class GatedDeltaNet(nnx.Module):
         log_decay = -jnp.exp(self.log_decay_rate[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.delta_time_bias[...].astype(jnp.float32)
         )  # g <= 0, [b, t, v_heads]
-        conv_out = causal_depthwise_conv(mixed, self.conv_weight[...], state.conv)
+        return mixed, z, log_decay, beta
+
+    def _heads(self, conv_out):
+        """conv_out [b, t, conv_dim] -> (q, k [b, t, k_heads, key_dim] l2-normalised, v [b, t, v_heads,
+        value_dim])."""
+        cfg = self.config.gdn
+        batch, seq, _ = conv_out.shape
+        kq = cfg.num_k_heads * cfg.key_dim
         q = conv_out[..., :kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
         k = conv_out[..., kq : 2 * kq].reshape(batch, seq, cfg.num_k_heads, cfg.key_dim)
         v = conv_out[..., 2 * kq :].reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        q, k = l2_normalize(q), l2_normalize(k)
-        valid = (jnp.arange(seq) < num_valid)[None, :]  # [1, t]
-        beta = jnp.where(valid[..., None], beta, 0.0)
-        log_decay = jnp.where(valid[..., None], log_decay, 0.0)
-        k = jnp.where(valid[..., None, None], k, 0.0)
-        return q, k, v, log_decay, beta, z, mixed
+        return l2_normalize(q), l2_normalize(k), v
 
     def _output(self, o, z):
         """out_proj(gated_rms_norm(o, z)): o [b, t, v_heads, value_dim] -> [b, t, hidden] in z.dtype."""
