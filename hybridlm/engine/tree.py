@@ -241,13 +241,17 @@ class _Candidates:
 
 def _best(c: _Candidates) -> tuple[jax.Array, jax.Array]:
     """(slot, any candidate left): the highest score, ties to the lexicographically smallest ranks (a
-    shorter path first when one is the other's prefix: the -1 padding sorts first)."""
+    shorter path first when one is the other's prefix: the -1 padding sorts first). The tie-break compares
+    every pair of slots at their first differing depth at once, rather than one reduction per depth."""
     top = jnp.max(jnp.where(c.valid, c.score, -jnp.inf))
     tied = c.valid & (c.score == top)
-    for col in range(c.ranks.shape[1]):
-        lowest = jnp.min(jnp.where(tied, c.ranks[:, col], jnp.iinfo(jnp.int32).max))
-        tied = tied & (c.ranks[:, col] == lowest)
-    return jnp.argmax(tied).astype(jnp.int32), jnp.any(tied)
+    slot = jnp.arange(tied.shape[0])
+    differ = c.ranks[:, None, :] != c.ranks[None, :, :]  # [slots, slots, depth_limit]
+    first = jnp.argmax(differ, axis=-1)  # [slots, slots]: the first depth where slots i and j differ
+    mine, theirs = c.ranks[slot[:, None], first], c.ranks[slot[None, :], first]
+    before = jnp.any(differ, axis=-1) & (mine < theirs)  # [slots, slots]: slot i sorts before slot j
+    wins = tied & jnp.all(before | ~tied[None, :] | (slot[:, None] == slot[None, :]), axis=1)
+    return jnp.argmax(wins).astype(jnp.int32), jnp.any(tied)
 
 
 def _root_only(root: jax.Array, nodes: int) -> TokenTree:
