@@ -19,7 +19,7 @@ from hybridlm.layers.gated_attention import GatedAttention
 from hybridlm.layers.gated_deltanet import GatedDeltaNet
 from hybridlm.layers.moe import DenseMLP, SparseMoE
 from hybridlm.layers.norms import RMSNorm
-from hybridlm.state import LayerState
+from hybridlm.state import GatedDeltaNetState, LayerState, TreeKV
 
 
 class DecoderLayer(nnx.Module):
@@ -68,6 +68,42 @@ class DecoderLayer(nnx.Module):
             out, state = self.mixer.verify(u, state)
         else:
             out, state = self.mixer(u, state, start)
+        return x + out, state
+
+    def verify_tree(
+        self,
+        x: jax.Array,
+        state: LayerState,
+        start,
+        parents: jax.Array,
+        depth: jax.Array,
+        ancestors: jax.Array,
+        valid: jax.Array | None = None,
+    ) -> tuple[jax.Array, GatedDeltaNetState | TreeKV]:
+        """The layer over the nodes of a token tree [batch, nodes, hidden] whose root is at absolute position
+        `start` (a tree verify): a Gated DeltaNet layer returns every node's state
+        (`GatedDeltaNet.verify_tree`, a leading [nodes] axis), an attention layer the cache unchanged and the
+        nodes' keys and values (`TreeKV`). The MoE runs over all nodes at once, `valid` ([batch, nodes] bool
+        or None) marking the padding nodes, which get no routed experts."""
+        h, state = self.verify_tree_mix(x, state, start, parents, depth, ancestors)
+        return h + self.ffn(self.post_norm(h), valid), state
+
+    def verify_tree_mix(
+        self,
+        x: jax.Array,
+        state: LayerState,
+        start,
+        parents: jax.Array,
+        depth: jax.Array,
+        ancestors: jax.Array,
+    ) -> tuple[jax.Array, GatedDeltaNetState | TreeKV]:
+        """`verify_tree`'s mixer and residual alone (the offload runner pages the experts after it)."""
+        u = self.input_norm(x)
+        if self.layer_type == "linear_attention":
+            out, state = self.mixer.verify_tree(u, state, parents)
+        else:
+            out, (key, value) = self.mixer.verify_tree(u, state, start, depth, ancestors)
+            state = TreeKV(cache=state, key=key, value=value)
         return x + out, state
 
 

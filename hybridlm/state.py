@@ -33,6 +33,18 @@ class KVCache:
         return self.key.shape[1]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeKV:
+    """An attention layer after a token-tree verify (`GatedAttention.verify_tree`): the cache as it was and
+    the nodes' keys and values, not yet written (siblings share a position; the commit writes the accepted
+    path's, `engine.tree_verify.commit_tree`)."""
+
+    cache: KVCache  # holding positions [0, start), start the root's position
+    key: jax.Array  # [batch, nodes, kv_heads, head_dim]: after q/k-norm and RoPE at start + depth
+    value: jax.Array  # [batch, nodes, kv_heads, head_dim]
+
+
 LayerState = GatedDeltaNetState | KVCache
 
 

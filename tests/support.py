@@ -42,3 +42,23 @@ def lowered_for_h100(fn, *args, **kwargs) -> str:
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
         traced = jax.jit(functools.partial(fn, **kwargs)).trace(*args)
         return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+MIN_P_VALUE = 1e-3  # per chi-square test; the seeds are fixed, so a pass is reproducible
+
+
+def chi_square_p_value(tokens, probs) -> float:
+    """p-value of observed `tokens` (any shape, ints) against `probs` [vocab]; tokens outside the support of
+    probs fail outright (no sampling error puts them there)."""
+    import jax
+
+    probs = np.asarray(probs, np.float64)
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=probs.size)
+    assert counts.size == probs.size, f"token ids beyond the vocabulary {probs.size}"
+    support = probs > 0
+    assert not counts[~support].any(), f"tokens {np.flatnonzero(counts * ~support)} have probability 0"
+    expected = counts.sum() * probs[support] / probs[support].sum()
+    assert expected.min() >= 5, "too few samples for a chi-square test"
+    stat = float(np.sum((counts[support] - expected) ** 2 / expected))
+    df = int(support.sum()) - 1
+    return 1.0 if df == 0 else float(jax.scipy.stats.chi2.sf(stat, df))

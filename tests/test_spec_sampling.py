@@ -8,28 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import assert_finite
+from support import MIN_P_VALUE, assert_finite, chi_square_p_value
 
 from hybridlm.engine.sampling import sample
 from hybridlm.engine.spec_sampling import accept_drafts, accept_greedy, filtered_probs
 
 SAMPLES = 200_000
-MIN_P_VALUE = 1e-3  # per chi-square test; the seeds are fixed, so a pass is reproducible
-
-
-def chi_square_p_value(tokens, probs) -> float:
-    """p-value of observed `tokens` (any shape, ints) against `probs` [vocab]; tokens outside the support of
-    probs fail outright (no sampling error puts them there)."""
-    probs = np.asarray(probs, np.float64)
-    counts = np.bincount(np.asarray(tokens).ravel(), minlength=probs.size)
-    assert counts.size == probs.size, f"token ids beyond the vocabulary {probs.size}"
-    support = probs > 0
-    assert not counts[~support].any(), f"tokens {np.flatnonzero(counts * ~support)} have probability 0"
-    expected = counts.sum() * probs[support] / probs[support].sum()
-    assert expected.min() >= 5, "too few samples for a chi-square test"
-    stat = float(np.sum((counts[support] - expected) ** 2 / expected))
-    df = int(support.sum()) - 1
-    return 1.0 if df == 0 else float(jax.scipy.stats.chi2.sf(stat, df))
 
 
 def _tables(rng, vocab: int, *, zeros: int):

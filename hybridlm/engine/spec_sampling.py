@@ -130,3 +130,110 @@ def accept_greedy(target_logits: jax.Array, draft_tokens: jax.Array) -> tuple[ja
     num_accepted = jnp.sum(jnp.cumprod(matches, axis=-1), axis=-1).astype(jnp.int32)
     next_token = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]
     return num_accepted, next_token
+
+
+def follow_tree(
+    target_tokens: jax.Array,
+    node_tokens: jax.Array,
+    parents: jax.Array,
+    valid: jax.Array,
+    max_depth: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Walks a verified token tree from the root: while the target's token at the current node is the token
+    of one of its (valid) children, move there; the target's token at the last node reached comes next.
+
+    Source: DDTree (Ringel, Romano, arXiv:2604.12989), the reference's `follow_verified_tree`; SpecInfer's
+    token-tree verification (Miao et al., arXiv:2305.09781, §4.3).
+
+    Args:
+      target_tokens: [nodes] int32, the target's token at each node (its argmax, or one sample per node).
+      node_tokens: [nodes] int32; parents: [nodes] int32 (-1 at the root); valid: [nodes] bool (a
+        `TokenTree`'s fields). Siblings' tokens are distinct (the first match wins otherwise).
+      max_depth: the tree's largest depth (static; None: nodes - 1).
+
+    Returns:
+      path: [max_depth + 1] int32, the accepted nodes from the root (path[0] = 0), 0 past num_accepted.
+      num_accepted: int32, the accepted drafts n (path[n] is the last accepted node).
+      next_token: int32, the target's token at path[n].
+    """
+    nodes = node_tokens.shape[0]
+    max_depth = nodes - 1 if max_depth is None else max_depth
+
+    def step(depth, carry):
+        node, count, path = carry
+        match = valid & (parents == node) & (node_tokens == target_tokens[node])
+        go = jnp.any(match) & (count == depth)  # still on the tree
+        child = jnp.argmax(match).astype(jnp.int32)
+        return jnp.where(go, child, node), count + go, path.at[depth + 1].set(jnp.where(go, child, 0))
+
+    start = (jnp.int32(0), jnp.int32(0), jnp.zeros((max_depth + 1,), jnp.int32))
+    node, count, path = jax.lax.fori_loop(0, max_depth, step, start)
+    return path, count, target_tokens[node]
+
+
+def accept_tree_greedy(
+    target_logits: jax.Array,
+    node_tokens: jax.Array,
+    parents: jax.Array,
+    valid: jax.Array,
+    max_depth: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Greedy tree verification: from the root, follow the child whose token is the target's argmax at the
+    current node; emit the accepted drafts, then the argmax at the last accepted node (plain greedy
+    decoding's tokens; ties to the lowest id, as `accept_greedy`).
+
+    Args:
+      target_logits: [nodes, vocab] float, the target's logits at each node (`tree_verify.verify_tree`).
+      node_tokens, parents, valid, max_depth: the tree, as `follow_tree` takes it.
+
+    Returns:
+      (path [max_depth + 1] int32, num_accepted int32, next_token int32), as `follow_tree`.
+
+    Raises:
+      ValueError: target_logits not [nodes, vocab].
+    """
+    if target_logits.ndim != 2 or target_logits.shape[0] != node_tokens.shape[0]:
+        raise ValueError(
+            f"expected target_logits [nodes, vocab] for {node_tokens.shape[0]} nodes, "
+            f"got {target_logits.shape}"
+        )
+    greedy = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    return follow_tree(greedy, node_tokens, parents, valid, max_depth)
+
+
+def accept_tree(
+    target_probs: jax.Array,
+    node_tokens: jax.Array,
+    parents: jax.Array,
+    valid: jax.Array,
+    key: jax.Array,
+    max_depth: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Lossless sampling on a token tree: one token x_i ~ p_i drawn at every node, then `follow_tree`: move to
+    the child carrying x, else stop and emit x.
+
+    Each emitted token is a sample of the target given its prefix: the draw at a node the walk reaches is
+    independent of the walk so far, and the walk goes on exactly when that draw is a child's token. The
+    drafter's probabilities play no part (the tree is a set of guesses; unlike `accept_drafts`, no residual
+    is needed because a miss emits the target's own draw). Source: DDTree (Ringel, Romano, arXiv:2604.12989),
+    the reference's `follow_verified_tree` over per-node samples; compare SpecInfer's multi-step speculative
+    sampling (Miao et al., arXiv:2305.09781, §4.3) and Leviathan et al. (arXiv:2211.17192).
+
+    Args:
+      target_probs: [nodes, vocab] float32, the target's filtered distribution at each node
+        (`filtered_probs`).
+      node_tokens, parents, valid, max_depth: the tree, as `follow_tree` takes it.
+      key: PRNG key.
+
+    Returns:
+      (path [max_depth + 1] int32, num_accepted int32, next_token int32), as `follow_tree`.
+
+    Raises:
+      ValueError: target_probs not [nodes, vocab].
+    """
+    if target_probs.ndim != 2 or target_probs.shape[0] != node_tokens.shape[0]:
+        raise ValueError(
+            f"expected target_probs [nodes, vocab] for {node_tokens.shape[0]} nodes, got {target_probs.shape}"
+        )
+    draws = jax.random.categorical(key, jnp.log(target_probs.astype(jnp.float32)), axis=-1).astype(jnp.int32)
+    return follow_tree(draws, node_tokens, parents, valid, max_depth)

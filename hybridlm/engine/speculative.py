@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridlm.engine import tree_verify
 from hybridlm.engine.phases import DEVICE_LOOP_OPTIONS, StaticGraph, flat_layer
 from hybridlm.engine.sampling import BlockSampler, filter_logits
 from hybridlm.engine.spec_sampling import accept_drafts, accept_greedy
@@ -89,7 +90,8 @@ class SpecState:
 @dataclasses.dataclass(frozen=True)
 class ResidentTarget:
     """The model to verify with, all weights on the device: `bind(leaves)` (the model's flat weights) gives
-    its embedding table, lm head, multi-token forward (`verify`) and logits."""
+    its embedding table, lm head, multi-token forward (`verify`), token-tree forward (`verify_tree`) and
+    logits."""
 
     graph: StaticGraph  # the whole model's graph with its weights' treedef (`phases.flat_layer`)
 
@@ -105,6 +107,9 @@ class _BoundModel:
 
     def verify(self, states: list, tokens, position):
         return verify(self.model, states, tokens, position)
+
+    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None):
+        return tree_verify.verify_tree(self.model, states, tokens, parents, depth, position, valid)
 
     def logits(self, hidden):
         return self.model.logits(hidden)

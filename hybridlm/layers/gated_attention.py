@@ -26,17 +26,19 @@ def _resolve(implementation: str | None, dtype) -> str | None:
     return implementation
 
 
-def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None):
+def _attention(q, k, v, *, implementation, is_causal=False, kv_lengths=None, mask=None):
     """jax.nn.dot_product_attention returning (out [b, t, heads, hd], logsumexp [b, t, heads] float32).
 
     implementation None: cuDNN on a GPU for bf16 / fp16 inputs, else XLA. (JAX's own None picks XLA when the
-    logsumexp is asked for, several times slower than cuDNN for long prefill chunks.)
+    logsumexp is asked for, several times slower than cuDNN for long prefill chunks.) mask: None, or [t, s]
+    bool, the keys each query sees.
     """
     implementation = _resolve(implementation, q.dtype)
     out, lse = jax.nn.dot_product_attention(
         q,
         k,
         v,
+        mask=None if mask is None else mask[None, None],
         is_causal=is_causal,
         key_value_seq_lengths=kv_lengths,
         implementation=implementation,
@@ -88,6 +90,7 @@ def cached_attention(
     *,
     implementation: str | None = None,
     static_blocks: bool | None = None,
+    self_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of a chunk over the cached prefix [0, start) and itself.
 
@@ -114,17 +117,21 @@ def cached_attention(
         per sequence (decode): `DECODE_IMPLEMENTATION`.
       static_blocks: force the static (True) or the traced (False) trip count; None: static with cuDNN, and
         for one query per sequence (its one block, whichever the implementation).
+      self_mask: None (causal), or [seq, seq] bool: which of the chunk's tokens each of its queries sees (a
+        token tree's ancestor mask, `GatedAttention.verify_tree`). A masked chunk reads the cache as one
+        block through DECODE_IMPLEMENTATION unless `implementation` is named, as a speculative verify does.
 
     Returns:
       [batch, seq, heads, head_dim] in q.dtype.
     """
     seq = q.shape[1]
-    few = seq < MIN_BLOCK_QUERIES  # decode and speculative verifies: the cache as one block
+    # decode, speculative verifies and token trees: the cache as one block
+    few = seq < MIN_BLOCK_QUERIES or self_mask is not None
     if few and implementation is None:
         implementation = DECODE_IMPLEMENTATION
     if static_blocks is None:  # one block: no loop either way
         static_blocks = few or _resolve(implementation, q.dtype) == "cudnn"
-    out, lse = _attention(q, k, v, implementation=implementation, is_causal=True)
+    out, lse = _attention(q, k, v, implementation=implementation, is_causal=self_mask is None, mask=self_mask)
     blocks = cache.capacity // seq if not few and cache.capacity % seq == 0 else 1
     if static_blocks and blocks > MAX_UNROLLED_BLOCKS:
         # a short chunk over a long cache (a resumed conversation turn) keeps the unrolled form
@@ -187,19 +194,12 @@ class GatedAttention(nnx.Module):
           (None when no cache was given). Padding rows of a last chunk are written too; positions past the
           prompt are overwritten by decode before any query can see them.
         """
-        a, eps = self.config.attention, self.config.rms_norm_eps
         batch, seq, _ = x.shape
-        qg = linear(x, self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
-        q, gate = qg[..., : a.head_dim], qg[..., a.head_dim :]
-        k = linear(x, self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
-        v = linear(x, self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
-        q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
         per_row = jnp.ndim(start) == 1
         if per_row and (seq != 1 or cache is None):
             raise ValueError(f"per-sequence positions take one token a sequence and a cache, got seq={seq}")
         positions = (start[:, None] if per_row else start) + jnp.arange(seq)  # [seq] or [batch, seq]
-        cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        q, gate, k, v = self._project(x, positions)
 
         impl = self.config.attention_implementation
         if cache is None:
@@ -219,7 +219,66 @@ class GatedAttention(nnx.Module):
                     ),
                 )
             )
+        return self._gated_output(out, gate, x.dtype), new_cache
+
+    def verify_tree(
+        self, x: jax.Array, cache: KVCache, start, depth: jax.Array, ancestors: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of the nodes of a token tree (a tree verify), writing nothing to the cache.
+
+        Node i sits at absolute position start + depth[i] and attends to the cache [0, start) and to the nodes
+        `ancestors` marks (its root path, itself included): SpecInfer's tree attention (Miao et al.,
+        arXiv:2305.09781, §4.2), the ancestor-only mask of DDTree (Ringel, Romano, arXiv:2604.12989).
+        Siblings share a position, so the nodes' keys and values are returned for the accepted path to be
+        written once known (`engine.tree_verify.commit_tree`).
+
+        Args:
+          x: [batch, nodes, hidden] normalised input of the nodes.
+          cache: KV cache holding positions [0, start).
+          start: absolute position of the root (int32 scalar, may be traced).
+          depth: [nodes] int32, each node's depth (root 0).
+          ancestors: [nodes, nodes] bool, ancestors[i, j]: node j is node i or one of its ancestors.
+
+        Returns:
+          out [batch, nodes, hidden], and the nodes' (keys, values) [batch, nodes, kv_heads, head_dim] (keys
+          after q/k norm and RoPE at their positions), in x.dtype.
+        """
+        nodes = x.shape[1]
+        if depth.shape != (nodes,) or ancestors.shape != (nodes, nodes):
+            raise ValueError(
+                f"expected depth [nodes] and ancestors [nodes, nodes] for {nodes} nodes, got {depth.shape} "
+                f"and {ancestors.shape}"
+            )
+        q, gate, k, v = self._project(x, start + depth)
+        out = cached_attention(
+            q,
+            k,
+            v,
+            cache,
+            jnp.asarray(start, jnp.int32),
+            implementation=self.config.attention_implementation,
+            self_mask=ancestors,
+        )
+        return self._gated_output(out, gate, x.dtype), (k, v)
+
+    def _project(self, x: jax.Array, positions: jax.Array):
+        """(q, gate [b, t, heads, head_dim], k, v [b, t, kv_heads, head_dim]) of x [b, t, hidden]: q and k
+        normalised and rotated to `positions` ([t] or [b, t] int)."""
+        a, eps = self.config.attention, self.config.rms_norm_eps
+        batch, seq, _ = x.shape
+        qg = linear(x, self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
+        q, gate = qg[..., : a.head_dim], qg[..., a.head_dim :]
+        k = linear(x, self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        v = linear(x, self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
+        cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
+        return apply_partial_rope(q, cos, sin), gate, apply_partial_rope(k, cos, sin), v
+
+    def _gated_output(self, out: jax.Array, gate: jax.Array, dtype) -> jax.Array:
+        """o_proj(out * sigmoid(gate)): out, gate [b, t, heads, head_dim] -> [b, t, hidden]."""
+        a = self.config.attention
+        batch, seq = out.shape[:2]
         out = out.reshape(batch, seq, a.num_heads * a.head_dim) * jax.nn.sigmoid(
             gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)
-        ).astype(x.dtype)
-        return linear(out, self.o_proj[...]), new_cache
+        ).astype(dtype)
+        return linear(out, self.o_proj[...])

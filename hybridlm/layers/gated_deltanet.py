@@ -84,6 +84,34 @@ def conv_history_after(history: jax.Array, mixed: jax.Array, num_valid: jax.Arra
     return jnp.where(num_valid >= width, from_mixed, from_head)
 
 
+def tree_conv_windows(mixed: jax.Array, history: jax.Array, parents: jax.Array) -> list[jax.Array]:
+    """The causal conv window of every node of a token tree: the pre-conv inputs along the node's root path.
+
+    Row m of node i is the input m steps up its path (m = 0: node i itself, m = 1: its parent, ...); once the
+    path has passed the root, the rows continue into the incoming conv history, newest first, so a path of
+    d + 1 nodes reads the same window as a chain of those tokens after `history`.
+
+    Args:
+      mixed: [batch, nodes, channels] pre-conv inputs of the nodes.
+      history: [batch, conv_kernel - 1, channels] inputs before the root, oldest first.
+      parents: [nodes] int32, each node's parent, -1 at the root; parents[i] < i.
+
+    Returns:
+      conv_kernel arrays [batch, nodes, channels] in mixed.dtype, for m = 0 .. conv_kernel - 1.
+    """
+    width = history.shape[1]
+    node = jnp.arange(parents.shape[0], dtype=jnp.int32)
+    past = jnp.zeros_like(node)  # steps taken past the root
+    rows = [mixed]
+    for _ in range(width):
+        node = jnp.where(node >= 0, parents[jnp.maximum(node, 0)], -1)
+        past = past + (node < 0)
+        from_history = jnp.take(history, jnp.clip(width - past, 0, width - 1), axis=1)  # [b, nodes, c]
+        from_nodes = jnp.take(mixed, jnp.maximum(node, 0), axis=1)
+        rows.append(jnp.where((node >= 0)[None, :, None], from_nodes, from_history))
+    return rows
+
+
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet mixer: projections, causal conv, gates, gated delta rule, gated norm, output
     projection."""
@@ -209,6 +237,70 @@ class GatedDeltaNet(nnx.Module):
         o = jnp.stack(outs, axis=1)
         z = z.reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
         return self._output(o, z), GatedDeltaNetState(conv=jnp.stack(convs), recurrent=jnp.stack(states))
+
+    def verify_tree(
+        self, x: jax.Array, state: GatedDeltaNetState, parents: jax.Array
+    ) -> tuple[jax.Array, GatedDeltaNetState]:
+        """Runs the layer over a token tree's nodes in one pass (a tree verify), keeping every node's state.
+
+        Node i's recurrent state is its parent's advanced by node i's token (the root's: `state`'s advanced
+        by the root token), its conv window the pre-conv inputs of its nearest ancestors, then the incoming
+        conv history (`tree_conv_windows`). Each node takes one decode kernel (`gated_delta_rule_decode`), as
+        `verify` does per token, so a root-to-node path gives a chain verify's numbers for that path.
+        Source: the token-tree verification of SpecInfer (Miao et al., arXiv:2305.09781) and DDTree (Ringel,
+        Romano, arXiv:2604.12989), for a recurrent layer: the state branches where the tree does.
+
+        Args:
+          x: [batch, nodes, hidden] normalised input of the nodes, in topological order (one tree shared by
+            the batch rows).
+          state: the state before the root (node 0).
+          parents: [nodes] int32, each node's parent, -1 at the root; parents[i] < i.
+
+        Returns:
+          out [batch, nodes, hidden] in x.dtype, and a `GatedDeltaNetState` whose arrays have a leading
+          [nodes] axis: entry i is the state after the root path of node i (conv: its last conv_kernel - 1
+          inputs, oldest first).
+
+        Raises:
+          ValueError: parents not [nodes].
+        """
+        cfg = self.config.gdn
+        batch, nodes, _ = x.shape
+        if parents.shape != (nodes,):
+            raise ValueError(f"parents must be [nodes] = [{nodes}], got shape {parents.shape}")
+        mixed, z, a, b = self._projections(x)
+        rows = tree_conv_windows(mixed, state.conv.astype(mixed.dtype), parents)
+        before = jnp.stack(rows[:0:-1], axis=2).astype(state.conv.dtype)  # [b, nodes, kernel - 1, c]
+        after = jnp.stack(rows[-2::-1], axis=2)  # the window less its oldest row: the node's conv state
+        initial = state.recurrent
+
+        def step(slots, xs):  # slots: [nodes, b, v_heads, key_dim, value_dim], the states so far
+            node, parent, mixed_t, conv_t, a_t, b_t = xs
+            start = jnp.where(parent >= 0, slots[jnp.maximum(parent, 0)], initial)
+            o, new = gated_delta_rule_decode(
+                mixed_t,
+                conv_t,
+                self.conv_weight[...],
+                a_t,
+                b_t,
+                self.log_decay_rate[...],
+                self.delta_time_bias[...],
+                start,
+                k_heads=cfg.num_k_heads,
+                key_dim=cfg.key_dim,
+                implementation=self._step,
+            )
+            return jax.lax.dynamic_update_index_in_dim(slots, new, node, axis=0), o
+
+        def node_major(t):  # [b, nodes, ...] -> [nodes, b, ...]: the scan's axis first
+            return jnp.moveaxis(t, 1, 0)
+
+        xs = (jnp.arange(nodes, dtype=jnp.int32), parents, *map(node_major, (mixed, before, a, b)))
+        slots, o = jax.lax.scan(step, jnp.zeros((nodes, *initial.shape), initial.dtype), xs)
+        z = z.reshape(batch, nodes, cfg.num_v_heads, cfg.value_dim)
+        return self._output(jnp.moveaxis(o, 0, 1), z), GatedDeltaNetState(
+            conv=node_major(after).astype(state.conv.dtype), recurrent=slots
+        )
 
     @property
     def _step(self) -> str | None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridlm.engine.phases import DEVICE_LOOP_OPTIONS, StaticGraph
+from hybridlm.engine.tree import ancestor_mask
 from hybridlm.model import head_logits
 from hybridlm.offload.expert_cache import ExpertLayout
 from hybridlm.offload.residency import Residency
@@ -238,9 +239,10 @@ def decode_paged_block(
 
 @dataclasses.dataclass(frozen=True)
 class OffloadTarget:
-    """The offloaded model that a speculative verify runs (`engine.speculative`): the static layout, layer
-    graphs and expert sources of a `PagedView`; `bind(args)`, args = (embed, layer_leaves, head_leaves,
-    lm_head, host parts, pool, slot_table, held) as `OffloadedRunner.speculative_target` gives them."""
+    """The offloaded model that a speculative verify (`engine.speculative`) or a tree verify
+    (`engine.tree_verify`) runs: the static layout, layer graphs and expert sources of a `PagedView`;
+    `bind(args)`, args = (embed, layer_leaves, head_leaves, lm_head, host parts, pool, slot_table, held) as
+    `OffloadedRunner.speculative_target` gives them."""
 
     layout: ExpertLayout
     graphs: tuple
@@ -292,6 +294,39 @@ class _PagedModel:
             layer.ffn.experts_gate_up.set_value(experts[0])
             layer.ffn.experts_down.set_value(experts[1])
             x = h + layer.ffn.experts(u, weights, local.reshape(ids.shape)).reshape(batch, seq, hidden)
+        return x, new_states
+
+    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None):
+        """`engine.tree_verify.verify_tree` with the experts paged: tokens [1, nodes] -> (hidden [1, nodes,
+        hidden], the tree states). Each distinct expert of the nodes' copies is fetched once (padding nodes'
+        copies included: their outputs are zeroed, not their fetches)."""
+        t = self.target
+        ancestors = ancestor_mask(parents)
+        x = self.embed[tokens]
+        batch, nodes, hidden = x.shape
+        rows = None if valid is None else jnp.broadcast_to(valid, (batch, nodes)).reshape(-1)
+        new_states = []
+        for i, (graph, leaves, state) in enumerate(zip(t.graphs, self.layer_leaves, states, strict=False)):
+            layer = graph.merge(leaves)
+            h, state = layer.verify_tree_mix(x, state, position, parents, depth, ancestors)
+            new_states.append(state)
+            u = layer.post_norm(h).reshape(batch * nodes, hidden)
+            weights, ids = layer.ffn.route(u)  # [nodes, top_k]
+            experts, local, _ = page_experts(
+                t.layout,
+                t.part_start,
+                t.sources[i],
+                self.held[i],
+                self.host[i],
+                self.pool,
+                self.slot_table[i],
+                ids.reshape(-1),
+                distinct_once=True,
+            )
+            layer.ffn.experts_gate_up.set_value(experts[0])
+            layer.ffn.experts_down.set_value(experts[1])
+            routed = layer.ffn.experts(u, weights, local.reshape(ids.shape), rows)
+            x = h + routed.reshape(batch, nodes, hidden)
         return x, new_states
 
 
