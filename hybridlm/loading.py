@@ -136,3 +136,60 @@ def load_mtp(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None 
     from hybridlm.checkpoints.gguf import load_gguf_mtp
 
     return load_gguf_mtp(path, dtype=dtype, keep_quantized=keep_quantized)
+
+
+def load_dflash(path: str | os.PathLike, target_config=None, *, dtype=None):
+    """Loads a DFlash draft model (`hybridlm.dflash.DFlashDraft`): a z-lab HF checkpoint directory or a
+    `qwen35-dflash-draft` GGUF file (docs/dflash.md §4).
+
+    Args:
+      path: a directory with config.json + *.safetensors, or a .gguf file.
+      target_config: the `ModelConfig` of the target it will draft for, checked against the draft
+        (`DFlashConfig.check_target`); None: not checked.
+      dtype: parameter dtype; None: the file's (`fc.weight`'s).
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: a malformed checkpoint or config (the message names the key or tensor), or a draft that
+        does not fit `target_config` (one message naming every mismatch).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if target_config is not None:  # before any tensor is read
+        dflash_config(path).check_target(target_config)
+    if os.path.isdir(path):
+        from hybridlm.checkpoints.hf import load_hf_dflash
+
+        return load_hf_dflash(path, dtype=dtype)
+    from hybridlm.checkpoints.gguf_dflash import load_gguf_dflash
+
+    return load_gguf_dflash(path, dtype=dtype)
+
+
+def dflash_config(path: str | os.PathLike):
+    """The `DFlashConfig` of a DFlash checkpoint directory (config.json) or GGUF file (its header), reading
+    no tensor.
+
+    Raises:
+      FileNotFoundError: no checkpoint or no config.json.
+      ValueError: a config the readers refuse (naming the key).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        import json
+
+        from hybridlm.dflash import DFlashConfig
+
+        config_path = os.path.join(path, "config.json")
+        if not os.path.exists(config_path):
+            raise FileNotFoundError(f"no config.json at {config_path}")
+        with open(config_path) as f:
+            try:
+                return DFlashConfig.from_hf(json.load(f))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    from hybridlm.checkpoints.gguf_dflash import dflash_config_from_gguf
+    from hybridlm.checkpoints.gguf_header import read_header
+
+    return dflash_config_from_gguf(read_header(path))

@@ -115,6 +115,24 @@ def check_token_ids(ids, vocab_size: int) -> None:
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{ids.min()}, {ids.max()}]")
 
 
+def check_taps(taps, num_layers: int) -> tuple[int, ...]:
+    """`taps` (layer indices whose outputs a forward also returns) as a tuple of ints.
+
+    Raises:
+      ValueError: an index outside [0, num_layers)."""
+    taps = tuple(int(i) for i in taps)
+    outside = [i for i in taps if not 0 <= i < num_layers]
+    if outside:
+        raise ValueError(f"tap layers {outside} are not layers of the {num_layers}-layer model")
+    return taps
+
+
+def concat_taps(outputs: dict, taps: tuple[int, ...]) -> jax.Array:
+    """The tapped layers' outputs [batch, seq, hidden] (`outputs`: layer index -> output) concatenated in
+    `taps` order: [batch, seq, len(taps) * hidden], the feature rows of a DFlash or EAGLE-3 draft."""
+    return jnp.concatenate([outputs[i] for i in taps], axis=-1)
+
+
 def head_logits(final_norm, head_weight: jax.Array, hidden: jax.Array) -> jax.Array:
     """final_norm(hidden) @ head_weight: [..., hidden] -> [..., vocab] float32 (`HybridLM.logits`, and
     programs that hold the head's pieces without the model, e.g. the offload runner's decode step)."""

@@ -19,8 +19,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from hybridlm.checkpoints.gguf_device import read_exact, to_device
-from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, hf_sources, mtp_hf_sources
+from hybridlm.checkpoints.mapping import IGNORED_HF_PREFIXES, dflash_hf_sources, hf_sources, mtp_hf_sources
 from hybridlm.config import ModelConfig
+from hybridlm.dflash import DFlashConfig, DFlashDraft
 from hybridlm.model import EXPERT_FORMATS, EXPERT_PARAMS, HybridLM, loaded_value, quantize_experts
 from hybridlm.mtp import MTPModule
 
@@ -241,4 +242,48 @@ def load_hf_mtp(directory: str | os.PathLike, *, dtype=None) -> MTPModule:
     variables = dict(nnx.to_flat_state(state))
     for src in mtp_hf_sources(config, names, prefix=prefix):
         load_source(src, reader, variables)
+    return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))
+
+
+def load_hf_dflash(directory: str | os.PathLike, *, dtype=None) -> DFlashDraft:
+    """Loads a z-lab DFlash draft checkpoint directory (config.json + model.safetensors; docs/dflash.md §4).
+
+    Tensor names as published (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.*`), with or
+    without a `model.` prefix.
+
+    Args:
+      directory: holds config.json and *.safetensors (optionally sharded with an index).
+      dtype: parameter dtype; None: `fc.weight`'s dtype in the file.
+
+    Raises:
+      FileNotFoundError: no config.json.
+      ValueError: a config `DFlashConfig.from_hf` refuses.
+      CheckpointError: a tensor missing, mis-shaped or left over, or a file unreadable.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        try:
+            config = DFlashConfig.from_hf(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    index = _tensor_index(directory)
+    reader, names = _Reader(index), set(index)
+    prefix = "model." if "model.fc.weight" in names else ""
+    if dtype is None:
+        dtype = _file_dtype(reader, prefix + "fc.weight")
+    abstract = nnx.eval_shape(lambda: DFlashDraft(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    used = set()
+    for src in dflash_hf_sources(config.num_layers, prefix=prefix):
+        load_source(src, reader, variables)
+        used.update(src.tensors)
+    unused = sorted(names - used)
+    if unused:
+        raise CheckpointError(
+            f"DFlash checkpoint has {len(unused)} tensors this config does not use, e.g. {unused[:3]}"
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(list(variables.items())))

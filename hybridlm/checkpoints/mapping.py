@@ -186,6 +186,29 @@ def _ffn_sources(config, names, hf, f) -> Iterator[ParamSource]:
 IGNORED_HF_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 
+def dflash_hf_sources(num_layers: int, *, prefix: str = "") -> Iterator[ParamSource]:
+    """Every parameter of an `hybridlm.dflash.DFlashDraft` of `num_layers` layers with the z-lab checkpoint
+    tensor it comes from (docs/dflash.md §4): `fc`, `hidden_norm`, `norm` and `layers.{i}.*` of a Qwen3
+    decoder layer, prefix "" (as published) or "model."."""
+    yield ParamSource(("fc",), (f"{prefix}fc.weight",), _t)
+    yield ParamSource(("hidden_norm", "scale"), (f"{prefix}hidden_norm.weight",), _same)
+    yield ParamSource(("norm", "scale"), (f"{prefix}norm.weight",), _same)
+    for i in range(num_layers):
+        hf, ours = f"{prefix}layers.{i}.", ("layers", i)
+        yield ParamSource(ours + ("input_norm", "scale"), (hf + "input_layernorm.weight",), _same)
+        yield ParamSource(ours + ("post_norm", "scale"), (hf + "post_attention_layernorm.weight",), _same)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield ParamSource(ours + (proj,), (f"{hf}self_attn.{proj}.weight",), _t)
+        yield ParamSource(ours + ("q_norm",), (hf + "self_attn.q_norm.weight",), _same)
+        yield ParamSource(ours + ("k_norm",), (hf + "self_attn.k_norm.weight",), _same)
+        yield ParamSource(
+            ours + ("gate_up",),
+            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+            lambda g, u: _t(_xp(g).concatenate([g, u], axis=0)),
+        )
+        yield ParamSource(ours + ("down",), (hf + "mlp.down_proj.weight",), _t)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GGUF (llama.cpp) names: the converter's transforms and their inverses (spec §10)
 # ----------------------------------------------------------------------------------------------------------
@@ -363,6 +386,50 @@ def mtp_gguf_sources(config: ModelConfig, arch: str, names: set[str] | None = No
         yield _gguf_norm(("pre_fc_norm_hidden", "scale"), b + "nextn.hnorm.weight")
         yield _gguf_norm(("norm", "scale"), b + "nextn.shared_head_norm.weight")
         yield from gguf_layer_sources(config, arch, names, b, ("layers", j), "full_attention")
+
+
+# The DFlash draft's GGUF architecture: Lucebox's (`convert_dflash_to_gguf.py`, `gguf_draft_loader.cpp`).
+DFLASH_GGUF_ARCH = "qwen35-dflash-draft"
+
+
+def dflash_gguf_sources(num_layers: int, names: set[str] | None = None) -> Iterator[GGUFSource]:
+    """Every parameter of an `hybridlm.dflash.DFlashDraft` with the tensors of a `DFLASH_GGUF_ARCH` file
+    (docs/dflash.md §4): `dflash.fc`, `dflash.hidden_norm`, `output_norm`, `blk.{i}.*` in llama.cpp's Qwen3
+    names. Norms are plain RMSNorm weights, stored as they are (no +1) and in F32. A file whose layers name
+    the post-attention norm `post_attention_norm` (Lucebox reads either) is read too; `save` writes
+    `ffn_norm`."""
+    names = set() if names is None else names
+
+    def plain_norm(param: Path, name: str) -> GGUFSource:
+        return GGUFSource((param,), (name,), _one(_same), _one(_same), f32=True)
+
+    yield GGUFSource((("fc",),), ("dflash.fc.weight",), _one(_t), _one(_t))
+    yield plain_norm(("hidden_norm", "scale"), "dflash.hidden_norm.weight")
+    yield plain_norm(("norm", "scale"), "output_norm.weight")
+    concat_t = lambda g, u: _t(_xp(g).concatenate([g, u], axis=0))
+    for i in range(num_layers):
+        b, ours = f"blk.{i}.", ("layers", i)
+        post = b + (
+            "post_attention_norm.weight" if b + "post_attention_norm.weight" in names else "ffn_norm.weight"
+        )
+        yield plain_norm(ours + ("input_norm", "scale"), b + "attn_norm.weight")
+        yield plain_norm(ours + ("post_norm", "scale"), post)
+        for proj, name in (
+            ("q_proj", "attn_q"),
+            ("k_proj", "attn_k"),
+            ("v_proj", "attn_v"),
+            ("o_proj", "attn_output"),
+        ):
+            yield GGUFSource((ours + (proj,),), (b + name + ".weight",), _one(_t), _one(_t))
+        yield plain_norm(ours + ("q_norm",), b + "attn_q_norm.weight")
+        yield plain_norm(ours + ("k_norm",), b + "attn_k_norm.weight")
+        yield GGUFSource(
+            (ours + ("gate_up",),),
+            (b + "ffn_gate.weight", b + "ffn_up.weight"),
+            _one(concat_t),
+            _gate_up_split,
+        )
+        yield GGUFSource((ours + ("down",),), (b + "ffn_down.weight",), _one(_t), _one(_t))
 
 
 def _gguf_gdn(config, arch, names, b, m) -> Iterator[GGUFSource]:

@@ -123,25 +123,27 @@ def dense_ffn(graph: StaticGraph, params, h):
     return h + layer.ffn(layer.post_norm(h))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def layer_group(graphs: tuple, dense: bool, params: tuple, x, states: tuple, start, num_valid):
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("taps",))
+def layer_group(graphs: tuple, dense: bool, params: tuple, x, states: tuple, start, num_valid, taps=()):
     """Consecutive whole layers (mixer, then router and experts, or the dense feed-forward block of a model
-    without MoE) in one program: graphs, params and states one per layer -> (x, new states).
+    without MoE) in one program: graphs, params and states one per layer -> (x, new states, the outputs of
+    the group's layers numbered in `taps` (static, indices within the group), in that order).
 
     A short chunk's three dispatches a layer cost more host time than the device spends on them; one program
     per group of layers removes most of that, and groups of the same layer pattern share one compilation.
     The phases are the same jitted functions, inlined.
     """
-    new_states = []
-    for graph, leaves, state in zip(graphs, params, states, strict=True):
+    new_states, tapped = [], {}
+    for i, (graph, leaves, state) in enumerate(zip(graphs, params, states, strict=True)):
         x, state = mix(graph, leaves, x, state, start, num_valid)
         new_states.append(state)
         if dense:
             x = dense_ffn(graph, leaves, x)
-            continue
-        u, weights, ids = route(graph, leaves, x)
-        x = experts(graph, leaves, x, u, weights, ids, num_valid)
-    return x, tuple(new_states)
+        else:
+            u, weights, ids = route(graph, leaves, x)
+            x = experts(graph, leaves, x, u, weights, ids, num_valid)
+        tapped[i] = x
+    return x, tuple(new_states), tuple(tapped[i] for i in taps)
 
 
 @jax.jit

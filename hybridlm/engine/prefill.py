@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridlm.engine.runner import PHASES, LayerwiseRunner, PhaseTimer
-from hybridlm.model import HybridLM, check_token_ids
+from hybridlm.model import HybridLM, check_taps, check_token_ids
 from hybridlm.state import KVCache, LayerState, init_layer_states
 
 # "auto": chosen per call by `hybridlm.planning.choose_chunk_size_for`, from the memory left and, with
@@ -83,6 +83,7 @@ def prefill(
     profile: bool = False,
     on_chunk=None,
     resume: tuple[list[LayerState], int] | None = None,
+    taps: tuple[int, ...] = (),
 ) -> PrefillResult:
     """Ingests a prompt chunk by chunk and returns the next-token logits and the decode state.
 
@@ -97,17 +98,20 @@ def prefill(
       on_chunk: None, or a function called after each chunk with (hidden [batch, chunk, hidden] after the last
         layer, before the final norm; start position; valid tokens; next_ids [batch, chunk] int32 = the
         prompt shifted left by one, zero past its end; the KV-cache capacity): the MTP drafter ingests the
-        prompt this way.
+        prompt this way. With `taps`, a sixth argument: the chunk's features [batch, chunk, len(taps) *
+        hidden], the outputs of layers `taps` concatenated in that order (a DFlash draft's context rows).
       resume: None, or (states holding positions [0, start), start): `input_ids` continue that prefix
         (a prefix cache's snapshot, `hybridlm.engine.prefix_cache`). The states' KV capacity must hold
         start + seq + max_new_tokens; the result's prompt_tokens counts the prefix too.
+      taps: layer indices whose outputs `on_chunk` receives (needs on_chunk); () for none.
 
     Returns:
       A `PrefillResult`; only the last prompt token goes through the final norm and lm head.
 
     Raises:
       ValueError: empty prompt, ids outside the vocabulary, a prompt longer than max_position_embeddings, a
-        chunk_size neither a positive int nor "auto", or resumed states with too little KV capacity.
+        chunk_size neither a positive int nor "auto", resumed states with too little KV capacity, taps
+        outside the model's layers or without on_chunk.
     """
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     config = runner.config
@@ -117,6 +121,9 @@ def prefill(
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {ids.shape}")
     check_token_ids(ids, config.vocab_size)
+    taps = check_taps(taps, config.num_layers)
+    if taps and on_chunk is None:
+        raise ValueError(f"taps={taps} need an on_chunk to hand the features to")
     batch, seq = ids.shape
     offset = 0 if resume is None else int(resume[1])
     if offset + seq + max_new_tokens > config.max_position_embeddings:
@@ -151,11 +158,12 @@ def prefill(
     for c in range(num_chunks):
         num_valid = min(chunk, seq - c * chunk)
         start = offset + c * chunk
-        x, states = runner.forward_chunk(
-            jnp.asarray(padded[:, c * chunk : (c + 1) * chunk]), states, start, num_valid, timer
+        out = runner.forward_chunk(
+            jnp.asarray(padded[:, c * chunk : (c + 1) * chunk]), states, start, num_valid, timer, taps=taps
         )
+        x, states, extra = out[0], out[1], out[2:]  # extra: (features,) with taps
         if on_chunk is not None:
-            on_chunk(x, start, num_valid, padded[:, c * chunk + 1 : (c + 1) * chunk + 1], capacity)
+            on_chunk(x, start, num_valid, padded[:, c * chunk + 1 : (c + 1) * chunk + 1], capacity, *extra)
     last = x[:, num_valid - 1]
     logits = jax.block_until_ready(timer("head", runner.head_logits, last))
     ttft = time.perf_counter() - t0

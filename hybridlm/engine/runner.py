@@ -21,7 +21,7 @@ from flax import nnx
 
 from hybridlm.engine import phases
 from hybridlm.engine.phases import StaticGraph, flat_layer
-from hybridlm.model import HybridLM, check_token_ids
+from hybridlm.model import HybridLM, check_taps, check_token_ids, concat_taps
 from hybridlm.sharding import model_mesh, replicated
 from hybridlm.state import KVCache, LayerState
 
@@ -219,8 +219,14 @@ class LayerwiseRunner:
         return self.head_logits(x[:, 0]), states
 
     def forward_chunk(
-        self, ids: jax.Array, states: list[LayerState], start, num_valid: int, timer: PhaseTimer | None = None
-    ) -> tuple[jax.Array, list[LayerState]]:
+        self,
+        ids: jax.Array,
+        states: list[LayerState],
+        start,
+        num_valid: int,
+        timer: PhaseTimer | None = None,
+        taps: tuple[int, ...] = (),
+    ):
         """Runs all layers over one chunk: `LAYER_GROUP` whole layers a program, or, with an enabled timer,
         each phase of each layer as its own program, timed.
 
@@ -230,10 +236,17 @@ class LayerwiseRunner:
           start: absolute position of ids[:, 0].
           num_valid: real tokens in the chunk.
           timer: per-phase timing, or None.
+          taps: layer indices whose outputs are returned too (a DFlash draft's features); () for none.
 
         Returns:
-          hidden [batch, chunk, hidden] after the last layer (before the final norm), and the new states.
+          hidden [batch, chunk, hidden] after the last layer (before the final norm), and the new states;
+          with taps, also the features [batch, chunk, len(taps) * hidden]: the tapped layers' outputs
+          concatenated in `taps` order (`model.concat_taps`).
+
+        Raises:
+          ValueError: a tap outside the model's layers.
         """
+        taps = check_taps(taps, self.config.num_layers)
         timer = timer or PhaseTimer(False)
         if not all(a.committed for a in jax.tree_util.tree_leaves(states)):
             # as the programs' outputs are: the next chunk's programs compile nothing
@@ -242,28 +255,37 @@ class LayerwiseRunner:
         num_valid = jnp.asarray(num_valid, jnp.int32)
         x = timer("embed", phases.embed, self.embed_table, ids)
         if not timer.enabled:
-            return self._forward_groups(x, states, start, num_valid)
-        new_states = []
-        for (graph, params), state, layer_type in zip(
-            self.layers, states, self.config.layer_types, strict=False
-        ):
-            phase = "gdn" if layer_type == "linear_attention" else "attention"
-            x, state = timer(phase, phases.mix, graph, params, x, state, start, num_valid)
-            new_states.append(state)
-            if self.config.moe is None:
-                x = timer("experts", phases.dense_ffn, graph, params, x)
-                continue
-            u, weights, expert_ids = timer("router", phases.route, graph, params, x)
-            x = timer("experts", phases.experts, graph, params, x, u, weights, expert_ids, num_valid)
-        return x, new_states
+            x, new_states, tapped = self._forward_groups(x, states, start, num_valid, taps)
+        else:
+            new_states, tapped = [], {}
+            for i, ((graph, params), state, layer_type) in enumerate(
+                zip(self.layers, states, self.config.layer_types, strict=False)
+            ):
+                phase = "gdn" if layer_type == "linear_attention" else "attention"
+                x, state = timer(phase, phases.mix, graph, params, x, state, start, num_valid)
+                new_states.append(state)
+                if self.config.moe is None:
+                    x = timer("experts", phases.dense_ffn, graph, params, x)
+                else:
+                    u, weights, expert_ids = timer("router", phases.route, graph, params, x)
+                    x = timer("experts", phases.experts, graph, params, x, u, weights, expert_ids, num_valid)
+                if i in taps:
+                    tapped[i] = x
+        return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
 
-    def _forward_groups(self, x, states, start, num_valid) -> tuple[jax.Array, list[LayerState]]:
-        """All layers over one chunk, `LAYER_GROUP` whole layers a program (`phases.layer_group`)."""
+    def _forward_groups(
+        self, x, states, start, num_valid, taps=()
+    ) -> tuple[jax.Array, list[LayerState], dict]:
+        """All layers over one chunk, `LAYER_GROUP` whole layers a program (`phases.layer_group`): (x, new
+        states, {tapped layer: its output})."""
         dense = self.config.moe is None
         new_states: list[LayerState] = []
+        tapped = {}
         for g in range(0, len(self.layers), LAYER_GROUP):
             graphs, params = zip(*self.layers[g : g + LAYER_GROUP], strict=True)
             group = tuple(states[g : g + LAYER_GROUP])
-            x, out = phases.layer_group(graphs, dense, params, x, group, start, num_valid)
+            here = tuple(sorted({i - g for i in taps if g <= i < g + LAYER_GROUP}))
+            x, out, outputs = phases.layer_group(graphs, dense, params, x, group, start, num_valid, taps=here)
             new_states.extend(out)
-        return x, new_states
+            tapped.update({g + i: y for i, y in zip(here, outputs, strict=True)})
+        return x, new_states, tapped

@@ -31,7 +31,7 @@ from hybridlm.engine import tree_verify
 from hybridlm.engine.phases import DEVICE_LOOP_OPTIONS, StaticGraph, flat_layer
 from hybridlm.engine.sampling import BlockSampler, filter_logits
 from hybridlm.engine.spec_sampling import accept_drafts, accept_greedy
-from hybridlm.model import head_logits
+from hybridlm.model import check_taps, concat_taps, head_logits
 from hybridlm.state import KVCache
 
 # Draft lengths `draft_tokens="auto"` chooses from, and the largest `draft_tokens` accepted.
@@ -105,8 +105,8 @@ class _BoundModel:
         self.embed = model.embed[...]  # [vocab, hidden]
         self.head_weight = model.head_weight()  # [hidden, vocab]
 
-    def verify(self, states: list, tokens, position):
-        return verify(self.model, states, tokens, position)
+    def verify(self, states: list, tokens, position, taps: tuple[int, ...] = ()):
+        return verify(self.model, states, tokens, position, taps)
 
     def verify_tree(self, states: list, tokens, parents, depth, position, valid=None):
         return tree_verify.verify_tree(self.model, states, tokens, parents, depth, position, valid)
@@ -156,15 +156,23 @@ def _draft(cfg: SpecConfig, model, mtp, s: SpecState, key):
     return jnp.stack(drafts, axis=1), jnp.stack(logits, axis=1), [cache, *s.mtp_cache[1:]]
 
 
-def verify(model, states: list, tokens, position):
+def verify(model, states: list, tokens, position, taps: tuple[int, ...] = ()):
     """The model over tokens [1, seq] at positions position .. position + seq - 1 in one forward: (hidden
-    [1, seq, hidden] before the final norm, states with a leading [seq] axis on Gated DeltaNet layers)."""
+    [1, seq, hidden] before the final norm, states with a leading [seq] axis on Gated DeltaNet layers), and,
+    when `taps` (layer indices) are given, the features [1, seq, len(taps) * hidden]: those layers' outputs
+    concatenated in `taps` order (`model.concat_taps`; a DFlash draft's context rows).
+
+    Raises:
+      ValueError: a tap outside the model's layers."""
+    taps = check_taps(taps, len(model.layers))
     x = model.embed[...][tokens]
-    new_states = []
-    for layer, state in zip(model.layers, states, strict=True):
+    new_states, tapped = [], {}
+    for i, (layer, state) in enumerate(zip(model.layers, states, strict=True)):
         x, state = layer.verify(x, state, position)
         new_states.append(state)
-    return x, new_states
+        if i in taps:
+            tapped[i] = x
+    return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
 
 
 def iteration(cfg: SpecConfig, model, mtp, s: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:

@@ -50,3 +50,16 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps)
+
+
+class PlainRMSNorm(nnx.Module):
+    """Plain RMSNorm, y = norm(x) * scale; `scale` starts at 1 like HF's `Qwen3RMSNorm` (the DFlash draft's).
+
+    HF rounds norm(x) to x.dtype before the multiply; this rounds once, after it (equal in float32)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))  # [dim]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps, zero_centered=False)

@@ -19,7 +19,7 @@ import numpy as np
 
 from hybridlm.engine.phases import DEVICE_LOOP_OPTIONS, StaticGraph
 from hybridlm.engine.tree import ancestor_mask
-from hybridlm.model import head_logits
+from hybridlm.model import check_taps, concat_taps, head_logits
 from hybridlm.offload.expert_cache import ExpertLayout
 from hybridlm.offload.residency import Residency
 from hybridlm.offload.stats import CacheStats
@@ -266,14 +266,16 @@ class _PagedModel:
     def logits(self, hidden):
         return head_logits(self.target.head_graph.merge(self.head_leaves), self.head_weight, hidden)
 
-    def verify(self, states: list, tokens, position):
+    def verify(self, states: list, tokens, position, taps: tuple[int, ...] = ()):
         """`engine.speculative.verify` with the experts paged: tokens [1, seq] -> (hidden [1, seq, hidden],
-        states with a leading [seq] axis on Gated DeltaNet layers). In a layer whose experts are not all
-        resident, each distinct expert of the seq x top_k copies is fetched once."""
+        states with a leading [seq] axis on Gated DeltaNet layers, and with `taps` the tapped layers'
+        outputs concatenated [1, seq, len(taps) * hidden]). In a layer whose experts are not all resident,
+        each distinct expert of the seq x top_k copies is fetched once."""
         t = self.target
+        taps = check_taps(taps, len(t.graphs))
         x = self.embed[tokens]
         batch, seq, hidden = x.shape
-        new_states = []
+        new_states, tapped = [], {}
         for i, (graph, leaves, state) in enumerate(zip(t.graphs, self.layer_leaves, states, strict=False)):
             layer = graph.merge(leaves)
             h, state = layer.verify_mix(x, state, position)
@@ -294,7 +296,9 @@ class _PagedModel:
             layer.ffn.experts_gate_up.set_value(experts[0])
             layer.ffn.experts_down.set_value(experts[1])
             x = h + layer.ffn.experts(u, weights, local.reshape(ids.shape)).reshape(batch, seq, hidden)
-        return x, new_states
+            if i in taps:
+                tapped[i] = x
+        return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
 
     def verify_tree(self, states: list, tokens, parents, depth, position, valid=None):
         """`engine.tree_verify.verify_tree` with the experts paged: tokens [1, nodes] -> (hidden [1, nodes,

@@ -152,12 +152,12 @@ class PrefillSchedule:
                     jax.block_until_ready(run(tuple(spare[:n])))
 
     def run(
-        self, chunk: Chunk, mode: LayerMode, layers, layer_types, x, states, timer
-    ) -> tuple[jax.Array, list]:
+        self, chunk: Chunk, mode: LayerMode, layers, layer_types, x, states, timer, taps=()
+    ) -> tuple[jax.Array, list, dict]:
         """Every layer of `layers` [(graph, flat weights)] over the chunk's embeddings x; returns (x,
-        states)."""
+        states, {layer in `taps`: its output})."""
         res = self.res
-        new_states = []
+        new_states, tapped = [], {}
         for i, (state, layer_type) in enumerate(zip(states, layer_types, strict=True)):
             phase = "gdn" if layer_type == "linear_attention" else "attention"
             x, state, routed, exact, lookups, batches = mode.mix_and_route(
@@ -165,12 +165,14 @@ class PrefillSchedule:
             )
             new_states.append(state)
             x = self.run_experts(chunk, mode.whole, i, layers[i], x, routed, exact, lookups, batches, timer)
+            if i in taps:
+                tapped[i] = x
         if not chunk.more:  # none expected (each layer takes its late parts): fill every slot
             res.put_parts(list(res.queue), chunk.stats)
             res.queue.clear()
         # unused prefetches stay cached as ordinary entries (counted in `prefetched`)
         res.cache.speculative.clear()
-        return x, new_states
+        return x, new_states, tapped
 
     def run_experts(
         self,

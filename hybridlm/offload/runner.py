@@ -19,7 +19,7 @@ from hybridlm.engine import phases
 from hybridlm.engine.phases import StaticGraph, flat_layer
 from hybridlm.engine.runner import LayerwiseRunner, PhaseTimer, check_decode_inputs, commit
 from hybridlm.engine.sampling import host_block
-from hybridlm.model import EXPERT_PARAMS, HybridLM
+from hybridlm.model import EXPERT_PARAMS, HybridLM, check_taps, concat_taps
 from hybridlm.offload.config import OffloadConfig, default_host_parts
 from hybridlm.offload.decode import OffloadTarget, PagedDecoder, PagedView
 from hybridlm.offload.expert_cache import ExpertCache, ExpertLayout, format_bytes, parse_bytes
@@ -323,12 +323,20 @@ class OffloadedRunner(LayerwiseRunner):
         return target, (*args, view.held)
 
     def forward_chunk(
-        self, ids: jax.Array, states: list[LayerState], start, num_valid: int, timer: PhaseTimer | None = None
-    ) -> tuple[jax.Array, list[LayerState]]:
-        """`LayerwiseRunner.forward_chunk` with experts paged from host memory (same arguments and results).
+        self,
+        ids: jax.Array,
+        states: list[LayerState],
+        start,
+        num_valid: int,
+        timer: PhaseTimer | None = None,
+        taps: tuple[int, ...] = (),
+    ):
+        """`LayerwiseRunner.forward_chunk` with experts paged from host memory (same arguments and results,
+        taps included).
 
         With a timer, exact mode counts the router's time in the mixer's phase ("gdn" / "attention"): they run
         as one program (`programs.mix_route`)."""
+        taps = check_taps(taps, self.config.num_layers)
         timer = timer or PhaseTimer(False)
         config = self.offload_config
         batch, seq = ids.shape
@@ -362,4 +370,7 @@ class OffloadedRunner(LayerwiseRunner):
         # committed, a plain one's follow its inputs, and jit compiles again for the other kind of input.
         x, states = jax.device_put((x, states), self.dev_sharding)
         mode = self.schedule.whole if whole else self.schedule.exact
-        return self.schedule.run(chunk, mode, self.layers, self.config.layer_types, x, states, timer)
+        x, states, tapped = self.schedule.run(
+            chunk, mode, self.layers, self.config.layer_types, x, states, timer, taps
+        )
+        return (x, states, concat_taps(tapped, taps)) if taps else (x, states)

@@ -421,3 +421,26 @@ def test_batched_decode_with_offloaded_runner(tiny, host_experts, base_runner, p
         batcher.close(timeout=60)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_prefill_taps_match_the_resident_runner(tiny, host_experts, base_runner, prompts):
+    """Layer taps (a DFlash draft's features) through paged experts: the resident runner's."""
+    taps = (6, 1)
+
+    def collect(rows):
+        return lambda x, start, num_valid, next_ids, capacity, features: rows.append(
+            np.asarray(features)[:, :num_valid]
+        )
+
+    want, got = [], []
+    hybridlm.prefill(base_runner, prompts["short"], chunk_size=16, on_chunk=collect(want), taps=taps)
+    runner = OffloadedRunner(
+        tiny,
+        OffloadConfig(expert_budget=3 * NUM_EXPERTS * expert_bytes(host_experts)),
+        host_experts=host_experts,
+    )
+    hybridlm.prefill(runner, prompts["short"], chunk_size=16, on_chunk=collect(got), taps=taps)
+    got, want = np.concatenate(got, axis=1), np.concatenate(want, axis=1)
+    assert_finite(got)
+    assert got.shape == (1, len(prompts["short"]), len(taps) * tiny.config.hidden_dim)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
