@@ -82,6 +82,8 @@ def generate(
     mtp=None,
     draft_tokens: int | str = 3,
     oracle_draft: tuple | None = None,
+    draft=None,
+    tree_budget: int | None = None,
 ) -> GenerateResult:
     """Prefills the prompt, then samples `max_new_tokens` tokens, the decode steps run in blocks of up to
     `decode_block` steps per program with each sampled token fed back on the device.
@@ -98,12 +100,17 @@ def generate(
         that finished earlier goes on sampling until then; cut it at its first stop token). None: never.
       chunk_size: prefill chunk size in tokens, or "auto" (`hybridlm.planning.choose_chunk_size`).
       decode_block: decode steps per program (>= 1); the tokens are the same for every value.
-      speculative: None, or "mtp": the MTP module `mtp` drafts `draft_tokens` tokens and the model verifies
-        them in one forward (`hybridlm.engine.speculative`); greedy output equals plain decoding's, sampled
-        output has its distribution. One sequence (batch 1); resident or offloaded experts.
+      speculative: None, "mtp": the MTP module `mtp` drafts `draft_tokens` tokens and the model verifies
+        them in one forward (`hybridlm.engine.speculative`); "dflash": the DFlash model `draft` drafts a block
+        in one parallel forward, verified as a chain; "ddtree": the block's distributions make a token tree
+        of `tree_budget` nodes, verified in one forward (`hybridlm.engine.block_spec`). Greedy output equals
+        plain decoding's, sampled output has its distribution. One sequence (batch 1); resident or offloaded
+        experts.
       mtp: the `MTPModule` (`hybridlm.loading.load_mtp`), for speculative="mtp".
       draft_tokens: drafts per iteration, an int in [1, 8], or "auto": 1-4 chosen from the acceptance so far
         (each length compiles its own program, once).
+      draft: the `DFlashDraft` (`hybridlm.loading.load_dflash`), for speculative="dflash" / "ddtree".
+      tree_budget: tree nodes besides the root for "ddtree" (default `block_spec.DEFAULT_TREE_BUDGET`).
       oracle_draft: benchmarks only, greedy only: (reference [prompt + new] token ids by position, alpha),
         each draft the reference's token with probability alpha, else another one; or (None, alpha), each
         draft accepted with probability alpha and the verify's own tokens emitted (acceptance exact, not the
@@ -119,17 +126,28 @@ def generate(
     )
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
     if speculative is not None:
-        if speculative != "mtp" or mtp is None:
-            raise ValueError(
-                f"speculative={speculative!r}: the one method is 'mtp', with its module given as mtp= "
-                "(hybridlm.load_mtp)"
+        _check_speculative_args(speculative, mtp, draft, runner)
+        from hybridlm.engine import spec_generate  # it builds on this module
+
+        if speculative in ("dflash", "ddtree"):
+            from hybridlm.engine.block_spec import DEFAULT_TREE_BUDGET
+
+            return spec_generate.generate_block_speculative(
+                runner,
+                draft,
+                input_ids,
+                method=speculative,
+                max_new_tokens=max_new_tokens,
+                sampler=sampler,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop_ids=stop_ids,
+                chunk_size=chunk_size,
+                tree_budget=DEFAULT_TREE_BUDGET if tree_budget is None else tree_budget,
+                oracle=oracle_draft,
             )
-        if runner.placement is not None:
-            raise ValueError(
-                "speculative decoding runs on one device; this model is split over several "
-                "(hybridlm.sharding): decode it without speculative="
-            )
-        from hybridlm.engine.spec_generate import generate_speculative  # it builds on this module
+        generate_speculative = spec_generate.generate_speculative
 
         return generate_speculative(
             runner,
@@ -155,6 +173,26 @@ def generate(
         first_step_s=stream.first_step_s,
         stop_reason=stream.stop_reason,
     )
+
+
+def _check_speculative_args(speculative, mtp, draft, runner) -> None:
+    """Raises ValueError for a speculative method `generate` does not know, its drafter missing, or a model
+    split over several devices (speculative decoding runs on one)."""
+    drafter = {
+        "mtp": ("mtp", mtp, "hybridlm.loading.load_mtp"),
+        "dflash": ("draft", draft, "hybridlm.loading.load_dflash"),
+    }
+    drafter["ddtree"] = drafter["dflash"]
+    if speculative not in drafter:
+        raise ValueError(f"speculative={speculative!r}: choose from {sorted(drafter)}")
+    name, value, loader = drafter[speculative]
+    if value is None:
+        raise ValueError(f"speculative={speculative!r} needs its drafter as {name}= ({loader})")
+    if runner.placement is not None:
+        raise ValueError(
+            "speculative decoding runs on one device; this model is split over several "
+            "(hybridlm.sharding): decode it without speculative="
+        )
 
 
 def _decode_settings(max_new_tokens, decode_block, temperature, top_k, top_p, eos_token_id):

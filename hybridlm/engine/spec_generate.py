@@ -212,3 +212,152 @@ def _tokens(first, parts: list, max_new_tokens: int, stop_ids: np.ndarray) -> tu
         if hit.any():
             return tokens[:, : int(hit[0].argmax()) + 1], "eos"
     return tokens, "length"
+
+
+def prefill_with_dflash(runner, draft, draft_flat: tuple, ids: np.ndarray, chunk_size, max_new_tokens: int):
+    """`prefill` with the target-layer features of each chunk written into the DFlash draft's context cache
+    (`block_spec.draft_context`): (result, the draft's caches holding every prompt position)."""
+    from hybridlm.dflash import init_dflash_cache
+    from hybridlm.engine import block_spec
+
+    graph, leaves = draft_flat
+    found: dict = {}
+
+    def on_chunk(x, start, num_valid, next_ids, capacity, features):
+        cache = found.get("cache")
+        if cache is None:
+            cache = init_dflash_cache(draft.config, 1, capacity, runner.model.dtype)
+        found["cache"] = block_spec.draft_context(graph, leaves, cache, features, start, num_valid)
+
+    taps = draft.config.target_layer_ids
+    pre = prefill(
+        runner, ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens, on_chunk=on_chunk, taps=taps
+    )
+    return pre, found["cache"]
+
+
+def check_block_speculative(
+    runner, draft, ids: np.ndarray, max_new_tokens: int, sampler, method, budget, oracle
+):
+    """Refuses what block speculative decoding cannot run.
+
+    Raises:
+      ValueError: a batch of more than one sequence, an unknown method, a tree budget below 1, a draft of
+        another model (`DFlashConfig.check_target`), a block larger than `block_spec.MAX_BLOCK`, oracle drafts
+        when sampling or malformed, or no room for the last verify within max_position_embeddings.
+    """
+    from hybridlm.engine import block_spec
+
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs one sequence at a time; got a batch of {ids.shape[0]}")
+    if method not in block_spec.METHODS:
+        raise ValueError(f"unknown block speculative method {method!r}; choose from {block_spec.METHODS}")
+    if not (isinstance(budget, int) and budget >= 1):
+        raise ValueError(f"tree_budget={budget!r} must be an int >= 1")
+    draft.config.check_target(runner.config)
+    block = draft.config.block_size
+    if not 2 <= block <= block_spec.MAX_BLOCK:
+        raise ValueError(f"the draft's block_size={block} must lie in [2, {block_spec.MAX_BLOCK}]")
+    if oracle is not None:
+        if not sampler.greedy:
+            raise ValueError("oracle drafts are for greedy decoding (temperature 0)")
+        if not (isinstance(oracle, tuple) and len(oracle) == 2 and oracle[0] is None and 0 <= oracle[1] <= 1):
+            raise ValueError(f"oracle_draft={oracle!r} must be (None, alpha in [0, 1]) for a DFlash draft")
+    if ids.shape[-1] + max_new_tokens + 2 * block > runner.config.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({ids.shape[-1]}) + max_new_tokens ({max_new_tokens}) + the last verify's {2 * block} "
+            f"positions exceed max_position_embeddings={runner.config.max_position_embeddings}"
+        )
+
+
+def generate_block_speculative(
+    runner: LayerwiseRunner,
+    draft,
+    input_ids,
+    *,
+    method: str,
+    max_new_tokens: int,
+    sampler: BlockSampler,
+    temperature,
+    top_p,
+    seed: int,
+    stop_ids: np.ndarray,
+    chunk_size,
+    tree_budget: int,
+    oracle: tuple | None,
+) -> GenerateResult:
+    """`generate` with a DFlash draft model (`hybridlm.engine.block_spec`): method "dflash" (chain verify of
+    the drafted block) or "ddtree" (a token tree of `tree_budget` nodes besides the root); see `generate`.
+
+    Raises:
+      ValueError: see `check_block_speculative`, and `prefill`'s errors.
+    """
+    from flax import nnx
+
+    from hybridlm.engine import block_spec
+    from hybridlm.engine.phases import flat_layer
+
+    ids = np.asarray(input_ids)
+    check_block_speculative(runner, draft, ids, max_new_tokens, sampler, method, tree_budget, oracle)
+    graphdef, params = nnx.split(draft)
+    draft_flat = flat_layer(graphdef, commit(params))
+    block = draft.config.block_size
+    pre, cache = prefill_with_dflash(runner, draft, draft_flat, ids, chunk_size, max_new_tokens + 2 * block)
+    token, key = sampler.pick(pre.logits, jax.random.key(seed), temperature, top_p)
+    target = runner.speculative_target()
+    s = block_spec.initial_state(
+        pre,
+        token,
+        cache,
+        block,
+        draft.config.feature_dim,
+        runner.model.dtype,
+        key,
+        stop_ids,
+        temperature,
+        top_p,
+        0.0 if oracle is None else oracle[1],
+    )
+    cfg = block_spec.BlockSpecConfig(
+        method, block, tree_budget, sampler, draft.config.target_layer_ids, oracle is not None
+    )
+    first = np.asarray(token)
+    state, total, limit, parts = commit(s), max_new_tokens - 1, 0, []
+    counts = None
+    t0 = time.perf_counter()
+    first_step_s, first_parts = None, 0
+    (target_graph, target_args), (draft_graph, draft_leaves) = target, draft_flat
+    while limit < total:
+        limit = min(total, limit + (1 if not parts else sampler.block))  # the first block compiles: one round
+        out, count, state, counts = block_spec.block_spec_block(
+            cfg, target_graph, draft_graph, sampler.block, target_args, draft_leaves, state, np.int32(limit)
+        )
+        parts.append((out, count))
+        if first_step_s is None:
+            jax.block_until_ready(out)
+            first_step_s, first_parts = time.perf_counter() - t0, 1
+        if stop_ids.size and len(parts) > 1 and int(parts[-2][1]) == 0:
+            break  # a block that emitted nothing: a stop id came before it
+    tokens, stop_reason = _tokens(first, parts, max_new_tokens, stop_ids)
+    tried, passed = (np.asarray(c) for c in counts)
+    iterations, emitted = int(state.iterations), int(state.emitted)
+    result = GenerateResult(
+        tokens=tokens,
+        prefill=pre,
+        decode_s=time.perf_counter() - t0,
+        first_step_s=first_step_s,
+        stop_reason=stop_reason,
+        first_step_tokens=sum(int(c) for _, c in parts[:first_parts]),
+    )
+    result.speculative = {
+        "method": method,
+        "block_size": block,
+        "tree_budget": tree_budget if method == "ddtree" else None,
+        "iterations": iterations,
+        "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
+        "tokens_per_iteration": float(emitted / iterations) if iterations else 0.0,
+        "acceptance_per_depth": [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
+    }
+    timed = result.decode_tokens_per_s
+    result.speculative["iteration_s"] = result.speculative["tokens_per_iteration"] / timed if timed else 0.0
+    return result

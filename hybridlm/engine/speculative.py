@@ -108,8 +108,8 @@ class _BoundModel:
     def verify(self, states: list, tokens, position, taps: tuple[int, ...] = ()):
         return verify(self.model, states, tokens, position, taps)
 
-    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None):
-        return tree_verify.verify_tree(self.model, states, tokens, parents, depth, position, valid)
+    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None, taps=()):
+        return tree_verify.verify_tree(self.model, states, tokens, parents, depth, position, valid, taps)
 
     def logits(self, hidden):
         return self.model.logits(hidden)

@@ -25,10 +25,13 @@ import jax.numpy as jnp
 
 from hybridlm.engine.spec_sampling import accept_tree, accept_tree_greedy, filtered_probs
 from hybridlm.engine.tree import TokenTree, ancestor_mask, build_tree
+from hybridlm.model import check_taps, concat_taps
 from hybridlm.state import KVCache, LayerState, TreeKV
 
 
-def verify_tree(model, states: list, tokens, parents, depth, position, valid=None):
+def verify_tree(
+    model, states: list, tokens, parents, depth, position, valid=None, taps: tuple[int, ...] = ()
+):
     """The model over the nodes of a token tree in one forward (a tree verify).
 
     Args:
@@ -39,14 +42,16 @@ def verify_tree(model, states: list, tokens, parents, depth, position, valid=Non
       depth: [nodes] int32, 0 at the root; node i sits at position + depth[i].
       position: int32 scalar (may be traced), the root's absolute position.
       valid: [nodes] bool or None; padding nodes get no routed experts (their outputs are never read).
+      taps: layer indices whose outputs are also returned (a DFlash draft's context rows).
 
     Returns:
       hidden [1, nodes, hidden] before the final norm, and the per-layer tree states: a
       `GatedDeltaNetState` with a leading [nodes] axis (entry i: after node i's root path) on Gated DeltaNet
-      layers, a `TreeKV` (the cache unchanged, the nodes' keys and values) on attention layers.
+      layers, a `TreeKV` (the cache unchanged, the nodes' keys and values) on attention layers; with `taps`,
+      a third value: the features [1, nodes, len(taps) * hidden] (`model.concat_taps`).
 
     Raises:
-      ValueError: tokens, parents and depth of different node counts.
+      ValueError: tokens, parents and depth of different node counts, or a tap outside the model's layers.
     """
     nodes = parents.shape[0]
     if tokens.shape != (1, nodes) or depth.shape != (nodes,):
@@ -54,14 +59,17 @@ def verify_tree(model, states: list, tokens, parents, depth, position, valid=Non
             f"expected tokens [1, nodes] and depth [nodes] for parents of {nodes} nodes, got {tokens.shape} "
             f"and {depth.shape}"
         )
+    taps = check_taps(taps, len(model.layers))
     ancestors = ancestor_mask(parents)
     rows = None if valid is None else valid[None]
     x = model.embed[...][tokens]
-    new_states = []
-    for layer, state in zip(model.layers, states, strict=True):
+    new_states, tapped = [], {}
+    for i, (layer, state) in enumerate(zip(model.layers, states, strict=True)):
         x, state = layer.verify_tree(x, state, position, parents, depth, ancestors, rows)
         new_states.append(state)
-    return x, new_states
+        if i in taps:
+            tapped[i] = x
+    return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
 
 
 def commit_tree(tree_states: list, path: jax.Array, num_accepted, position) -> list[LayerState]:

@@ -300,11 +300,13 @@ class _PagedModel:
                 tapped[i] = x
         return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
 
-    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None):
+    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None, taps=()):
         """`engine.tree_verify.verify_tree` with the experts paged: tokens [1, nodes] -> (hidden [1, nodes,
-        hidden], the tree states). Each distinct expert of the nodes' copies is fetched once (padding nodes'
-        copies included: their outputs are zeroed, not their fetches)."""
+        hidden], the tree states[, features with `taps`]). Each distinct expert of the nodes' copies is
+        fetched once (padding nodes' copies included: their outputs are zeroed, not their fetches)."""
         t = self.target
+        taps = check_taps(taps, len(t.graphs))
+        tapped = {}
         ancestors = ancestor_mask(parents)
         x = self.embed[tokens]
         batch, nodes, hidden = x.shape
@@ -331,7 +333,9 @@ class _PagedModel:
             layer.ffn.experts_down.set_value(experts[1])
             routed = layer.ffn.experts(u, weights, local.reshape(ids.shape), rows)
             x = h + routed.reshape(batch, nodes, hidden)
-        return x, new_states
+            if i in taps:
+                tapped[i] = x
+        return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
 
 
 class PagedView(NamedTuple):
