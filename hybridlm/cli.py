@@ -101,10 +101,26 @@ def _parser() -> argparse.ArgumentParser:
         if name == "generate":
             s.add_argument(
                 "--speculative",
-                choices=["mtp"],
+                choices=["mtp", "dflash", "ddtree"],
                 default=None,
                 help="mtp: the checkpoint's multi-token-prediction module drafts tokens that the model "
-                "verifies in one forward (greedy output as plain decoding's)",
+                "verifies in one forward; dflash: a DFlash draft model (--draft-model) drafts a block in "
+                "one forward, verified as a chain; ddtree: the block's distributions make a token tree "
+                "verified in one forward (greedy output as plain decoding's in each)",
+            )
+            s.add_argument(
+                "--draft-model",
+                default=None,
+                metavar="PATH",
+                help="the DFlash draft (HF directory or .gguf) for --speculative dflash / ddtree; with "
+                "--random-weights and no path, a random draft",
+            )
+            s.add_argument(
+                "--tree-budget",
+                type=int,
+                default=None,
+                metavar="N",
+                help="tree nodes besides the root for --speculative ddtree (default 32)",
             )
             s.add_argument(
                 "--draft-tokens",
@@ -260,6 +276,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.prompt is not None and args.prompt_file:
         raise UsageError("--prompt and --prompt-file cannot be combined")
+    if getattr(args, "speculative", None) in ("dflash", "ddtree"):
+        if args.draft_model is None and args.model:
+            raise UsageError(f"--speculative {args.speculative} needs --draft-model PATH (a DFlash draft)")
+        if args.draft_model is not None and not os.path.exists(args.draft_model):
+            raise UsageError(f"draft model path not found: {args.draft_model}")
+        if args.tree_budget is not None and args.tree_budget < 1:
+            raise UsageError(f"--tree-budget must be >= 1, got {args.tree_budget}")
+    elif getattr(args, "draft_model", None) or getattr(args, "tree_budget", None) is not None:
+        raise UsageError("--draft-model and --tree-budget go with --speculative dflash or ddtree")
     if getattr(args, "speculative", None):
         text = str(args.draft_tokens).strip()
         args.draft_tokens = "auto" if text == "auto" else int(text) if text.isdigit() else 0
@@ -373,7 +398,7 @@ def _run(args: argparse.Namespace) -> dict:
     except (ValueError, KeyError, OSError) as e:
         raise UsageError(reason(e)) from None
     check_context(model_cfg, len(ids), args)
-    if getattr(args, "speculative", None) and header is not None and model_cfg.mtp_layers == 0:
+    if getattr(args, "speculative", None) == "mtp" and header is not None and model_cfg.mtp_layers == 0:
         raise UsageError(
             f"--speculative mtp: {args.model} has no MTP block (nextn_predict_layers is absent or 0)"
         )
@@ -677,6 +702,8 @@ def _speculative_options(args: argparse.Namespace, runner) -> dict:
     """
     if not args.speculative:
         return {}
+    if args.speculative in ("dflash", "ddtree"):
+        return _dflash_options(args, runner)
     import dataclasses
 
     from hybridlm.loading import load_mtp
@@ -695,6 +722,27 @@ def _speculative_options(args: argparse.Namespace, runner) -> dict:
         config = dataclasses.replace(runner.config, mtp_layers=max(runner.config.mtp_layers, 1))
         mtp = init_random_mtp(config, args.seed + 1, dtype=runner.model.dtype)
     return {"speculative": args.speculative, "mtp": mtp, "draft_tokens": args.draft_tokens}
+
+
+def _dflash_options(args: argparse.Namespace, runner) -> dict:
+    """generate's arguments for --speculative dflash / ddtree: the draft of --draft-model (or a random one of
+    the target's published draft shape, with --random-weights and no path).
+
+    Raises:
+      UsageError: a draft that does not load or does not belong to the model.
+    """
+    from hybridlm.dflash import DFlashConfig, init_random_dflash
+    from hybridlm.loading import load_dflash
+
+    try:
+        if args.draft_model:
+            draft = load_dflash(args.draft_model, runner.config, dtype=runner.model.dtype)
+        else:
+            config = DFlashConfig.for_target(runner.config)
+            draft = init_random_dflash(config, args.seed + 1, dtype=runner.model.dtype)
+    except ValueError as e:
+        raise UsageError(f"--speculative {args.speculative}: {reason(e)}") from None
+    return {"speculative": args.speculative, "draft": draft, "tree_budget": args.tree_budget}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ _REQUIRED_HF_KEYS = (
 )
 
 
+# The mask token of z-lab's Qwen3.5 / 3.6 drafts (a reserved special token of their 248 320-token vocabulary).
+PUBLISHED_MASK_TOKEN_ID = 248070
+
+
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The target layers whose outputs feed a draft of `num_draft_layers` layers when the config names none:
     the middle layer for one draft layer, else evenly from layer 1 to num_target_layers - 3 (Python's
@@ -217,6 +221,30 @@ class DFlashConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
+        )
+
+    @classmethod
+    def for_target(cls, target) -> DFlashConfig:
+        """The shape of z-lab's published drafts for the Qwen3.5 / 3.6 35B-A3B models (their April revision:
+        8 layers of 32 heads, 4 kv heads of 128 dims, FFN 3 x hidden, 5 target layers, blocks of 16, YaRN
+        factor 64 over 4 096 positions, theta 1e7), for `target` (a `ModelConfig`): random drafts of the real
+        size for benchmarks and `--random-weights`."""
+        return cls(
+            name=f"dflash-for-{target.name}",
+            hidden_dim=target.hidden_dim,
+            num_layers=8,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            ffn_dim=3 * target.hidden_dim,
+            vocab_size=target.vocab_size,
+            target_layer_ids=build_target_layer_ids(target.num_layers, 5),
+            mask_token_id=min(PUBLISHED_MASK_TOKEN_ID, target.vocab_size - 1),
+            num_target_layers=target.num_layers,
+            block_size=16,
+            rope_theta=1e7,
+            rope_scaling=YarnScaling(factor=64.0, original_max_position_embeddings=4096),
+            max_position_embeddings=target.max_position_embeddings,
         )
 
     @classmethod

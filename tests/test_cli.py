@@ -99,6 +99,9 @@ def test_generate_with_options(capsys, tmp_path):
         ),
         (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1 for generate, got 0"),
         (["generate", "--speculative", "mtp", "--draft-tokens", "9"], "--draft-tokens must be 1-8 or auto"),
+        (["generate", "--tree-budget", "4"], "--draft-model and --tree-budget go with --speculative dflash"),
+        (["generate", "--speculative", "ddtree", "--tree-budget", "0"], "--tree-budget must be >= 1, got 0"),
+        (["generate", "--speculative", "dflash", "--draft-model", "/no/draft"], "draft model path not found"),
         (["prefill", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
         (["prefill", "--max-context", "0"], "--max-context must be positive, got 0"),
         (
@@ -249,6 +252,31 @@ def test_speculative_generate_reports_its_acceptance_and_decodes_as_plain(capsys
         capsys, ["generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--speculative", "mtp"]
     )
     assert "--speculative mtp" in err and "MTP" in err
+
+
+def test_dflash_and_ddtree_generate_decode_as_plain(capsys, tiny_gguf):
+    """`--speculative dflash / ddtree` with a random draft of the published shape: plain decoding's greedy
+    text and the block statistics; a model without --draft-model is one line naming it."""
+    argv = [
+        "generate",
+        "--random-weights",
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+    ]
+    assert main([*argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for method in ("dflash", "ddtree"):
+        assert main([*argv, "--speculative", method, "--tree-budget", "4", "--json"]) == 0
+        spec = json.loads(capsys.readouterr().out)
+        assert spec["new_tokens"] == plain["new_tokens"]
+        assert spec["speculative"]["method"] == method and spec["speculative"]["block_size"] == 16
+    err = one_line_error(
+        capsys, ["generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--speculative", "dflash"]
+    )
+    assert "--draft-model" in err
 
 
 def test_gguf_and_qwen_tokenizers_stop_at_end_of_turn_and_end_of_text(tiny_gguf):
