@@ -86,6 +86,15 @@ def main(argv=None) -> None:
     p.add_argument("--budget", default=None, help="also offloaded at this expert budget, e.g. 12GiB")
     p.add_argument("--offloaded-only", action="store_true", help="skip the resident figures (needs --budget)")
     p.add_argument(
+        "--methods",
+        nargs="*",
+        default=["mtp"],
+        choices=["mtp", "dflash", "ddtree"],
+        help="speculative methods (dflash / ddtree: a random draft of the published 35B-A3B draft shape)",
+    )
+    p.add_argument("--blocks", type=int, nargs="+", default=[16], help="DFlash block sizes")
+    p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64], help="DDTree node budgets")
+    p.add_argument(
         "--trace", default=None, metavar="DIR", help="also a profiler trace of each warm run, under DIR"
     )
     p.add_argument("--out", default=None)
@@ -93,7 +102,7 @@ def main(argv=None) -> None:
     if args.offloaded_only and not args.budget:
         p.error("--offloaded-only needs --budget")
     t0 = time.perf_counter()
-    mtp = load_mtp(args.gguf, keep_quantized="experts")
+    mtp = load_mtp(args.gguf, keep_quantized="experts") if "mtp" in args.methods else None
     prompt = np.arange(1000, 1000 + args.prompt_tokens, dtype=np.int32)
     if not args.offloaded_only:
         resident(args, mtp, prompt, t0)
@@ -115,7 +124,8 @@ def resident(args, mtp, prompt, t0: float) -> None:
     _emit(args.out, {"what": "plain", "tokens_per_s": plain.decode_tokens_per_s, "new_tokens": n})
     traced_run(args.trace, args.out, "plain", lambda: hybridlm.generate(runner, prompt, max_new_tokens=n))
     _emit(args.out, {"what": "verify_cost", **verify_cost(runner, prompt, args.verify_ks)})
-    for k in args.ks:
+    block_methods(args, runner, prompt, plain, "")
+    for k in args.ks if "mtp" in args.methods else ():
         for alpha in args.alphas:
             kw = {"speculative": "mtp", "mtp": mtp, "draft_tokens": k, "oracle_draft": (None, alpha)}
             for _ in range(2):  # the second is warm
@@ -158,7 +168,8 @@ def offloaded(args, mtp, prompt) -> None:
     traced_run(
         args.trace, args.out, "plain_offloaded", lambda: hybridlm.generate(runner, prompt, max_new_tokens=n)
     )
-    for k in args.ks:
+    block_methods(args, runner, prompt, plain, "_offloaded")
+    for k in args.ks if "mtp" in args.methods else ():
         for alpha in args.alphas:
             kw = {"speculative": "mtp", "mtp": mtp, "draft_tokens": k, "oracle_draft": (None, alpha)}
             for _ in range(2):
@@ -166,6 +177,29 @@ def offloaded(args, mtp, prompt) -> None:
             _emit(
                 args.out, {**_record("mtp_oracle_coin_offloaded", alpha, k, g, plain), "budget": args.budget}
             )
+
+
+def block_methods(args, runner, prompt, plain, suffix: str) -> None:
+    """DFlash chain and DDTree tree decoding with coin-oracle drafts (`generate(oracle_draft=(None, alpha))`)
+    for each alpha, block size and (DDTree) node budget: one JSON line each."""
+    from hybridlm.dflash import DFlashConfig, init_random_dflash
+
+    methods = [m for m in args.methods if m != "mtp"]
+    if not methods:
+        return
+    base = DFlashConfig.for_target(runner.config)
+    for block in args.blocks:
+        draft = init_random_dflash(base.replace(block_size=block), seed=1, dtype=runner.model.dtype)
+        for method in methods:
+            for budget in args.budgets if method == "ddtree" else [None]:
+                for alpha in args.alphas:
+                    kw = {"speculative": method, "draft": draft, "tree_budget": budget}
+                    kw["oracle_draft"] = (None, alpha)
+                    for _ in range(2):  # the second is warm
+                        g = hybridlm.generate(runner, prompt, max_new_tokens=args.new_tokens, **kw)
+                    record = _record(f"{method}_oracle_coin{suffix}", alpha, None, g, plain)
+                    _emit(args.out, {**record, "block": block, "budget": budget, "budget_arg": args.budget})
+        del draft
 
 
 def _record(what: str, alpha: float, k: int, g, plain) -> dict:
