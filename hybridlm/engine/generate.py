@@ -100,12 +100,13 @@ def generate(
         that finished earlier goes on sampling until then; cut it at its first stop token). None: never.
       chunk_size: prefill chunk size in tokens, or "auto" (`hybridlm.planning.choose_chunk_size`).
       decode_block: decode steps per program (>= 1); the tokens are the same for every value.
-      speculative: None, "mtp": the MTP module `mtp` drafts `draft_tokens` tokens and the model verifies
-        them in one forward (`hybridlm.engine.speculative`); "dflash": the DFlash model `draft` drafts a block
-        in one parallel forward, verified as a chain; "ddtree": the block's distributions make a token tree
-        of `tree_budget` nodes, verified in one forward (`hybridlm.engine.block_spec`). Greedy output equals
-        plain decoding's, sampled output has its distribution. One sequence (batch 1); resident or offloaded
-        experts.
+      speculative: None, "auto" (`choose_speculative`: plain decoding where experts are paged from host
+        memory, else the given drafter's best method), "mtp": the MTP module `mtp` drafts `draft_tokens`
+        tokens and the model verifies them in one forward (`hybridlm.engine.speculative`); "dflash": the
+        DFlash model `draft` drafts a block in one parallel forward, verified as a chain; "ddtree": the
+        block's distributions make a token tree of `tree_budget` nodes, verified in one forward
+        (`hybridlm.engine.block_spec`). Greedy output equals plain decoding's, sampled output has its
+        distribution. One sequence (batch 1); resident or offloaded experts.
       mtp: the `MTPModule` (`hybridlm.loading.load_mtp`), for speculative="mtp".
       draft_tokens: drafts per iteration, an int in [1, 8], or "auto": 1-4 chosen from the acceptance so far
         (each length compiles its own program, once).
@@ -125,6 +126,9 @@ def generate(
         max_new_tokens, decode_block, temperature, top_k, top_p, eos_token_id
     )
     runner = model if isinstance(model, LayerwiseRunner) else LayerwiseRunner(model)
+    auto = None
+    if speculative == "auto":
+        speculative, auto = choose_speculative(runner, mtp, draft)
     if speculative is not None:
         _check_speculative_args(speculative, mtp, draft, runner)
         from hybridlm.engine import spec_generate  # it builds on this module
@@ -132,7 +136,7 @@ def generate(
         if speculative in ("dflash", "ddtree"):
             from hybridlm.engine.block_spec import DEFAULT_TREE_BUDGET
 
-            return spec_generate.generate_block_speculative(
+            result = spec_generate.generate_block_speculative(
                 runner,
                 draft,
                 input_ids,
@@ -147,22 +151,24 @@ def generate(
                 tree_budget=DEFAULT_TREE_BUDGET if tree_budget is None else tree_budget,
                 oracle=oracle_draft,
             )
-        generate_speculative = spec_generate.generate_speculative
-
-        return generate_speculative(
-            runner,
-            mtp,
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            sampler=sampler,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop_ids=stop_ids,
-            chunk_size=chunk_size,
-            draft_tokens=draft_tokens,
-            oracle=oracle_draft,
-        )
+        else:
+            result = spec_generate.generate_speculative(
+                runner,
+                mtp,
+                input_ids,
+                max_new_tokens=max_new_tokens,
+                sampler=sampler,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop_ids=stop_ids,
+                chunk_size=chunk_size,
+                draft_tokens=draft_tokens,
+                oracle=oracle_draft,
+            )
+        if auto is not None:
+            result.speculative["auto"] = auto
+        return result
     pre = prefill(runner, input_ids, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     stream = TokenStream(runner, pre, sampler, seed, stop_ids, temperature, top_p, max_new_tokens)
     pieces = list(stream)
@@ -172,7 +178,24 @@ def generate(
         decode_s=stream.decode_s,
         first_step_s=stream.first_step_s,
         stop_reason=stream.stop_reason,
+        speculative=None if auto is None else {"method": None, "auto": auto},
     )
+
+
+def choose_speculative(runner: LayerwiseRunner, mtp, draft) -> tuple[str | None, str]:
+    """`generate(speculative="auto")`'s choice: (the method, or None for plain decoding; why).
+
+    Experts paged from host memory make a verify of n tokens copy about n times a step's experts (the
+    tokens route to different experts), so speculative decoding there is slower than plain decoding unless
+    the routers share experts across consecutive tokens (docs/performance.md): plain decoding. Otherwise a
+    DFlash draft's token tree ("ddtree"), else the MTP module ("mtp"), else plain decoding."""
+    if mtp is None and draft is None:
+        return None, "no drafter given (mtp= or draft=)"
+    if not runner.all_experts_fit:
+        return None, "experts paged from host memory: a verify copies each drafted token's experts"
+    if draft is not None:
+        return "ddtree", "every expert on the device and a DFlash draft given"
+    return "mtp", "every expert on the device and an MTP module given"
 
 
 def _check_speculative_args(speculative, mtp, draft, runner) -> None:

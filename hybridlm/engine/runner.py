@@ -188,6 +188,11 @@ class LayerwiseRunner:
             self.whole[0], treedef, sampler, leaves, token, states, position, carry, np.int32(steps)
         )
 
+    @property
+    def all_experts_fit(self) -> bool:
+        """Whether every routed expert is on the device (an offloaded runner's budget may leave some out)."""
+        return True
+
     def speculative_target(self) -> tuple:
         """(target, its traced arguments) that `engine.speculative` verifies drafts with: the whole model."""
         from hybridlm.engine.speculative import ResidentTarget

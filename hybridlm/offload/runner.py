@@ -162,6 +162,12 @@ class OffloadedRunner(LayerwiseRunner):
         return self.residency.held_layers
 
     @property
+    def all_experts_fit(self) -> bool:
+        """Whether the budget holds every routed expert on the device (no decode step reads host memory)."""
+        res = self.residency
+        return res.total_slots >= res.num_layers * res.num_experts
+
+    @property
     def staging_slots(self) -> int | None:
         """Experts of the budget kept for prefetch staging (None before the first chunk)."""
         return self.residency.staging_slots
