@@ -46,6 +46,7 @@ from hybridlm.engine.spec_sampling import (
     filtered_probs,
     follow_tree,
 )
+from hybridlm.engine.speculative import iterate_until
 from hybridlm.engine.tree_verify import commit_tree
 from hybridlm.state import KVCache
 
@@ -212,18 +213,9 @@ def block_spec_block(
     tokens past where it starts) or a stop id is emitted: (tokens [1, block + B] int32 valid up to count,
     count int32, the new `BlockSpecState`, (tried, passed) as arrays of their own)."""
     model, draft = target.bind(target_args), draft_graph.merge(draft_leaves)
-    out = jnp.zeros((1, block + cfg.block_size), jnp.int32)
-
-    def cond(c):
-        return (c[0].emitted < limit) & ~jnp.all(c[0].finished)
-
-    def body(c):
-        s, count, out = c
-        s, emitted, n = iteration(cfg, model, draft, s)
-        return s, count + n, jax.lax.dynamic_update_slice_in_dim(out, emitted, count, axis=1)
-
-    s, count, out = jax.lax.while_loop(cond, body, (s, jnp.int32(0), out))
-    return out, count, s, (s.tried + 0, s.passed + 0)
+    width = block + cfg.block_size
+    out, count, s = iterate_until(lambda s: iteration(cfg, model, draft, s), s, limit, width)
+    return out, count, s, (s.tried + 0, s.passed + 0)  # the counts apart: `s` is donated to the next block
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

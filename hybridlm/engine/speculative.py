@@ -237,18 +237,25 @@ def spec_block(
     where it starts) or a stop id is emitted: (tokens [1, block + slots] int32 valid up to count, count int32,
     the new `SpecState`, (tried, passed) of it as arrays of their own)."""
     model, mtp = target.bind(target_args), mtp_graph.merge(mtp_leaves)
-    out = jnp.zeros((1, block + cfg.slots), jnp.int32)
+    out, count, s = iterate_until(lambda s: iteration(cfg, model, mtp, s), s, limit, block + cfg.slots)
+    return out, count, s, (s.tried + 0, s.passed + 0)  # the counts apart: `s` is donated to the next block
+
+
+def iterate_until(iterate, s, limit, width: int):
+    """Speculative iterations `iterate(s) -> (s, emitted [1, w] int32, n)` in a `while_loop` until s.emitted
+    reaches `limit` or a stop id was emitted (s.finished), their tokens packed into [1, width]: (tokens valid
+    up to count, count int32, the last state). width: the block's tokens plus one iteration's w."""
 
     def cond(c):
         return (c[0].emitted < limit) & ~jnp.all(c[0].finished)
 
     def body(c):
         s, count, out = c
-        s, emitted, n = iteration(cfg, model, mtp, s)
+        s, emitted, n = iterate(s)
         return s, count + n, jax.lax.dynamic_update_slice_in_dim(out, emitted, count, axis=1)
 
-    s, count, out = jax.lax.while_loop(cond, body, (s, jnp.int32(0), out))
-    return out, count, s, (s.tried + 0, s.passed + 0)  # the counts apart: `s` is donated to the next block
+    s, count, out = jax.lax.while_loop(cond, body, (s, jnp.int32(0), jnp.zeros((1, width), jnp.int32)))
+    return out, count, s
 
 
 def initial_state(

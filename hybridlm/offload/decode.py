@@ -271,14 +271,34 @@ class _PagedModel:
         states with a leading [seq] axis on Gated DeltaNet layers, and with `taps` the tapped layers'
         outputs concatenated [1, seq, len(taps) * hidden]). In a layer whose experts are not all resident,
         each distinct expert of the seq x top_k copies is fetched once."""
+        return self._forward(
+            states, tokens, lambda layer, x, state: layer.verify_mix(x, state, position), taps
+        )
+
+    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None, taps=()):
+        """`engine.tree_verify.verify_tree` with the experts paged: tokens [1, nodes] -> (hidden [1, nodes,
+        hidden], the tree states[, features with `taps`]). Each distinct expert of the nodes' copies is
+        fetched once (padding nodes' copies included: their outputs are zeroed, not their fetches)."""
+        ancestors = ancestor_mask(parents)
+
+        def mix(layer, x, state):
+            return layer.verify_tree_mix(x, state, position, parents, depth, ancestors)
+
+        return self._forward(states, tokens, mix, taps, valid)
+
+    def _forward(self, states: list, tokens, mix, taps, valid=None):
+        """The paged model over tokens [1, seq]: per layer `mix(layer, x, state)` (the mixer and its residual,
+        giving the layer's new state), then the routed experts of every token, each distinct expert fetched
+        once; `valid` [seq] bool (or None) marks tokens that get no routed experts."""
         t = self.target
         taps = check_taps(taps, len(t.graphs))
         x = self.embed[tokens]
         batch, seq, hidden = x.shape
+        rows = None if valid is None else jnp.broadcast_to(valid, (batch, seq)).reshape(-1)
         new_states, tapped = [], {}
         for i, (graph, leaves, state) in enumerate(zip(t.graphs, self.layer_leaves, states, strict=False)):
             layer = graph.merge(leaves)
-            h, state = layer.verify_mix(x, state, position)
+            h, state = mix(layer, x, state)
             new_states.append(state)
             u = layer.post_norm(h).reshape(batch * seq, hidden)
             weights, ids = layer.ffn.route(u)  # [seq, top_k]
@@ -295,44 +315,7 @@ class _PagedModel:
             )
             layer.ffn.experts_gate_up.set_value(experts[0])
             layer.ffn.experts_down.set_value(experts[1])
-            x = h + layer.ffn.experts(u, weights, local.reshape(ids.shape)).reshape(batch, seq, hidden)
-            if i in taps:
-                tapped[i] = x
-        return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
-
-    def verify_tree(self, states: list, tokens, parents, depth, position, valid=None, taps=()):
-        """`engine.tree_verify.verify_tree` with the experts paged: tokens [1, nodes] -> (hidden [1, nodes,
-        hidden], the tree states[, features with `taps`]). Each distinct expert of the nodes' copies is
-        fetched once (padding nodes' copies included: their outputs are zeroed, not their fetches)."""
-        t = self.target
-        taps = check_taps(taps, len(t.graphs))
-        tapped = {}
-        ancestors = ancestor_mask(parents)
-        x = self.embed[tokens]
-        batch, nodes, hidden = x.shape
-        rows = None if valid is None else jnp.broadcast_to(valid, (batch, nodes)).reshape(-1)
-        new_states = []
-        for i, (graph, leaves, state) in enumerate(zip(t.graphs, self.layer_leaves, states, strict=False)):
-            layer = graph.merge(leaves)
-            h, state = layer.verify_tree_mix(x, state, position, parents, depth, ancestors)
-            new_states.append(state)
-            u = layer.post_norm(h).reshape(batch * nodes, hidden)
-            weights, ids = layer.ffn.route(u)  # [nodes, top_k]
-            experts, local, _ = page_experts(
-                t.layout,
-                t.part_start,
-                t.sources[i],
-                self.held[i],
-                self.host[i],
-                self.pool,
-                self.slot_table[i],
-                ids.reshape(-1),
-                distinct_once=True,
-            )
-            layer.ffn.experts_gate_up.set_value(experts[0])
-            layer.ffn.experts_down.set_value(experts[1])
-            routed = layer.ffn.experts(u, weights, local.reshape(ids.shape), rows)
-            x = h + routed.reshape(batch, nodes, hidden)
+            x = h + layer.ffn.experts(u, weights, local.reshape(ids.shape), rows).reshape(batch, seq, hidden)
             if i in taps:
                 tapped[i] = x
         return (x, new_states, concat_taps(tapped, taps)) if taps else (x, new_states)
