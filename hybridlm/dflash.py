@@ -228,7 +228,10 @@ class DFlashConfig:
         """The shape of z-lab's published drafts for the Qwen3.5 / 3.6 35B-A3B models (their April revision:
         8 layers of 32 heads, 4 kv heads of 128 dims, FFN 3 x hidden, 5 target layers, blocks of 16, YaRN
         factor 64 over 4 096 positions, theta 1e7), for `target` (a `ModelConfig`): random drafts of the real
-        size for benchmarks and `--random-weights`."""
+        size for benchmarks and `--random-weights`. A target narrower than the draft's 32 x 128 attention
+        (the `tiny` preset) gets `tiny_for`'s draft with blocks of 16."""
+        if target.hidden_dim < 32 * 128 // 2:
+            return cls.tiny_for(target, block_size=16)
         return cls(
             name=f"dflash-for-{target.name}",
             hidden_dim=target.hidden_dim,

@@ -1,7 +1,8 @@
 """Block speculative decoding with a DFlash draft (`generate(..., speculative="dflash" | "ddtree")`) on tiny
 float32 models of both architectures: greedy output equals plain greedy decoding while drafts are accepted,
 rejected and (trees) taken from a second-ranked candidate; oracle acceptance is the rate asked for; sampling
-is seeded and finite; offloaded experts give the resident tokens; bad requests get one clear error.
+is seeded and finite; offloaded experts give the resident tokens ("auto" decodes them plainly); bad requests
+get one clear error.
 
 A random draft accepts almost nothing, so `Peeking` (a `DFlashDraft` whose logits are nudged towards the
 plain greedy text at most positions, towards a wrong token as its top candidate at others) makes the verify
@@ -107,15 +108,6 @@ def test_greedy_equals_plain_decoding(cases, arch, method):
         assert stats["tokens_per_iteration"] > 2.0
 
 
-def test_random_draft_is_still_lossless(cases):
-    runner, random_draft, _, prompt, plain = cases["qwen3.5"]
-    for method in ("dflash", "ddtree"):
-        g = hybridlm.generate(
-            runner, prompt, max_new_tokens=NEW, chunk_size=CHUNK, speculative=method, draft=random_draft
-        )
-        np.testing.assert_array_equal(g.tokens, plain)
-
-
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_oracle_acceptance_all_or_nothing(cases, method):
     """alpha = 1: every iteration accepts the whole block (B tokens); alpha = 0: one token each."""
@@ -132,12 +124,12 @@ def test_oracle_acceptance_all_or_nothing(cases, method):
 def test_sampling_is_seeded_and_finite(cases):
     runner, _, peeking, prompt, _ = cases["qwen3-next"]
     kw = dict(max_new_tokens=NEW, chunk_size=CHUNK, temperature=0.8, top_k=20, seed=4, draft=peeking)
-    for method in ("dflash", "ddtree"):
-        a = hybridlm.generate(runner, prompt, speculative=method, **kw)
-        b = hybridlm.generate(runner, prompt, speculative=method, **kw)
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        assert a.tokens.shape == (1, NEW) and (a.tokens >= 0).all()
-        assert_finite(a.prefill.logits, "prefill logits")
+    a = hybridlm.generate(runner, prompt, speculative="ddtree", tree_budget=BUDGET, **kw)
+    b = hybridlm.generate(runner, prompt, speculative="ddtree", tree_budget=BUDGET, **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.tokens.shape == (1, NEW) and (a.tokens >= 0).all()
+    assert a.speculative["iterations"] >= 1 and a.speculative["tokens_per_iteration"] >= 1.0
+    assert_finite(a.prefill.logits, "prefill logits")
 
 
 def test_offloaded_experts_give_the_resident_tokens(cases):
