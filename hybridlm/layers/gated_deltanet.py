@@ -19,7 +19,11 @@ from hybridlm.config import ModelConfig
 from hybridlm.layers.linear import linear
 from hybridlm.layers.norms import gated_rms_norm
 from hybridlm.state import GatedDeltaNetState
-from pallas_kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_decode
+from pallas_kernels.gated_delta_rule import (
+    gated_delta_rule,
+    gated_delta_rule_decode,
+    gated_delta_rule_decode_tokens,
+)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -201,8 +205,9 @@ class GatedDeltaNet(nnx.Module):
         )
 
     def verify(self, x: jax.Array, state: GatedDeltaNetState) -> tuple[jax.Array, GatedDeltaNetState]:
-        """Runs the layer over a few tokens (a speculative verify) one recurrence step at a time, keeping the
-        state after every token, so that accepting j of them is choosing slot j - 1 (no recompute).
+        """Runs the layer over a few tokens (a speculative verify) one recurrence step after another, keeping
+        the state after every token, so that accepting j of them is choosing slot j - 1 (no recompute); the
+        decode kernel's numbers, all tokens in one call (`gated_delta_rule_decode_tokens`).
 
         Args:
           x: [batch, seq, hidden] normalised input, seq small (the draft tokens + 1).
@@ -217,26 +222,22 @@ class GatedDeltaNet(nnx.Module):
         mixed, z, a, b = self._projections(x)
         history = state.conv.astype(mixed.dtype)
         convs = [conv_history_after(history, mixed, t + 1).astype(state.conv.dtype) for t in range(seq)]
-        recurrent, outs, states = state.recurrent, [], []
-        for t in range(seq):  # the decode step's kernel, each token's conv window before it: decode's numbers
-            o, recurrent = gated_delta_rule_decode(
-                mixed[:, t],
-                state.conv if t == 0 else convs[t - 1],
-                self.conv_weight[...],
-                a[:, t],
-                b[:, t],
-                self.log_decay_rate[...],
-                self.delta_time_bias[...],
-                recurrent,
-                k_heads=cfg.num_k_heads,
-                key_dim=cfg.key_dim,
-                implementation=self._step,
-            )
-            outs.append(o)
-            states.append(recurrent)
-        o = jnp.stack(outs, axis=1)
+        # the decode kernel's numbers token after token, in one call (one kernel on a GPU)
+        o, states = gated_delta_rule_decode_tokens(
+            mixed,
+            state.conv,
+            self.conv_weight[...],
+            a,
+            b,
+            self.log_decay_rate[...],
+            self.delta_time_bias[...],
+            state.recurrent,
+            k_heads=cfg.num_k_heads,
+            key_dim=cfg.key_dim,
+            implementation=self._step,
+        )
         z = z.reshape(batch, seq, cfg.num_v_heads, cfg.value_dim)
-        return self._output(o, z), GatedDeltaNetState(conv=jnp.stack(convs), recurrent=jnp.stack(states))
+        return self._output(o, z), GatedDeltaNetState(conv=jnp.stack(convs), recurrent=states)
 
     def verify_tree(
         self, x: jax.Array, state: GatedDeltaNetState, parents: jax.Array

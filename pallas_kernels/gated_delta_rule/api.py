@@ -221,3 +221,48 @@ def gated_delta_rule_decode(
     return decode_step.gated_delta_rule_decode_triton(
         *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
     )
+
+
+def gated_delta_rule_decode_tokens(
+    mixed: jax.Array,
+    conv_state: jax.Array,
+    conv_weight: jax.Array,
+    decay_input: jax.Array,
+    beta_input: jax.Array,
+    log_decay_rate: jax.Array,
+    dt_bias: jax.Array,
+    state: jax.Array,
+    *,
+    k_heads: int,
+    key_dim: int,
+    scale: float | None = None,
+    implementation: StepImplementation | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A few tokens of each sequence through a Gated DeltaNet layer, keeping the state after each (a
+    speculative verify): `gated_delta_rule_decode` token after token, in one kernel on a GPU.
+
+    Args:
+      mixed: [batch, tokens, conv_dim]; decay_input, beta_input: [batch, tokens, v_heads]; the rest as
+        `gated_delta_rule_decode` (conv_state and state: before the first token).
+      implementation: "reference" (`reference.gated_delta_rule_decode_tokens_reference`) or "triton"
+        (`decode_step.gated_delta_rule_decode_tokens_triton`); None as `gated_delta_rule_decode`.
+
+    Returns:
+      output: [batch, tokens, v_heads, value_dim] in mixed.dtype; states: [tokens, batch, v_heads, key_dim,
+      value_dim] float32, entry t after token t.
+
+    Raises:
+      ValueError: unknown `implementation`, or shapes that disagree.
+    """
+    config = step_config()
+    implementation = implementation or _step_default(mixed.shape[0], config)
+    args = (mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state)
+    if implementation == "reference":
+        return reference.gated_delta_rule_decode_tokens_reference(
+            *args, k_heads=k_heads, key_dim=key_dim, scale=scale
+        )
+    if implementation != "triton":
+        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
+    return decode_step.gated_delta_rule_decode_tokens_triton(
+        *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
+    )

@@ -91,14 +91,18 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _conv_silu(mixed_ref, conv_ref, weight_ref, b, start, n, kernel, dtype):
-    """silu(causal depthwise conv) of channels [start, start + n) of row b for one token, in f32, rounded
-    through `dtype` as the layer's activations are: sum_j history[j] w[j] + x w[kernel - 1], taps in order."""
+def _conv_silu(mixed_ref, conv_ref, weight_ref, b, t, start, n, kernel, dtype):
+    """silu(causal depthwise conv) of channels [start, start + n) of row b for token t of the call (static),
+    in f32, rounded through `dtype` as the layer's activations are: sum_j window[j] w[j] with the window's
+    last row the token itself, earlier rows the call's previous tokens or, before the first, the conv history;
+    taps in order."""
     ch = pl.ds(start, n)
     out = jnp.zeros((n,), jnp.float32)
     for j in range(kernel - 1):
-        out = out + conv_ref[b, j, ch].astype(jnp.float32) * weight_ref[j, ch].astype(jnp.float32)
-    out = out + mixed_ref[b, ch].astype(jnp.float32) * weight_ref[kernel - 1, ch].astype(jnp.float32)
+        src = t - (kernel - 1) + j  # static: a history row (src < 0) or an earlier token of the call
+        row = conv_ref[b, kernel - 1 + src, ch] if src < 0 else mixed_ref[b, src, ch]
+        out = out + row.astype(jnp.float32) * weight_ref[j, ch].astype(jnp.float32)
+    out = out + mixed_ref[b, t, ch].astype(jnp.float32) * weight_ref[kernel - 1, ch].astype(jnp.float32)
     return (out * jax.nn.sigmoid(out)).astype(dtype).astype(jnp.float32)
 
 
@@ -125,26 +129,110 @@ def _decode_kernel(
     scale,
     block_v,
     kernel,
+    tokens,
+    keep_all,
 ):
-    # mixed_ref [batch, conv_dim]; conv_ref [batch, kernel - 1, conv_dim]; weight_ref [kernel, conv_dim];
-    # a_ref / b_ref [batch, v_heads] f32; rate_ref / bias_ref [v_heads] f32; s_ref / s_out_ref [batch,
-    # v_heads, key_dim, value_dim] f32 (aliased); o_ref [batch, v_heads, value_dim].
+    # mixed_ref [batch, tokens, conv_dim]; conv_ref [batch, kernel - 1, conv_dim]; weight_ref [kernel,
+    # conv_dim]; a_ref / b_ref [batch, tokens, v_heads] f32; rate_ref / bias_ref [v_heads] f32; s_ref [batch,
+    # v_heads, key_dim, value_dim] f32; o_ref [batch, tokens, v_heads, value_dim]; s_out_ref: keep_all, the
+    # state after each token [tokens, batch, v_heads, key_dim, value_dim]; else the last one, like s_ref
+    # (aliased). The state tile stays in registers from token to token.
     b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dtype = mixed_ref.dtype
     kh = h // group
-    value_dim = o_ref.shape[2]
-    conv = functools.partial(_conv_silu, mixed_ref, conv_ref, weight_ref, b, kernel=kernel, dtype=dtype)
-    q = _l2_normalize(conv(kh * key_dim, key_dim), dtype) * scale  # [key_dim]
-    k = _l2_normalize(conv((k_heads + kh) * key_dim, key_dim), dtype)
-    v = conv(2 * k_heads * key_dim + h * value_dim + vb * block_v, block_v)  # [block_v]
-    g = -jnp.exp(rate_ref[h]) * _softplus(a_ref[b, h] + bias_ref[h])
-    beta = jax.nn.sigmoid(b_ref[b, h])
+    value_dim = o_ref.shape[3]
     cols = pl.ds(vb * block_v, block_v)
-    s = s_ref[b, h, :, cols] * jnp.exp(g)  # [key_dim, block_v]
-    u = beta * (v - jnp.sum(k[:, None] * s, axis=0))
-    s = s + k[:, None] * u[None, :]
-    o_ref[b, h, cols] = jnp.sum(q[:, None] * s, axis=0).astype(o_ref.dtype)
-    s_out_ref[b, h, :, cols] = s
+    decay_rate, bias = jnp.exp(rate_ref[h]), bias_ref[h]
+    s = s_ref[b, h, :, cols]  # [key_dim, block_v]
+    for t in range(tokens):
+        conv = functools.partial(
+            _conv_silu, mixed_ref, conv_ref, weight_ref, b, t, kernel=kernel, dtype=dtype
+        )
+        q = _l2_normalize(conv(kh * key_dim, key_dim), dtype) * scale  # [key_dim]
+        k = _l2_normalize(conv((k_heads + kh) * key_dim, key_dim), dtype)
+        v = conv(2 * k_heads * key_dim + h * value_dim + vb * block_v, block_v)  # [block_v]
+        g = -decay_rate * _softplus(a_ref[b, t, h] + bias)
+        beta = jax.nn.sigmoid(b_ref[b, t, h])
+        s = s * jnp.exp(g)
+        u = beta * (v - jnp.sum(k[:, None] * s, axis=0))
+        s = s + k[:, None] * u[None, :]
+        o_ref[b, t, h, cols] = jnp.sum(q[:, None] * s, axis=0).astype(o_ref.dtype)
+        if keep_all:
+            s_out_ref[t, b, h, :, cols] = s
+    if not keep_all:
+        s_out_ref[b, h, :, cols] = s
+
+
+def _check_decode_shapes(
+    mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state, k_heads, key_dim
+):
+    """Raises ValueError naming an input whose shape disagrees with the others (mixed [batch, tokens, C])."""
+    batch, v_heads, state_key_dim, value_dim = state.shape
+    tokens = mixed.shape[1]
+    kernel = conv_weight.shape[0]
+    conv_dim = 2 * k_heads * key_dim + v_heads * value_dim
+    expected = {
+        "mixed": (mixed.shape, (batch, tokens, conv_dim)),
+        "conv_state": (conv_state.shape, (batch, kernel - 1, conv_dim)),
+        "conv_weight": (conv_weight.shape, (kernel, conv_dim)),
+        "decay_input": (decay_input.shape, (batch, tokens, v_heads)),
+        "beta_input": (beta_input.shape, (batch, tokens, v_heads)),
+        "log_decay_rate": (log_decay_rate.shape, (v_heads,)),
+        "dt_bias": (dt_bias.shape, (v_heads,)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"{name}.shape={tuple(got)}, expected {want} (state.shape={state.shape})")
+    if state_key_dim != key_dim or v_heads % k_heads:
+        raise ValueError(f"state.shape={state.shape} does not fit k_heads={k_heads}, key_dim={key_dim}")
+
+
+def _decode_call(args, *, k_heads, key_dim, scale, block_v, interpret, keep_all):
+    """The kernel over args = (mixed [batch, tokens, C], conv_state, conv_weight, decay_input, beta_input
+    [batch, tokens, v_heads], log_decay_rate, dt_bias, state): (output [batch, tokens, v_heads, value_dim],
+    the state after each token [tokens, ...] if keep_all, else after the last, in place)."""
+    mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state = args
+    _check_decode_shapes(*args, k_heads, key_dim)
+    batch, v_heads, _, value_dim = state.shape
+    tokens = mixed.shape[1]
+    block_v = min(block_v, value_dim)
+    _check_tiles(key_dim=key_dim, value_dim=value_dim, block_v=block_v)
+    scale = key_dim**-0.5 if scale is None else scale
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    f32 = jnp.float32
+    kernel_fn = functools.partial(
+        _decode_kernel,
+        k_heads=k_heads,
+        key_dim=key_dim,
+        group=v_heads // k_heads,
+        scale=scale,
+        block_v=block_v,
+        kernel=conv_weight.shape[0],
+        tokens=tokens,
+        keep_all=keep_all,
+    )
+    states = (tokens, *state.shape) if keep_all else state.shape
+    return pl.pallas_call(
+        kernel_fn,
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, tokens, v_heads, value_dim), mixed.dtype),
+            jax.ShapeDtypeStruct(states, f32),
+        ),
+        grid=(batch, v_heads, value_dim // block_v),
+        input_output_aliases={} if keep_all else {7: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4),
+        interpret=interpret,
+        name="gdn_decode_tokens" if keep_all else "gdn_decode",
+    )(
+        mixed,
+        conv_state,
+        conv_weight,
+        decay_input.astype(f32),
+        beta_input.astype(f32),
+        log_decay_rate.astype(f32),
+        dt_bias.astype(f32),
+        state.astype(f32),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("k_heads", "key_dim", "scale", "block_v", "interpret"))
@@ -193,55 +281,71 @@ def gated_delta_rule_decode_triton(
 
     Source: arXiv:2412.06464; HF `Qwen3_5MoeGatedDeltaNet` (conv, norms, gates); spec §4.
     """
-    batch, v_heads, state_key_dim, value_dim = state.shape
-    kernel = conv_weight.shape[0]
-    conv_dim = 2 * k_heads * key_dim + v_heads * value_dim
-    expected = {
-        "mixed": (mixed.shape, (batch, conv_dim)),
-        "conv_state": (conv_state.shape, (batch, kernel - 1, conv_dim)),
-        "conv_weight": (conv_weight.shape, (kernel, conv_dim)),
-        "decay_input": (decay_input.shape, (batch, v_heads)),
-        "beta_input": (beta_input.shape, (batch, v_heads)),
-        "log_decay_rate": (log_decay_rate.shape, (v_heads,)),
-        "dt_bias": (dt_bias.shape, (v_heads,)),
-    }
-    for name, (got, want) in expected.items():
-        if tuple(got) != want:
-            raise ValueError(f"{name}.shape={tuple(got)}, expected {want} (state.shape={state.shape})")
-    if state_key_dim != key_dim or v_heads % k_heads:
-        raise ValueError(f"state.shape={state.shape} does not fit k_heads={k_heads}, key_dim={key_dim}")
-    block_v = min(block_v, value_dim)
-    _check_tiles(key_dim=key_dim, value_dim=value_dim, block_v=block_v)
-    scale = key_dim**-0.5 if scale is None else scale
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    f32 = jnp.float32
-    kernel_fn = functools.partial(
-        _decode_kernel,
-        k_heads=k_heads,
-        key_dim=key_dim,
-        group=v_heads // k_heads,
-        scale=scale,
-        block_v=block_v,
-        kernel=kernel,
-    )
-    return pl.pallas_call(
-        kernel_fn,
-        out_shape=(
-            jax.ShapeDtypeStruct((batch, v_heads, value_dim), mixed.dtype),
-            jax.ShapeDtypeStruct(state.shape, f32),
-        ),
-        grid=(batch, v_heads, value_dim // block_v),
-        input_output_aliases={7: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=4),
-        interpret=interpret,
-        name="gdn_decode",
-    )(
-        mixed,
+    args = (
+        mixed[:, None],
         conv_state,
         conv_weight,
-        decay_input.astype(f32),
-        beta_input.astype(f32),
-        log_decay_rate.astype(f32),
-        dt_bias.astype(f32),
-        state.astype(f32),
+        decay_input[:, None],
+        beta_input[:, None],
+        log_decay_rate,
+        dt_bias,
+        state,
+    )
+    if mixed.ndim != 2:
+        raise ValueError(f"mixed must be [batch, conv_dim], got shape {mixed.shape}")
+    out, new_state = _decode_call(
+        args,
+        k_heads=k_heads,
+        key_dim=key_dim,
+        scale=scale,
+        block_v=block_v,
+        interpret=interpret,
+        keep_all=False,
+    )
+    return out[:, 0], new_state
+
+
+@functools.partial(jax.jit, static_argnames=("k_heads", "key_dim", "scale", "block_v", "interpret"))
+def gated_delta_rule_decode_tokens_triton(
+    mixed,
+    conv_state,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    *,
+    k_heads: int,
+    key_dim: int,
+    scale=None,
+    block_v=32,
+    interpret=None,
+):
+    """A few tokens of one sequence through a Gated DeltaNet layer in one Pallas (Triton) kernel, keeping the
+    state after each (a speculative verify): `gated_delta_rule_decode_triton` token after token, each token's
+    conv window the tokens before it (then the conv history), the state tile kept in registers between tokens.
+
+    Args:
+      mixed: [batch, tokens, conv_dim]; decay_input, beta_input: [batch, tokens, v_heads]; the rest as
+        `gated_delta_rule_decode_triton` (conv_state: the inputs before the first token; state: before it).
+
+    Returns:
+      output [batch, tokens, v_heads, value_dim] in mixed.dtype, and the states [tokens, batch, v_heads,
+      key_dim, value_dim] float32 (entry t: after token t).
+
+    Raises:
+      ValueError: as `gated_delta_rule_decode_triton`.
+    """
+    if mixed.ndim != 3:
+        raise ValueError(f"mixed must be [batch, tokens, conv_dim], got shape {mixed.shape}")
+    args = (mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state)
+    return _decode_call(
+        args,
+        k_heads=k_heads,
+        key_dim=key_dim,
+        scale=scale,
+        block_v=block_v,
+        interpret=interpret,
+        keep_all=True,
     )

@@ -224,3 +224,43 @@ def gated_delta_rule_decode_reference(
         key_dim=key_dim,
     )
     return gated_delta_rule_step_reference(*inputs, state, scale=scale)
+
+
+def gated_delta_rule_decode_tokens_reference(
+    mixed,
+    conv_state,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    *,
+    k_heads,
+    key_dim,
+    scale=None,
+):
+    """`gated_delta_rule_decode_reference` token after token (mixed [batch, tokens, conv_dim], decay_input and
+    beta_input [batch, tokens, v_heads]), each token's conv window shifted by the one before: (output [batch,
+    tokens, v_heads, value_dim], the states [tokens, batch, v_heads, key_dim, value_dim] after each token)."""
+    outs, states = [], []
+    for t in range(mixed.shape[1]):
+        out, state = gated_delta_rule_decode_reference(
+            mixed[:, t],
+            conv_state,
+            conv_weight,
+            decay_input[:, t],
+            beta_input[:, t],
+            log_decay_rate,
+            dt_bias,
+            state,
+            k_heads=k_heads,
+            key_dim=key_dim,
+            scale=scale,
+        )
+        conv_state = jnp.concatenate(
+            [conv_state[:, 1:], mixed[:, t : t + 1].astype(conv_state.dtype)], axis=1
+        )
+        outs.append(out)
+        states.append(state)
+    return jnp.stack(outs, axis=1), jnp.stack(states)

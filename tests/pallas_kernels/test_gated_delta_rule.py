@@ -243,6 +243,45 @@ def test_fused_decode_matches_the_layer_inputs_and_step(dtype, group, block_v):
         inputs["mixed"] = jnp.asarray(rng.standard_normal(inputs["mixed"].shape), dtype)
 
 
+@pytest.mark.parametrize("dtype,tokens", [(jnp.float32, 5), (jnp.bfloat16, 2)])
+def test_fused_decode_of_several_tokens_keeps_each_state(dtype, tokens):
+    """The several-token kernel (interpreter: a verify's tokens in one call, the state in registers between
+    them) equals its reference and the one-token kernel called token after token, state after each token
+    included; tokens past the conv kernel read earlier tokens of the call, not the history."""
+    k_heads, dim = 2, 16
+    one = _decode_layer_inputs(2, k_heads, 4, dim, dtype, seed=9)
+    rng = np.random.default_rng(3)
+    inputs = {
+        **one,
+        "mixed": jnp.asarray(rng.standard_normal((2, tokens, one["mixed"].shape[1])), dtype),
+        "decay_input": jnp.asarray(rng.standard_normal((2, tokens, 4)), jnp.float32),
+        "beta_input": jnp.asarray(rng.standard_normal((2, tokens, 4)), jnp.float32),
+    }
+    kw = {"k_heads": k_heads, "key_dim": dim}
+    out, states = decode_step.gated_delta_rule_decode_tokens_triton(**inputs, **kw, interpret=True)
+    want_out, want_states = reference.gated_delta_rule_decode_tokens_reference(**inputs, **kw)
+    assert out.shape == want_out.shape and states.shape == (tokens, *one["state"].shape)
+    assert_close("output", out, want_out, dtype)
+    assert_close("states", states, want_states, dtype)
+    conv, state = inputs["conv_state"], inputs["state"]
+    for t in range(tokens):  # the one-token kernel, token after token
+        o, state = decode_step.gated_delta_rule_decode_triton(
+            inputs["mixed"][:, t],
+            conv,
+            inputs["conv_weight"],
+            inputs["decay_input"][:, t],
+            inputs["beta_input"][:, t],
+            inputs["log_decay_rate"],
+            inputs["dt_bias"],
+            state,
+            **kw,
+            interpret=True,
+        )
+        conv = jnp.concatenate([conv[:, 1:], inputs["mixed"][:, t : t + 1]], axis=1)
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(out[:, t], np.float32))
+        np.testing.assert_array_equal(np.asarray(state), np.asarray(states[t]))
+
+
 def test_fused_decode_api_and_errors():
     inputs = _decode_layer_inputs(1, 2, 4, 16, jnp.float32, seed=7)
     want = api.gated_delta_rule_decode(**inputs, k_heads=2, key_dim=16, implementation="reference")
@@ -278,6 +317,17 @@ def test_fused_decode_lowers_for_cuda():
     )
     assert "gdn_decode" in support.lowered_for_h100(
         decode_step.gated_delta_rule_decode_triton, *args, k_heads=kh, key_dim=d, interpret=False
+    )
+    tokens = 4  # an MTP verify of 3 drafts
+    several = (
+        jax.ShapeDtypeStruct((b, tokens, conv_dim), bf16),
+        *args[1:3],
+        jax.ShapeDtypeStruct((b, tokens, vh), bf16),
+        jax.ShapeDtypeStruct((b, tokens, vh), bf16),
+        *args[5:],
+    )
+    assert "gdn_decode_tokens" in support.lowered_for_h100(
+        decode_step.gated_delta_rule_decode_tokens_triton, *several, k_heads=kh, key_dim=d, interpret=False
     )
 
 
