@@ -23,6 +23,7 @@ from pallas_kernels.gated_delta_rule import (
     gated_delta_rule,
     gated_delta_rule_decode,
     gated_delta_rule_decode_tokens,
+    gated_delta_rule_decode_tree,
 )
 
 
@@ -246,8 +247,9 @@ class GatedDeltaNet(nnx.Module):
 
         Node i's recurrent state is its parent's advanced by node i's token (the root's: `state`'s advanced
         by the root token), its conv window the pre-conv inputs of its nearest ancestors, then the incoming
-        conv history (`tree_conv_windows`). Each node takes one decode kernel (`gated_delta_rule_decode`), as
-        `verify` does per token, so a root-to-node path gives a chain verify's numbers for that path.
+        conv history (`tree_conv_windows`). The nodes go through the decode kernel in one call
+        (`gated_delta_rule_decode_tree`), as `verify`'s tokens do, so a root-to-node path gives a chain
+        verify's numbers for that path.
         Source: the token-tree verification of SpecInfer (Miao et al., arXiv:2305.09781) and DDTree (Ringel,
         Romano, arXiv:2604.12989), for a recurrent layer: the state branches where the tree does.
 
@@ -273,34 +275,23 @@ class GatedDeltaNet(nnx.Module):
         rows = tree_conv_windows(mixed, state.conv.astype(mixed.dtype), parents)
         before = jnp.stack(rows[:0:-1], axis=2).astype(state.conv.dtype)  # [b, nodes, kernel - 1, c]
         after = jnp.stack(rows[-2::-1], axis=2)  # the window less its oldest row: the node's conv state
-        initial = state.recurrent
-
-        def step(slots, xs):  # slots: [nodes, b, v_heads, key_dim, value_dim], the states so far
-            node, parent, mixed_t, conv_t, a_t, b_t = xs
-            start = jnp.where(parent >= 0, slots[jnp.maximum(parent, 0)], initial)
-            o, new = gated_delta_rule_decode(
-                mixed_t,
-                conv_t,
-                self.conv_weight[...],
-                a_t,
-                b_t,
-                self.log_decay_rate[...],
-                self.delta_time_bias[...],
-                start,
-                k_heads=cfg.num_k_heads,
-                key_dim=cfg.key_dim,
-                implementation=self._step,
-            )
-            return jax.lax.dynamic_update_index_in_dim(slots, new, node, axis=0), o
-
-        def node_major(t):  # [b, nodes, ...] -> [nodes, b, ...]: the scan's axis first
-            return jnp.moveaxis(t, 1, 0)
-
-        xs = (jnp.arange(nodes, dtype=jnp.int32), parents, *map(node_major, (mixed, before, a, b)))
-        slots, o = jax.lax.scan(step, jnp.zeros((nodes, *initial.shape), initial.dtype), xs)
+        o, slots = gated_delta_rule_decode_tree(
+            mixed,
+            before,
+            self.conv_weight[...],
+            a,
+            b,
+            self.log_decay_rate[...],
+            self.delta_time_bias[...],
+            state.recurrent,
+            parents,
+            k_heads=cfg.num_k_heads,
+            key_dim=cfg.key_dim,
+            implementation=self._step,
+        )
         z = z.reshape(batch, nodes, cfg.num_v_heads, cfg.value_dim)
-        return self._output(jnp.moveaxis(o, 0, 1), z), GatedDeltaNetState(
-            conv=node_major(after).astype(state.conv.dtype), recurrent=slots
+        return self._output(o, z), GatedDeltaNetState(
+            conv=jnp.moveaxis(after, 1, 0).astype(state.conv.dtype), recurrent=slots
         )
 
     @property

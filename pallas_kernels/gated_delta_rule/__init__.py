@@ -5,6 +5,7 @@ from pallas_kernels.gated_delta_rule.api import (
     gated_delta_rule,
     gated_delta_rule_decode,
     gated_delta_rule_decode_tokens,
+    gated_delta_rule_decode_tree,
     gated_delta_rule_step,
 )
 from pallas_kernels.gated_delta_rule.chunk import gated_delta_rule_pallas
@@ -22,6 +23,7 @@ __all__ = [
     "gated_delta_rule_chunked",
     "gated_delta_rule_decode",
     "gated_delta_rule_decode_tokens",
+    "gated_delta_rule_decode_tree",
     "gated_delta_rule_pallas",
     "gated_delta_rule_reference",
     "gated_delta_rule_step",

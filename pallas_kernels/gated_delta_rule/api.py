@@ -266,3 +266,51 @@ def gated_delta_rule_decode_tokens(
     return decode_step.gated_delta_rule_decode_tokens_triton(
         *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
     )
+
+
+def gated_delta_rule_decode_tree(
+    mixed: jax.Array,
+    windows: jax.Array,
+    conv_weight: jax.Array,
+    decay_input: jax.Array,
+    beta_input: jax.Array,
+    log_decay_rate: jax.Array,
+    dt_bias: jax.Array,
+    state: jax.Array,
+    parents: jax.Array,
+    *,
+    k_heads: int,
+    key_dim: int,
+    scale: float | None = None,
+    implementation: StepImplementation | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The nodes of a token tree through a Gated DeltaNet layer (a tree verify): `gated_delta_rule_decode`
+    node after node, each from its parent's state, in one kernel on a GPU.
+
+    Args:
+      mixed: [batch, nodes, conv_dim]; windows: [batch, nodes, conv_kernel - 1, conv_dim] each node's conv
+        window (its ancestors' inputs, then the history; oldest first); decay_input, beta_input: [batch,
+        nodes, v_heads]; parents: [nodes] int32, -1 at the root, parents[i] < i; the rest as
+        `gated_delta_rule_decode` (state: before the root).
+      implementation: "reference" (`reference.gated_delta_rule_decode_tree_reference`) or "triton"
+        (`decode_step.gated_delta_rule_decode_tree_triton`); None as `gated_delta_rule_decode`.
+
+    Returns:
+      output: [batch, nodes, v_heads, value_dim] in mixed.dtype; states: [nodes, batch, v_heads, key_dim,
+      value_dim] float32, entry i after node i's root path.
+
+    Raises:
+      ValueError: unknown `implementation`, or shapes that disagree.
+    """
+    config = step_config()
+    implementation = implementation or _step_default(mixed.shape[0], config)
+    args = (mixed, windows, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state, parents)
+    if implementation == "reference":
+        return reference.gated_delta_rule_decode_tree_reference(
+            *args, k_heads=k_heads, key_dim=key_dim, scale=scale
+        )
+    if implementation != "triton":
+        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
+    return decode_step.gated_delta_rule_decode_tree_triton(
+        *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
+    )

@@ -91,16 +91,19 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _conv_silu(mixed_ref, conv_ref, weight_ref, b, t, start, n, kernel, dtype):
+def _conv_silu(mixed_ref, conv_ref, weight_ref, b, t, start, n, kernel, dtype, tree):
     """silu(causal depthwise conv) of channels [start, start + n) of row b for token t of the call (static),
     in f32, rounded through `dtype` as the layer's activations are: sum_j window[j] w[j] with the window's
-    last row the token itself, earlier rows the call's previous tokens or, before the first, the conv history;
-    taps in order."""
+    last row the token itself, earlier rows the call's previous tokens or, before the first, the conv history
+    (a tree: the node's own window, conv_ref [batch, nodes, kernel - 1, conv_dim]); taps in order."""
     ch = pl.ds(start, n)
     out = jnp.zeros((n,), jnp.float32)
     for j in range(kernel - 1):
         src = t - (kernel - 1) + j  # static: a history row (src < 0) or an earlier token of the call
-        row = conv_ref[b, kernel - 1 + src, ch] if src < 0 else mixed_ref[b, src, ch]
+        if tree:
+            row = conv_ref[b, t, j, ch]
+        else:
+            row = conv_ref[b, kernel - 1 + src, ch] if src < 0 else mixed_ref[b, src, ch]
         out = out + row.astype(jnp.float32) * weight_ref[j, ch].astype(jnp.float32)
     out = out + mixed_ref[b, t, ch].astype(jnp.float32) * weight_ref[kernel - 1, ch].astype(jnp.float32)
     return (out * jax.nn.sigmoid(out)).astype(dtype).astype(jnp.float32)
@@ -111,42 +114,32 @@ def _l2_normalize(x, dtype):
     return (x * jax.lax.rsqrt(jnp.sum(x * x) + 1e-6)).astype(dtype).astype(jnp.float32)
 
 
-def _decode_kernel(
-    mixed_ref,
-    conv_ref,
-    weight_ref,
-    a_ref,
-    b_ref,
-    rate_ref,
-    bias_ref,
-    s_ref,
-    o_ref,
-    s_out_ref,
-    *,
-    k_heads,
-    key_dim,
-    group,
-    scale,
-    block_v,
-    kernel,
-    tokens,
-    keep_all,
-):
-    # mixed_ref [batch, tokens, conv_dim]; conv_ref [batch, kernel - 1, conv_dim]; weight_ref [kernel,
-    # conv_dim]; a_ref / b_ref [batch, tokens, v_heads] f32; rate_ref / bias_ref [v_heads] f32; s_ref [batch,
-    # v_heads, key_dim, value_dim] f32; o_ref [batch, tokens, v_heads, value_dim]; s_out_ref: keep_all, the
-    # state after each token [tokens, batch, v_heads, key_dim, value_dim]; else the last one, like s_ref
-    # (aliased). The state tile stays in registers from token to token.
+def _decode_kernel(*refs, k_heads, key_dim, group, scale, block_v, kernel, tokens, keep_all, tree, interpret):
+    # refs: mixed_ref [batch, tokens, conv_dim]; conv_ref [batch, kernel - 1, conv_dim] (a tree: [batch,
+    # tokens, kernel - 1, conv_dim], each node's window); weight_ref [kernel, conv_dim]; a_ref / b_ref [batch,
+    # tokens, v_heads] f32; rate_ref / bias_ref [v_heads] f32; s_ref [batch, v_heads, key_dim, value_dim] f32;
+    # a tree: parents_ref [tokens] int32 (-1 at the root); then o_ref [batch, tokens, v_heads, value_dim];
+    # s_out_ref: keep_all, the state after each token [tokens, batch, v_heads, key_dim, value_dim]; else the
+    # last one, like s_ref (aliased). The state tile stays in registers from token to token; a tree node
+    # starts from its parent's state, read back from s_out_ref.
+    mixed_ref, conv_ref, weight_ref, a_ref, b_ref, rate_ref, bias_ref, s_ref = refs[:8]
+    parents_ref = refs[8] if tree else None
+    o_ref, s_out_ref = refs[-2:]
     b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dtype = mixed_ref.dtype
     kh = h // group
     value_dim = o_ref.shape[3]
     cols = pl.ds(vb * block_v, block_v)
     decay_rate, bias = jnp.exp(rate_ref[h]), bias_ref[h]
-    s = s_ref[b, h, :, cols]  # [key_dim, block_v]
+    s = initial = s_ref[b, h, :, cols]  # [key_dim, block_v]
     for t in range(tokens):
+        if tree and t:
+            if not interpret:  # the parent's state was stored by this program's threads: make it visible
+                plgpu.debug_barrier()
+            parent = parents_ref[t]
+            s = jnp.where(parent >= 0, s_out_ref[jnp.maximum(parent, 0), b, h, :, cols], initial)
         conv = functools.partial(
-            _conv_silu, mixed_ref, conv_ref, weight_ref, b, t, kernel=kernel, dtype=dtype
+            _conv_silu, mixed_ref, conv_ref, weight_ref, b, t, kernel=kernel, dtype=dtype, tree=tree
         )
         q = _l2_normalize(conv(kh * key_dim, key_dim), dtype) * scale  # [key_dim]
         k = _l2_normalize(conv((k_heads + kh) * key_dim, key_dim), dtype)
@@ -164,7 +157,17 @@ def _decode_kernel(
 
 
 def _check_decode_shapes(
-    mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state, k_heads, key_dim
+    mixed,
+    conv_state,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    k_heads,
+    key_dim,
+    tree=False,
 ):
     """Raises ValueError naming an input whose shape disagrees with the others (mixed [batch, tokens, C])."""
     batch, v_heads, state_key_dim, value_dim = state.shape
@@ -173,7 +176,7 @@ def _check_decode_shapes(
     conv_dim = 2 * k_heads * key_dim + v_heads * value_dim
     expected = {
         "mixed": (mixed.shape, (batch, tokens, conv_dim)),
-        "conv_state": (conv_state.shape, (batch, kernel - 1, conv_dim)),
+        "conv_state": (conv_state.shape, (batch, *((tokens,) if tree else ()), kernel - 1, conv_dim)),
         "conv_weight": (conv_weight.shape, (kernel, conv_dim)),
         "decay_input": (decay_input.shape, (batch, tokens, v_heads)),
         "beta_input": (beta_input.shape, (batch, tokens, v_heads)),
@@ -187,12 +190,15 @@ def _check_decode_shapes(
         raise ValueError(f"state.shape={state.shape} does not fit k_heads={k_heads}, key_dim={key_dim}")
 
 
-def _decode_call(args, *, k_heads, key_dim, scale, block_v, interpret, keep_all):
+def _decode_call(args, *, k_heads, key_dim, scale, block_v, interpret, keep_all, parents=None):
     """The kernel over args = (mixed [batch, tokens, C], conv_state, conv_weight, decay_input, beta_input
     [batch, tokens, v_heads], log_decay_rate, dt_bias, state): (output [batch, tokens, v_heads, value_dim],
     the state after each token [tokens, ...] if keep_all, else after the last, in place)."""
     mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state = args
-    _check_decode_shapes(*args, k_heads, key_dim)
+    tree = parents is not None
+    _check_decode_shapes(*args, k_heads, key_dim, tree)
+    if tree and parents.shape != (mixed.shape[1],):
+        raise ValueError(f"parents must be [nodes] = [{mixed.shape[1]}], got shape {parents.shape}")
     batch, v_heads, _, value_dim = state.shape
     tokens = mixed.shape[1]
     block_v = min(block_v, value_dim)
@@ -210,6 +216,8 @@ def _decode_call(args, *, k_heads, key_dim, scale, block_v, interpret, keep_all)
         kernel=conv_weight.shape[0],
         tokens=tokens,
         keep_all=keep_all,
+        tree=tree,
+        interpret=interpret,
     )
     states = (tokens, *state.shape) if keep_all else state.shape
     return pl.pallas_call(
@@ -222,7 +230,7 @@ def _decode_call(args, *, k_heads, key_dim, scale, block_v, interpret, keep_all)
         input_output_aliases={} if keep_all else {7: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4),
         interpret=interpret,
-        name="gdn_decode_tokens" if keep_all else "gdn_decode",
+        name="gdn_decode_tree" if tree else "gdn_decode_tokens" if keep_all else "gdn_decode",
     )(
         mixed,
         conv_state,
@@ -232,6 +240,7 @@ def _decode_call(args, *, k_heads, key_dim, scale, block_v, interpret, keep_all)
         log_decay_rate.astype(f32),
         dt_bias.astype(f32),
         state.astype(f32),
+        *(() if parents is None else (parents.astype(jnp.int32),)),
     )
 
 
@@ -348,4 +357,55 @@ def gated_delta_rule_decode_tokens_triton(
         block_v=block_v,
         interpret=interpret,
         keep_all=True,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("k_heads", "key_dim", "scale", "block_v", "interpret"))
+def gated_delta_rule_decode_tree_triton(
+    mixed,
+    windows,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    parents,
+    *,
+    k_heads: int,
+    key_dim: int,
+    scale=None,
+    block_v=32,
+    interpret=None,
+):
+    """The nodes of a token tree through a Gated DeltaNet layer in one Pallas (Triton) kernel (a tree
+    verify): node i from its parent's state (the root from `state`), each node's conv window given, the state
+    after every node kept.
+
+    Args:
+      mixed: [batch, nodes, conv_dim]; decay_input, beta_input: [batch, nodes, v_heads].
+      windows: [batch, nodes, conv_kernel - 1, conv_dim] each node's conv window (its ancestors' pre-conv
+        inputs, then the history), oldest first.
+      parents: [nodes] int32, -1 at the root, parents[i] < i.
+      The rest as `gated_delta_rule_decode_triton`.
+
+    Returns:
+      output [batch, nodes, v_heads, value_dim] in mixed.dtype, and the states [nodes, batch, v_heads,
+      key_dim, value_dim] float32 (entry i: after node i's root path).
+
+    Raises:
+      ValueError: as `gated_delta_rule_decode_triton`, or parents not [nodes].
+    """
+    if mixed.ndim != 3:
+        raise ValueError(f"mixed must be [batch, nodes, conv_dim], got shape {mixed.shape}")
+    args = (mixed, windows, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state)
+    return _decode_call(
+        args,
+        k_heads=k_heads,
+        key_dim=key_dim,
+        scale=scale,
+        block_v=block_v,
+        interpret=interpret,
+        keep_all=True,
+        parents=parents,
     )

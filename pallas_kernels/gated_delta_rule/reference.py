@@ -264,3 +264,46 @@ def gated_delta_rule_decode_tokens_reference(
         outs.append(out)
         states.append(state)
     return jnp.stack(outs, axis=1), jnp.stack(states)
+
+
+def gated_delta_rule_decode_tree_reference(
+    mixed,
+    windows,
+    conv_weight,
+    decay_input,
+    beta_input,
+    log_decay_rate,
+    dt_bias,
+    state,
+    parents,
+    *,
+    k_heads,
+    key_dim,
+    scale=None,
+):
+    """`gated_delta_rule_decode_reference` node after node of a token tree (mixed [batch, nodes, conv_dim],
+    windows [batch, nodes, conv_kernel - 1, conv_dim] each node's conv window, parents [nodes] int32, -1 at
+    the root), each node from its parent's state: (output [batch, nodes, v_heads, value_dim], the states
+    [nodes, batch, v_heads, key_dim, value_dim] after each node)."""
+    outs, states = [], []
+    for i in range(mixed.shape[1]):
+        before = state
+        if i:
+            slots = jnp.stack(states)
+            before = jnp.where(parents[i] >= 0, slots[jnp.maximum(parents[i], 0)], state)
+        out, after = gated_delta_rule_decode_reference(
+            mixed[:, i],
+            windows[:, i],
+            conv_weight,
+            decay_input[:, i],
+            beta_input[:, i],
+            log_decay_rate,
+            dt_bias,
+            before,
+            k_heads=k_heads,
+            key_dim=key_dim,
+            scale=scale,
+        )
+        outs.append(out)
+        states.append(after)
+    return jnp.stack(outs, axis=1), jnp.stack(states)

@@ -282,6 +282,59 @@ def test_fused_decode_of_several_tokens_keeps_each_state(dtype, tokens):
         np.testing.assert_array_equal(np.asarray(state), np.asarray(states[t]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_decode_of_a_tree_starts_each_node_from_its_parent(dtype):
+    """The tree kernel (interpreter) equals its reference, and each node's state and output equal the
+    several-token kernel run over that node's root path (a chain) with the same windows."""
+    k_heads, dim, nodes = 2, 16, 6
+    parents = jnp.asarray([-1, 0, 0, 1, 3, 2], jnp.int32)  # two branches at the root, a chain of three
+    one = _decode_layer_inputs(1, k_heads, 4, dim, dtype, seed=13)
+    rng = np.random.default_rng(8)
+    conv_dim = one["mixed"].shape[1]
+    mixed = jnp.asarray(rng.standard_normal((1, nodes, conv_dim)), dtype)
+    decay = jnp.asarray(rng.standard_normal((1, nodes, 4)), jnp.float32)
+    beta = jnp.asarray(rng.standard_normal((1, nodes, 4)), jnp.float32)
+    paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 3, 4], 5: [0, 2, 5]}
+    history = one["conv_state"]
+    windows = []
+    for i in range(nodes):  # the conv window before node i: its ancestors' inputs after the history
+        rows = jnp.concatenate([history, mixed[:, paths[i][:-1]]], axis=1)
+        windows.append(rows[:, -3:])
+    windows = jnp.stack(windows, axis=1)  # [1, nodes, 3, conv_dim]
+    args = (
+        mixed,
+        windows,
+        one["conv_weight"],
+        decay,
+        beta,
+        one["log_decay_rate"],
+        one["dt_bias"],
+        one["state"],
+    )
+    kw = {"k_heads": k_heads, "key_dim": dim}
+    out, states = decode_step.gated_delta_rule_decode_tree_triton(*args, parents, **kw, interpret=True)
+    want_out, want_states = reference.gated_delta_rule_decode_tree_reference(*args, parents, **kw)
+    assert_close("output", out, want_out, dtype)
+    assert_close("states", states, want_states, dtype)
+    for i, path in paths.items():
+        chain_out, chain_states = decode_step.gated_delta_rule_decode_tokens_triton(
+            mixed[:, path],
+            history,
+            one["conv_weight"],
+            decay[:, path],
+            beta[:, path],
+            one["log_decay_rate"],
+            one["dt_bias"],
+            one["state"],
+            **kw,
+            interpret=True,
+        )
+        np.testing.assert_array_equal(
+            np.asarray(out[:, i], np.float32), np.asarray(chain_out[:, -1], np.float32)
+        )
+        np.testing.assert_array_equal(np.asarray(states[i]), np.asarray(chain_states[-1]))
+
+
 def test_fused_decode_api_and_errors():
     inputs = _decode_layer_inputs(1, 2, 4, 16, jnp.float32, seed=7)
     want = api.gated_delta_rule_decode(**inputs, k_heads=2, key_dim=16, implementation="reference")
@@ -328,6 +381,12 @@ def test_fused_decode_lowers_for_cuda():
     )
     assert "gdn_decode_tokens" in support.lowered_for_h100(
         decode_step.gated_delta_rule_decode_tokens_triton, *several, k_heads=kh, key_dim=d, interpret=False
+    )
+    windows = jax.ShapeDtypeStruct((b, tokens, 3, conv_dim), bf16)
+    parents = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    tree = (several[0], windows, *several[2:], parents)
+    assert "gdn_decode_tree" in support.lowered_for_h100(
+        decode_step.gated_delta_rule_decode_tree_triton, *tree, k_heads=kh, key_dim=d, interpret=False
     )
 
 
