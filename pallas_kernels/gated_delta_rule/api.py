@@ -209,18 +209,12 @@ def gated_delta_rule_decode(
     Raises:
       ValueError: unknown `implementation`, or shapes that disagree.
     """
-    config = step_config()
-    implementation = implementation or _step_default(mixed.shape[0], config)
     args = (mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state)
-    if implementation == "reference":
-        return reference.gated_delta_rule_decode_reference(
-            *args, k_heads=k_heads, key_dim=key_dim, scale=scale
-        )
-    if implementation != "triton":
-        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
-    return decode_step.gated_delta_rule_decode_triton(
-        *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
+    implementations = (
+        reference.gated_delta_rule_decode_reference,
+        decode_step.gated_delta_rule_decode_triton,
     )
+    return _decode(implementations, args, k_heads, key_dim, scale, implementation)
 
 
 def gated_delta_rule_decode_tokens(
@@ -254,18 +248,12 @@ def gated_delta_rule_decode_tokens(
     Raises:
       ValueError: unknown `implementation`, or shapes that disagree.
     """
-    config = step_config()
-    implementation = implementation or _step_default(mixed.shape[0], config)
     args = (mixed, conv_state, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state)
-    if implementation == "reference":
-        return reference.gated_delta_rule_decode_tokens_reference(
-            *args, k_heads=k_heads, key_dim=key_dim, scale=scale
-        )
-    if implementation != "triton":
-        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
-    return decode_step.gated_delta_rule_decode_tokens_triton(
-        *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
+    implementations = (
+        reference.gated_delta_rule_decode_tokens_reference,
+        decode_step.gated_delta_rule_decode_tokens_triton,
     )
+    return _decode(implementations, args, k_heads, key_dim, scale, implementation)
 
 
 def gated_delta_rule_decode_tree(
@@ -302,15 +290,26 @@ def gated_delta_rule_decode_tree(
     Raises:
       ValueError: unknown `implementation`, or shapes that disagree.
     """
-    config = step_config()
-    implementation = implementation or _step_default(mixed.shape[0], config)
     args = (mixed, windows, conv_weight, decay_input, beta_input, log_decay_rate, dt_bias, state, parents)
-    if implementation == "reference":
-        return reference.gated_delta_rule_decode_tree_reference(
-            *args, k_heads=k_heads, key_dim=key_dim, scale=scale
-        )
-    if implementation != "triton":
-        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
-    return decode_step.gated_delta_rule_decode_tree_triton(
-        *args, k_heads=k_heads, key_dim=key_dim, scale=scale, block_v=config["block_v"]
+    implementations = (
+        reference.gated_delta_rule_decode_tree_reference,
+        decode_step.gated_delta_rule_decode_tree_triton,
     )
+    return _decode(implementations, args, k_heads, key_dim, scale, implementation)
+
+
+def _decode(implementations, args, k_heads, key_dim, scale, implementation):
+    """Runs a decode entry point's (reference, triton) pair on args (mixed first) as `implementation` names
+    it, None as `_step_default` picks.
+
+    Raises:
+      ValueError: unknown `implementation`.
+    """
+    config = step_config()
+    implementation = implementation or _step_default(args[0].shape[0], config)
+    if implementation not in ("reference", "triton"):
+        raise ValueError(f"unknown implementation {implementation!r}; choose from ['reference', 'triton']")
+    kw = {"k_heads": k_heads, "key_dim": key_dim, "scale": scale}
+    if implementation == "triton":
+        kw["block_v"] = config["block_v"]
+    return implementations[implementation == "triton"](*args, **kw)
