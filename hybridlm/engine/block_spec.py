@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hybridlm.dflash import block_input_ids
 from hybridlm.engine import tree as tree_lib
@@ -46,7 +45,7 @@ from hybridlm.engine.spec_sampling import (
     filtered_probs,
     follow_tree,
 )
-from hybridlm.engine.speculative import iterate_until
+from hybridlm.engine.speculative import iterate_until, loop_fields
 from hybridlm.engine.tree_verify import commit_tree
 from hybridlm.state import KVCache
 
@@ -229,23 +228,9 @@ def initial_state(
 ) -> BlockSpecState:
     """The `BlockSpecState` after a prefill that put every prompt position into the draft's context and whose
     logits gave `token` [1]."""
-    stop = np.asarray(stop_ids, np.int32).reshape(-1)
-    stop = jnp.asarray(stop if stop.size else np.full((1,), -1, np.int32))
     return BlockSpecState(
-        token=token,
-        position=jnp.int32(pre.prompt_tokens),
-        states=pre.states,
+        **loop_fields(pre, token, key, stop_ids, temperature, top_p, alpha, MAX_BLOCK),
         draft_cache=cache,
         pend_features=jnp.zeros((1, block_size, feature_dim), dtype),
         pending=jnp.int32(0),
-        key=key,
-        finished=jnp.any(token[:, None] == stop[None, :], axis=1),
-        stop_ids=stop,
-        temperature=jnp.float32(temperature),
-        top_p=jnp.float32(top_p),
-        tried=jnp.zeros((MAX_BLOCK,), jnp.int32),
-        passed=jnp.zeros((MAX_BLOCK,), jnp.int32),
-        iterations=jnp.int32(0),
-        emitted=jnp.int32(0),
-        alpha=jnp.float32(alpha),
     )

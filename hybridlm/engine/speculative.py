@@ -264,29 +264,37 @@ def initial_state(
     """The `SpecState` after a prefill whose last hidden state is last_hidden [1, hidden] and whose logits
     gave `token` [1]."""
     hidden = jnp.zeros((1, slots, last_hidden.shape[-1]), last_hidden.dtype).at[:, 0].set(last_hidden)
-    stop = np.asarray(stop_ids, np.int32).reshape(-1)
-    stop = stop if stop.size else np.full((1,), -1, np.int32)
-    stop = jnp.asarray(stop)
     return SpecState(
-        token=token,
-        position=jnp.int32(pre.prompt_tokens),
-        states=pre.states,
+        **loop_fields(pre, token, key, stop_ids, temperature, top_p, alpha, MAX_DRAFT_TOKENS),
         mtp_cache=mtp_cache,
         pend_tokens=jnp.zeros((1, slots), jnp.int32).at[:, 0].set(token),
         pend_hidden=hidden,
         pending=jnp.int32(1),
-        key=key,
-        finished=jnp.any(token[:, None] == stop[None, :], axis=1),
-        stop_ids=stop,
-        temperature=jnp.float32(temperature),
-        top_p=jnp.float32(top_p),
-        tried=jnp.zeros((MAX_DRAFT_TOKENS,), jnp.int32),
-        passed=jnp.zeros((MAX_DRAFT_TOKENS,), jnp.int32),
-        iterations=jnp.int32(0),
-        emitted=jnp.int32(0),
         reference=jnp.asarray(np.zeros((1, 1), np.int32) if reference is None else reference, jnp.int32),
-        alpha=jnp.float32(alpha),
     )
+
+
+def loop_fields(pre, token, key, stop_ids, temperature, top_p, alpha, depths: int) -> dict:
+    """The fields every speculative loop state starts with after a prefill whose logits gave `token` [1]:
+    position and layer states, the PRNG key, stop ids ([n] int32, -1 for none) and whether `token` is one,
+    the sampling settings, zero acceptance counts over `depths` draft positions, the oracle rate."""
+    stop = np.asarray(stop_ids, np.int32).reshape(-1)
+    stop = jnp.asarray(stop if stop.size else np.full((1,), -1, np.int32))
+    return {
+        "token": token,
+        "position": jnp.int32(pre.prompt_tokens),
+        "states": pre.states,
+        "key": key,
+        "finished": jnp.any(token[:, None] == stop[None, :], axis=1),
+        "stop_ids": stop,
+        "temperature": jnp.float32(temperature),
+        "top_p": jnp.float32(top_p),
+        "tried": jnp.zeros((depths,), jnp.int32),
+        "passed": jnp.zeros((depths,), jnp.int32),
+        "iterations": jnp.int32(0),
+        "emitted": jnp.int32(0),
+        "alpha": jnp.float32(alpha),
+    }
 
 
 # Relative cost of one more draft token in an iteration (drafter step + a verified token), against an
