@@ -97,6 +97,12 @@ def main(argv=None) -> None:
     p.add_argument(
         "--trace", default=None, metavar="DIR", help="also a profiler trace of each warm run, under DIR"
     )
+    p.add_argument(
+        "--keep",
+        default="experts",
+        choices=["experts", "experts+head"],
+        help="what the GGUF's quantized blocks are kept for (`load(keep_quantized=...)`)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.offloaded_only and not args.budget:
@@ -112,7 +118,7 @@ def main(argv=None) -> None:
 
 def resident(args, mtp, prompt, t0: float) -> None:
     """Plain and oracle MTP decode with every expert on the device; the verify's cost against a step."""
-    model = hybridlm.load(args.gguf, keep_quantized="experts", progress=False)
+    model = hybridlm.load(args.gguf, keep_quantized=args.keep, progress=False)
     runner = hybridlm.LayerwiseRunner(model)
     _emit(
         args.out,
@@ -154,7 +160,7 @@ def offloaded(args, mtp, prompt) -> None:
     model: load the resident one's runner first or not at all)."""
     from hybridlm.offload import OffloadConfig, OffloadedRunner, load_offloaded
 
-    model, host = load_offloaded(args.gguf, parts=1, progress=False)
+    model, host = load_offloaded(args.gguf, parts=1, progress=False, keep_quantized=args.keep)
     runner = OffloadedRunner(
         model, OffloadConfig(expert_budget=args.budget, cache_policy="static"), host_experts=host
     )

@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridlm.layers.linear import linear
+from hybridlm.layers.linear import head_matmul, linear
 from hybridlm.layers.moe import swiglu
 from hybridlm.layers.norms import PlainRMSNorm, rms_norm
 from hybridlm.layers.rope import YarnScaling, apply_partial_rope, rope_cos_sin
 from hybridlm.state import KVCache
+from pallas_kernels.quantized import QuantizedWeights
 
 # dflash_config keys this implementation reads; any other names a variant (DFlash2's convolution and
 # selector, Domino, attention sinks, ...) that it lacks.
@@ -481,7 +482,7 @@ class DFlashDraft(nnx.Module):
         for layer, kv in zip(self.layers, cache, strict=True):
             x = layer(x, kv, start, cos, sin)
         hidden = self.norm(x)
-        return hidden, linear(hidden[:, 1:], head_weight.astype(hidden.dtype)).astype(jnp.float32)
+        return hidden, head_matmul(hidden[:, 1:], head_weight)
 
 
 def block_input_ids(last_token: jax.Array, config: DFlashConfig) -> jax.Array:
@@ -581,4 +582,6 @@ def dflash_reference(
         g = norm(x, layer.post_norm.scale[...]) @ f32(layer.gate_up[...])
         x = x + (jax.nn.silu(g[..., : c.ffn_dim]) * g[..., c.ffn_dim :]) @ f32(layer.down[...])
     hidden = norm(x, draft.norm.scale[...])
+    if isinstance(head_weight, QuantizedWeights):
+        head_weight = head_weight.dequantize()[0]
     return hidden, hidden[:, 1:] @ f32(head_weight)

@@ -17,6 +17,7 @@ from flax import nnx
 from hybridlm.config import ModelConfig
 from hybridlm.layers.gated_attention import GatedAttention
 from hybridlm.layers.gated_deltanet import GatedDeltaNet
+from hybridlm.layers.linear import head_matmul
 from hybridlm.layers.moe import DenseMLP, SparseMoE
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.state import GatedDeltaNetState, LayerState, TreeKV
@@ -136,7 +137,7 @@ def concat_taps(outputs: dict, taps: tuple[int, ...]) -> jax.Array:
 def head_logits(final_norm, head_weight: jax.Array, hidden: jax.Array) -> jax.Array:
     """final_norm(hidden) @ head_weight: [..., hidden] -> [..., vocab] float32 (`HybridLM.logits`, and
     programs that hold the head's pieces without the model, e.g. the offload runner's decode step)."""
-    return (final_norm(hidden) @ head_weight).astype(jnp.float32)
+    return head_matmul(final_norm(hidden), head_weight)
 
 
 class HybridLM(nnx.Module):
@@ -158,9 +159,10 @@ class HybridLM(nnx.Module):
             init = nnx.initializers.normal(config.hidden_dim**-0.5)
             self.lm_head = nnx.Param(init(rngs.params(), (config.hidden_dim, config.vocab_size), dtype))
 
-    def head_weight(self) -> jax.Array:
-        """[hidden, vocab]: lm_head, or the transposed embedding when tied."""
-        return self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    def head_weight(self):
+        """[hidden, vocab]: lm_head (a float array, or `QuantizedWeights` [1, hidden, vocab] when loaded with
+        keep_quantized="experts+head"), or the transposed embedding when tied."""
+        return self.embed[...].T if self.config.tie_word_embeddings else self.lm_head.get_value()
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + lm head: [..., hidden] -> [..., vocab] float32."""

@@ -310,6 +310,41 @@ def test_keep_quantized_experts(k256_model, forward, tmp_path, tensor_type, byte
     assert np.abs(got - want).max() < 1e-4  # same weights, only the summation order may differ
 
 
+@pytest.mark.parametrize("tensor_type,head_block", [("q8_0", 32), ("q4_k_m", 16)])
+def test_keep_quantized_head(k256_model, forward, tmp_path, tensor_type, head_block):
+    """keep_quantized="experts+head" keeps output.weight (Q8_0, or Q4_K_M's Q6_K) as the file's exact
+    weights [1, hidden, vocab]; logits equal the dequantized model's, and saving writes the same head."""
+    path = tmp_path / f"k256-{tensor_type}.gguf"
+    save_gguf(k256_model, path, tensor_type)
+    dense = load_gguf(path, dtype=jnp.float32, progress=False)
+    kept = load_gguf(path, dtype=jnp.float32, keep_quantized="experts+head", progress=False)
+    head = kept.head_weight()
+    assert isinstance(head, QuantizedWeights) and (head.bits, head.block_size) == (8, head_block)
+    assert head.shape == (1, K256.hidden_dim, K256.vocab_size)
+    np.testing.assert_array_equal(np.asarray(head.dequantize()[0]), np.asarray(dense.head_weight()))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, K256.vocab_size, (2, 19)), jnp.int32)
+    got = np.asarray(forward(kept, ids))
+    assert_finite(got, "logits")
+    assert np.abs(got - np.asarray(forward(dense, ids))).max() < 1e-4
+    again = tmp_path / "again.gguf"
+    save_gguf(kept, again, tensor_type)
+    reloaded = load_gguf(again, dtype=jnp.float32, progress=False)
+    np.testing.assert_array_equal(np.asarray(reloaded.head_weight()), np.asarray(dense.head_weight()))
+
+
+def test_keep_quantized_head_of_a_float_file_stays_float(gguf_case, tmp_path):
+    model, _, _, _ = gguf_case["qwen35moe_text"]
+    path = tmp_path / "bf16.gguf"
+    save_gguf(model, path, "bf16")
+    kept = load_gguf(path, keep_quantized="experts+head", progress=False)
+    assert kept.head_weight().dtype == jnp.bfloat16
+
+
+def test_keep_quantized_names_its_choices(tmp_path):
+    with pytest.raises(ValueError, match="experts\\+head"):
+        load_gguf(tmp_path / "absent.gguf", keep_quantized="head")
+
+
 def test_use_more_bits_is_llama_quantize_rule():
     # llama.cpp's Q4_K_M ffn_down layers for 40 blocks (Qwen3.5/3.6-35B-A3B): 0-4, every third from 7, 35-39
     more = [i for i in range(40) if use_more_bits(i, 40)]

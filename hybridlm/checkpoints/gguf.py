@@ -62,14 +62,19 @@ def _is_trunk_tensor(name: str, num_layers: int) -> bool:
     return index is None or index < num_layers
 
 
+# What `load_gguf(keep_quantized=...)` takes: nothing kept, the routed experts, or those and the lm head.
+KEEP_CHOICES = (None, "experts", "experts+head")
+HEAD_TENSOR = "output.weight"
+
+
 def _open_checked(path: str, keep_quantized: str | None):
     """(header, config, architecture) of a GGUF file whose tensor table was checked against its config.
 
     Raises:
-      ValueError: keep_quantized neither None nor "experts"; GGUFError (a ValueError) for a malformed file.
+      ValueError: keep_quantized not one of KEEP_CHOICES; GGUFError (a ValueError) for a malformed file.
     """
-    if keep_quantized not in (None, "experts"):
-        raise ValueError(f"keep_quantized={keep_quantized!r}; choose None or 'experts'")
+    if keep_quantized not in KEEP_CHOICES:
+        raise ValueError(f"keep_quantized={keep_quantized!r}; choose one of {KEEP_CHOICES}")
     header = read_header(path)
     config = config_from_gguf(header)
     arch = _architecture(header)
@@ -98,7 +103,9 @@ def load_gguf(
       keep_quantized: None dequantizes everything; "experts" keeps routed-expert tensors stored as Q8_0,
         Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL or IQ4_XS (as 8-bit) or as Q4_0, Q4_1 or Q4_K (as 4-bit)
         `QuantizedWeights`, exactly (`gguf_quants.to_quantized_weights`); other types (F16, BF16, Q8_K), or
-        input dims that do not split into whole 4-bit halves, are dequantized.
+        input dims that do not split into whole 4-bit halves, are dequantized. "experts+head" also keeps
+        the lm head (`output.weight`) of an 8-bit type as a `QuantizedWeights` [1, hidden, vocab], which a
+        decode step reads at about half the bytes of bfloat16 (`layers.linear.head_matmul`).
       progress: show a progress bar over bytes read.
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
         ("experts_gate_up" / "experts_down": a `QuantizedWeights`, a device array [experts, ...], or, when
@@ -134,7 +141,8 @@ def load_gguf(
         raise GGUFError(
             f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
         )
-    keep = keep_quantized == "experts"
+    keep = keep_quantized in ("experts", "experts+head")
+    keep_head = keep_quantized == "experts+head" and _keepable_head(header)
     raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
 
     finite: list[tuple[str, object]] = []
@@ -152,10 +160,14 @@ def load_gguf(
         ) as bar,
     ):
         previous = None
-        on_device = functools.partial(_on_device, header=header, keep=keep, raw_q4k=raw_q4k)
+        on_device = functools.partial(
+            _on_device, header=header, keep=keep, raw_q4k=raw_q4k, keep_head=keep_head
+        )
         for src, raws in read_ahead(f.fileno(), header, sources, on_device):
             wants = [variables[p].get_value() for p in src.params]
-            values = _source_values(src, raws, header, wants, arch, keep, raw_q4k, expert_sink is not None)
+            values = _source_values(
+                src, raws, header, wants, arch, keep, raw_q4k, expert_sink is not None, keep_head
+            )
             for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
                 _check_shape(src, i, value.shape, want.shape)
                 if check_finite:
@@ -207,7 +219,7 @@ def load_gguf_mtp(
     sources = list(mtp_gguf_sources(config, arch, set(header.tensors)))
     for src in sources:
         _check_source(src, header, variables, arch, config)
-    keep = keep_quantized == "experts"
+    keep = keep_quantized in ("experts", "experts+head")
     raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
     finite: list[tuple[str, object]] = []
     on_device = functools.partial(_on_device, header=header, keep=keep, raw_q4k=raw_q4k)
@@ -244,11 +256,27 @@ def _expert_tensors(header: Header, sources) -> list[TensorInfo]:
     return [header.tensors[n] for src in sources if src.experts for n in src.tensors if n in header.tensors]
 
 
-def _on_device(src, *, header: Header, keep: bool, raw_q4k: bool) -> bool:
+def _keepable_head(header: Header) -> bool:
+    """Whether the file's lm head can be kept quantized exactly (an 8-bit keepable type)."""
+    info = header.tensors.get(HEAD_TENSOR)
+    return (
+        info is not None
+        and gguf_quants.can_keep(info.type, info.ne[0])
+        and gguf_quants.KEPT_BITS[info.type] == 8
+    )
+
+
+def _is_head(src) -> bool:
+    return tuple(src.tensors) == (HEAD_TENSOR,)
+
+
+def _on_device(src, *, header: Header, keep: bool, raw_q4k: bool, keep_head: bool = False) -> bool:
     """Whether a source's bytes go to the device as they are (kept Q4_K experts, matrices of DEVICE_TYPES)
     rather than through numpy."""
     if keep and src.experts:
         return raw_q4k
+    if keep_head and _is_head(src):
+        return False
     return not src.f32 and all(header.tensors[n].type in gguf_device.DEVICE_TYPES for n in src.tensors)
 
 
@@ -297,10 +325,15 @@ def _check_source(src, header, variables, arch, config) -> None:
         )
 
 
-def _source_values(src, raws, header, wants, arch, keep, raw_q4k, to_sink) -> tuple:
-    """The parameter values of one table row from its tensors' bytes: kept expert blocks, device-dequantized
-    matrices, or numpy-dequantized small and rare-type tensors, the converter's transforms undone."""
+def _source_values(src, raws, header, wants, arch, keep, raw_q4k, to_sink, keep_head=False) -> tuple:
+    """The parameter values of one table row from its tensors' bytes: kept expert blocks, a kept lm head,
+    device-dequantized matrices, or numpy-dequantized small and rare-type tensors, the converter's transforms
+    undone."""
     infos = [header.tensors[n] for n in src.tensors]
+    if keep_head and _is_head(src):  # [vocab, bytes] -> one group [1, hidden, vocab]
+        (info,) = infos
+        view = gguf_device.host_view(raws[0], info)
+        return (gguf_quants.to_quantized_weights([(view[None], info.type)]),)
     if keep and src.experts and raw_q4k:
         blocks = jnp.concatenate(
             [r.reshape(t.ne[2], t.ne[1], -1) for r, t in zip(raws, infos, strict=True)], axis=1
@@ -379,6 +412,8 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
 
 def _check_shape(src, i, got, want):
+    if _is_head(src) and len(got) == 3 and got[0] == 1:  # a kept head [1, hidden, vocab]
+        got = got[1:]
     if tuple(got) != tuple(want):
         raise GGUFError(
             f"tensor(s) {list(src.tensors)} give {'.'.join(map(str, src.params[i]))} shape "
@@ -484,7 +519,7 @@ def save_gguf(
     """Writes `model` as the GGUF file llama.cpp's converter would write for the same weights.
 
     Args:
-      model: the model (float or with `QuantizedWeights` experts, which are dequantized first).
+      model: the model (float or with `QuantizedWeights` experts or lm head, which are dequantized first).
       path: output file.
       tensor_type: "f32", "f16", "bf16", "q8_0", "q4_k", "q5_k" or "q6_k": the type of every matrix;
         "q4_k_m" / "q5_k_m": Q4_K / Q5_K with Q6_K for output.weight and for ffn_down* / attn_v in the layers
@@ -563,7 +598,10 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, array, wanted, forced_f32: b
 
 def _as_numpy(value) -> np.ndarray:
     if isinstance(value, QuantizedWeights):
+        groups = value.shape[0]
         value = value.dequantize(jnp.float32)
+        if groups == 1 and value.ndim == 3:  # a kept lm head [1, hidden, vocab]; experts have more groups
+            value = value[0]
     return np.asarray(jnp.asarray(value, jnp.float32))
 
 

@@ -10,6 +10,7 @@ expert weights between them.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,16 @@ from flax import nnx
 # and paged blocks). A decode step is ~1 200 small kernels (30 a layer), each launched from the host by XLA's
 # while-loop thunk; captured as one CUDA graph, with the loop as a conditional node, their launch cost goes.
 # The list is XLA's default command-buffer types plus WHILE and CONDITIONAL (the option takes no "+X" form).
-DEVICE_LOOP_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-    "xla_gpu_graph_min_graph_size": 1,
-}
+# An `--xla_gpu_enable_command_buffer` in XLA_FLAGS wins (e.g. empty, for a profiler trace, which cannot see
+# the kernels inside a CUDA graph).
+DEVICE_LOOP_OPTIONS = (
+    {}
+    if "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", "")
+    else {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+        "xla_gpu_graph_min_graph_size": 1,
+    }
+)
 
 
 class StaticGraph:

@@ -127,7 +127,7 @@ class LayerwiseRunner:
         # the head's pieces for programs that run it without the whole model (the offload runner's decode
         # step): (graph, flat weights) of the final norm, and lm_head (None when tied to the embedding)
         self.final_norm = flat_layer(*nnx.split(committed.final_norm))
-        self.lm_head = None if self.config.tie_word_embeddings else committed.lm_head[...]
+        self.lm_head = None if self.config.tie_word_embeddings else committed.lm_head.get_value()
         self.whole = (StaticGraph(graphdef), params)
         # where states and other uncommitted inputs go: None (where they lie), or replicated over the mesh of
         # a model on several devices
