@@ -204,15 +204,17 @@ def block_methods(args, runner, prompt, plain, suffix: str) -> None:
                     for _ in range(2):  # the second is warm
                         g = hybridlm.generate(runner, prompt, max_new_tokens=args.new_tokens, **kw)
                     record = _record(f"{method}_oracle_coin{suffix}", alpha, None, g, plain)
-                    _emit(args.out, {**record, "block": block, "budget": budget, "budget_arg": args.budget})
+                    _emit(args.out, {**record, "budget": args.budget})  # expert budget; tree_budget: DDTree
         del draft
 
 
-def _record(what: str, alpha: float, k: int, g, plain) -> dict:
+def _record(what: str, alpha: float, k: int | None, g, plain) -> dict:
+    """One speculative run's JSON line; k: MTP's draft length (DFlash records carry block_size and
+    tree_budget from `g.speculative` instead)."""
     return {
         "what": what,
         "alpha": alpha,
-        "k": k,
+        **({} if k is None else {"k": k}),
         "tokens_per_s": g.decode_tokens_per_s,
         "speedup": g.decode_tokens_per_s / plain.decode_tokens_per_s,
         "same_tokens_as_plain": bool((g.tokens == plain.tokens).all()),

@@ -4,6 +4,7 @@ speculative iterations (`hybridlm.engine.speculative.spec_block`), draft lengths
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,46 +119,32 @@ def generate_speculative(
         pre, token, [cache], last, slots, key, stop_ids, temperature, top_p, reference, alpha
     )
     first = np.asarray(token)  # read before the state holding it is donated to the first block
-    t0 = time.perf_counter()
     # The first programs compile (timed apart): one iteration of each draft length "auto" may pick, so that a
     # later change of length compiles nothing inside the timed blocks.
     warmup = list(spec.AUTO_DRAFT_TOKENS[::-1]) if auto else [draft_tokens]
-    run = _Blocks(target, mtp_flat, sampler, slots, mode, commit(s), max_new_tokens - 1)
-    first_step_s = None
-    while run.limit < run.total:
-        warming = bool(warmup)
-        k = warmup.pop(0) if warming else spec.choose_draft_tokens(*run.counts()) if auto else draft_tokens
-        run.block(k, warming)
-        if warming and not warmup:
-            jax.block_until_ready(run.parts[-1][0])
-            run.first_parts, first_step_s = len(run.parts), time.perf_counter() - t0
-        if stop_ids.size and len(run.parts) > 1 and int(run.parts[-2][1]) == 0:
-            break  # a block that emitted nothing: a stop id came before it
-    if first_step_s is None:  # max_new_tokens came within the warm-up: all of it counts as the first step
-        run.first_parts, first_step_s = len(run.parts), time.perf_counter() - t0
-    tokens, stop_reason = _tokens(first, run.parts, max_new_tokens, stop_ids)
-    result = GenerateResult(
-        tokens=tokens,
-        prefill=pre,
-        decode_s=time.perf_counter() - t0,
-        first_step_s=first_step_s,
-        stop_reason=stop_reason,
-        speculative=run.stats(),
-        first_step_tokens=sum(int(c) for _, c in run.parts[: run.first_parts]),
-    )
-    timed = result.decode_tokens_per_s
-    iterations = result.speculative["iterations"]
-    per_iteration = result.speculative["tokens_per_iteration"]
-    # wall time an iteration (draft + verify + acceptance), from the timed blocks' rate
-    result.speculative["iteration_s"] = per_iteration / timed if timed and iterations else 0.0
-    return result
+    run = _Blocks(target, mtp_flat, sampler, slots, mode, commit(s))
+    ks = iter(warmup)
+
+    def enqueue(limit: int, warming: bool):
+        k = next(ks) if warming else spec.choose_draft_tokens(*run.counts()) if auto else draft_tokens
+        return run.block(k, limit)
+
+    loop = drive_blocks(enqueue, max_new_tokens - 1, sampler.block, len(warmup), stop_ids)
+    tried, passed = run.counts() if run.counts_ready else (np.zeros(1), np.zeros(1))
+    stats = {
+        "method": "mtp",
+        "draft_tokens": run.draft_used[-1] if run.draft_used else 0,
+        "draft_tokens_per_block": run.draft_used,
+        **acceptance_stats(run.state, tried, passed, "acceptance_per_position"),
+    }
+    return speculative_result(first, pre, loop, max_new_tokens, stop_ids, stats)
 
 
 class _Blocks:
-    """The speculative blocks of one generate: each enqueued with its draft length, its tokens and counts kept
-    (read only when the host needs them)."""
+    """The MTP blocks of one generate: each enqueued with its draft length; the acceptance counts kept on the
+    device (read only when the host needs them)."""
 
-    def __init__(self, target, mtp_flat, sampler, slots: int, mode, state, total: int):
+    def __init__(self, target, mtp_flat, sampler, slots: int, mode, state):
         self.target, self.mtp_flat, self.sampler, self.slots, self.mode = (
             target,
             mtp_flat,
@@ -165,41 +152,93 @@ class _Blocks:
             slots,
             mode,
         )
-        self.state, self.total, self.limit = state, total, 0
-        self.parts: list = []  # (tokens [1, block + slots], count) per block
+        self.state = state
         self.draft_used: list[int] = []
-        self.first_parts: int | None = None
         self._counts = None  # the acceptance counts after the last block, as separate arrays
 
-    def block(self, k: int, warming: bool) -> None:
-        """Enqueues the next block: one iteration while warming (its program compiles), else up to
-        `sampler.block` tokens."""
+    def block(self, k: int, limit: int):
+        """Enqueues the next block of draft length k, emitting up to `limit` tokens in all: (tokens
+        [1, block + slots], count)."""
         cfg = spec.SpecConfig(k, self.slots, self.sampler, self.mode)
-        self.limit = min(self.total, self.limit + (1 if warming else self.sampler.block))
         (target, args), (mtp_graph, mtp_leaves) = self.target, self.mtp_flat
         out, count, self.state, self._counts = spec.spec_block(
-            cfg, target, mtp_graph, self.sampler.block, args, mtp_leaves, self.state, np.int32(self.limit)
+            cfg, target, mtp_graph, self.sampler.block, args, mtp_leaves, self.state, np.int32(limit)
         )
-        self.parts.append((out, count))
         self.draft_used.append(k)
+        return out, count
+
+    @property
+    def counts_ready(self) -> bool:
+        return self._counts is not None
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """(tried, passed) per draft position after the last enqueued block (waits for it)."""
         return tuple(np.asarray(c) for c in self._counts)
 
-    def stats(self) -> dict:
-        """Acceptance statistics of the whole run (`GenerateResult.speculative`)."""
-        tried, passed = self.counts() if self._counts is not None else (np.zeros(1), np.zeros(1))
-        iterations, emitted = int(self.state.iterations), int(self.state.emitted)
-        return {
-            "method": "mtp",
-            "draft_tokens": self.draft_used[-1] if self.draft_used else 0,
-            "draft_tokens_per_block": self.draft_used,
-            "iterations": iterations,
-            "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
-            "tokens_per_iteration": float(emitted / iterations) if iterations else 0.0,
-            "acceptance_per_position": [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
-        }
+
+class BlockLoop(NamedTuple):
+    """What `drive_blocks` leaves: the blocks' (tokens, count) in order, how many of them the first timed
+    step covers and its seconds, and the loop's start (`time.perf_counter`)."""
+
+    parts: list
+    first_parts: int
+    first_step_s: float
+    t0: float
+
+
+def drive_blocks(enqueue, total: int, block: int, warmup: int, stop_ids: np.ndarray) -> BlockLoop:
+    """Enqueues speculative blocks until `total` tokens are covered or a stop id was emitted.
+
+    `enqueue(limit, warming)` enqueues one block that emits up to `limit` tokens in all and returns its
+    (tokens [1, n], count) without waiting. The first `warmup` blocks run one iteration each (their programs
+    compile; they form the first step, timed apart), the rest up to `block` tokens each. A block is read
+    back only to see whether the one before it emitted nothing, i.e. a stop id came earlier.
+    """
+    parts: list = []
+    limit, first_parts, first_step_s = 0, 0, None
+    t0 = time.perf_counter()
+    while limit < total:
+        warming = len(parts) < warmup
+        limit = min(total, limit + (1 if warming else block))
+        parts.append(enqueue(limit, warming))
+        if warming and len(parts) == warmup:
+            jax.block_until_ready(parts[-1][0])
+            first_parts, first_step_s = len(parts), time.perf_counter() - t0
+        if stop_ids.size and len(parts) > 1 and int(parts[-2][1]) == 0:
+            break
+    if first_step_s is None:  # the total came within the warm-up: all of it counts as the first step
+        first_parts, first_step_s = len(parts), time.perf_counter() - t0
+    return BlockLoop(parts, first_parts, first_step_s, t0)
+
+
+def acceptance_stats(state, tried: np.ndarray, passed: np.ndarray, per: str) -> dict:
+    """Iterations, mean accepted drafts and tokens an iteration of a loop state (its `iterations` and
+    `emitted`), and the acceptance rate at each draft position or depth (key `per`)."""
+    iterations, emitted = int(state.iterations), int(state.emitted)
+    return {
+        "iterations": iterations,
+        "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
+        "tokens_per_iteration": float(emitted / iterations) if iterations else 0.0,
+        per: [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
+    }
+
+
+def speculative_result(first, pre, loop: BlockLoop, max_new_tokens: int, stop_ids, stats: dict):
+    """The `GenerateResult` of a speculative run: the prefill's token `first` [1] then the blocks' tokens, and
+    `stats` with the wall seconds an iteration (draft + verify + acceptance) from the timed blocks' rate."""
+    tokens, stop_reason = _tokens(first, loop.parts, max_new_tokens, stop_ids)
+    result = GenerateResult(
+        tokens=tokens,
+        prefill=pre,
+        decode_s=time.perf_counter() - loop.t0,
+        first_step_s=loop.first_step_s,
+        stop_reason=stop_reason,
+        speculative=stats,
+        first_step_tokens=sum(int(c) for _, c in loop.parts[: loop.first_parts]),
+    )
+    timed = result.decode_tokens_per_s
+    stats["iteration_s"] = stats["tokens_per_iteration"] / timed if timed and stats["iterations"] else 0.0
+    return result
 
 
 def _tokens(first, parts: list, max_new_tokens: int, stop_ids: np.ndarray) -> tuple[np.ndarray, str]:
@@ -322,42 +361,28 @@ def generate_block_speculative(
         method, block, tree_budget, sampler, draft.config.target_layer_ids, oracle is not None
     )
     first = np.asarray(token)
-    state, total, limit, parts = commit(s), max_new_tokens - 1, 0, []
-    counts = None
-    t0 = time.perf_counter()
-    first_step_s, first_parts = None, 0
+    run = {"state": commit(s), "counts": None}
     (target_graph, target_args), (draft_graph, draft_leaves) = target, draft_flat
-    while limit < total:
-        limit = min(total, limit + (1 if not parts else sampler.block))  # the first block compiles: one round
-        out, count, state, counts = block_spec.block_spec_block(
-            cfg, target_graph, draft_graph, sampler.block, target_args, draft_leaves, state, np.int32(limit)
+
+    def enqueue(limit: int, warming: bool):
+        out, count, run["state"], run["counts"] = block_spec.block_spec_block(
+            cfg,
+            target_graph,
+            draft_graph,
+            sampler.block,
+            target_args,
+            draft_leaves,
+            run["state"],
+            np.int32(limit),
         )
-        parts.append((out, count))
-        if first_step_s is None:
-            jax.block_until_ready(out)
-            first_step_s, first_parts = time.perf_counter() - t0, 1
-        if stop_ids.size and len(parts) > 1 and int(parts[-2][1]) == 0:
-            break  # a block that emitted nothing: a stop id came before it
-    tokens, stop_reason = _tokens(first, parts, max_new_tokens, stop_ids)
-    tried, passed = (np.asarray(c) for c in counts)
-    iterations, emitted = int(state.iterations), int(state.emitted)
-    result = GenerateResult(
-        tokens=tokens,
-        prefill=pre,
-        decode_s=time.perf_counter() - t0,
-        first_step_s=first_step_s,
-        stop_reason=stop_reason,
-        first_step_tokens=sum(int(c) for _, c in parts[:first_parts]),
-    )
-    result.speculative = {
+        return out, count
+
+    loop = drive_blocks(enqueue, max_new_tokens - 1, sampler.block, 1, stop_ids)
+    tried, passed = (np.asarray(c) for c in run["counts"])
+    stats = {
         "method": method,
         "block_size": block,
         "tree_budget": tree_budget if method == "ddtree" else None,
-        "iterations": iterations,
-        "mean_accepted": float(passed.sum() / iterations) if iterations else 0.0,
-        "tokens_per_iteration": float(emitted / iterations) if iterations else 0.0,
-        "acceptance_per_depth": [float(p / t) for p, t in zip(passed, tried, strict=True) if t],
+        **acceptance_stats(run["state"], tried, passed, "acceptance_per_depth"),
     }
-    timed = result.decode_tokens_per_s
-    result.speculative["iteration_s"] = result.speculative["tokens_per_iteration"] / timed if timed else 0.0
-    return result
+    return speculative_result(first, pre, loop, max_new_tokens, stop_ids, stats)
