@@ -17,8 +17,11 @@ demo: $(VENV)/.installed
 generate: $(VENV)/.installed
 	$(VENV)/bin/hybridlm generate
 
+# Test processes (pytest-xdist); each takes ~2-3 GB. The suite is mostly XLA compiles, one core each.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 LINTED := hybridlm pallas_kernels tests benchmarks experiments scripts
 

@@ -72,7 +72,8 @@ print("RESULT " + json.dumps(out))
 def test_two_devices_give_the_logits_and_tokens_of_one(tmp_path):
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # the session's flags (conftest: fast CPU compiles) plus two host devices
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
         "HYBRIDLM_COMPILE_CACHE": "off",
         "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
