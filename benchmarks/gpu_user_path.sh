@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The user-path figures of issues 49-52 on full-size random GGUF files, beside llama.cpp in the same call.
+#   usage (on the GPU machine, carrying .whl/): OUT=dir bash benchmarks/gpu_user_path.sh [decode35] [trace35]
+#     [offload35] [conversation35] [model80]
+# llama.cpp: $LLAMA_BENCH, else an xz-compressed static llama-bench at .scratch/llama-bench.xz (built with
+# shared/peers/llama_cpp.sh); without one the peer's figures are skipped. Files: /tmp/f35.gguf and /tmp/f80.gguf
+# (written on first use; the disk holds one of them at a time, so model80 deletes the 35B file).
+set -uo pipefail
+OUT=${OUT:-results}; mkdir -p "$OUT"; shopt -s nullglob
+wheels=(.whl/*/*.whl .whl/*.whl)
+[ ${#wheels[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "${wheels[@]}" | tail -2
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+llama() {  # llama-bench ARGS... > $OUT/<name>.jsonl
+  local name=$1; shift
+  local bin=${LLAMA_BENCH:-/tmp/llama-bench}
+  if [ ! -x "$bin" ] && [ -f .scratch/llama-bench.xz ]; then
+    python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.scratch/llama-bench.xz'), open('$bin', 'wb'))"
+    chmod +x "$bin"
+  fi
+  [ -x "$bin" ] || { echo "no llama-bench: $name skipped"; return; }
+  local lib dir path=""
+  for lib in libcublas.so.13 libcudart.so.13; do
+    dir=$(dirname "$(find /usr /opt -name $lib 2>/dev/null | head -1)" 2>/dev/null) && path=$dir:$path
+  done
+  LD_LIBRARY_PATH=$path timeout 240 "$bin" "$@" -o jsonl > "$OUT/$name.jsonl" 2> "$OUT/$name.err"
+  grep -o '"avg_ts": [0-9.]*' "$OUT/$name.jsonl"
+}
+
+gguf() {  # gguf PRESET PATH: write the file once
+  [ -f "$2" ] || python3 -m benchmarks make-gguf --preset "$1" --out "$2" --no-progress | tail -1 | cut -c1-200
+}
+
+spec() { timeout "$1" python3 -m benchmarks.speculative --gguf /tmp/f35.gguf --reference-ks --alphas 0.75 "${@:2}" \
+  | cut -c1-330 | grep -v '"trace"'; }
+
+for part in "$@"; do
+  date +%T; echo "== $part"
+  case $part in
+    decode35)  # issue 49 / 52: tg128; plain, MTP k=3, DFlash, DDTree with the kept Q8_0 head; bf16-head baseline
+      gguf qwen3.6-35b-a3b /tmp/f35.gguf
+      llama llama_tg128 -m /tmp/f35.gguf -p 0 -n 128 -fa 1 -ngl 99
+      spec 240 --keep experts+head --ks 3 --verify-ks 3 --methods mtp dflash ddtree --budgets 16 32 64 \
+        --out "$OUT/decode35_head.jsonl"
+      spec 120 --keep experts --ks 3 --verify-ks --methods mtp --out "$OUT/decode35_bf16_head.jsonl" ;;
+    trace35)  # one MTP and one DDTree block traced, command buffers off (a trace cannot see into CUDA graphs)
+      gguf qwen3.6-35b-a3b /tmp/f35.gguf
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep experts+head --ks 3 --verify-ks --new-tokens 48 \
+        --methods mtp ddtree --budgets 32 --trace /tmp/trace35 --out "$OUT/trace35.jsonl" ;;
+    offload35)  # issue 49: plain decode at 12 GiB, and its trace with command buffers off
+      gguf qwen3.6-35b-a3b /tmp/f35.gguf
+      spec 150 --keep experts+head --budget 12GiB --offloaded-only --methods --new-tokens 64 --out "$OUT/offload35.jsonl"
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep experts+head --budget 12GiB --offloaded-only \
+        --methods --new-tokens 32 --trace /tmp/trace_off --out "$OUT/offload35_trace.jsonl" ;;
+    conversation35)  # issue 50: second turn and alternating generate / prefill at 12 GiB; serve 8 vs 1 clients
+      gguf qwen3.6-35b-a3b /tmp/f35.gguf
+      timeout 240 python3 -m benchmarks.conversation --gguf /tmp/f35.gguf --budget 12GiB \
+        --out "$OUT/conversation35.jsonl" | cut -c1-300
+      timeout 200 python3 -m benchmarks.serve_clients --gguf /tmp/f35.gguf --clients 1 8 --seconds 30 \
+        --out "$OUT/serve35.jsonl" | cut -c1-300 ;;
+    model80)  # issue 51: Qwen3-Next-80B-A3B, 32 768-token prompt: llama.cpp pp, resident, 24 GiB
+      rm -f /tmp/f35.gguf; gguf qwen3-next-80b-a3b /tmp/f80.gguf
+      llama llama_pp32768_80b -m /tmp/f80.gguf -p 32768 -n 0 -b 32768 -ub 8192 -fa 1 -ngl 99 -r 2
+      for budget in "" 24GiB; do
+        timeout 170 python3 -m benchmarks.gguf_run --gguf /tmp/f80.gguf --prompt-tokens 32768 --chunk-size 32768 \
+          --new-tokens 32 ${budget:+--budget $budget} --out "$OUT/model80.jsonl" | cut -c1-300
+      done ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+# traces: /tmp/<trace dir>/<run>/plugins/profile/<time>/perfetto_trace.json.gz -> $OUT/<trace dir>_<run>.json.gz
+find /tmp -maxdepth 6 -path '/tmp/trace*' -name perfetto_trace.json.gz 2>/dev/null | while read -r f; do
+  cp "$f" "$OUT/$(echo "$f" | cut -d/ -f3-4 | tr / _).json.gz"
+done
+date +%T
