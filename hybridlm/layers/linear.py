@@ -39,6 +39,9 @@ def head_matmul(x: jax.Array, w) -> jax.Array:
     One row runs as a matrix-vector product ("gemv" on a GPU), several rows as one group of the grouped
     matmul, which reads the weights once for all rows; both accumulate in float32 over the exact dequantized
     weights.
+
+    Raises:
+      ValueError (a quantized w) or TypeError (a float w): x's last dim is not w's hidden dim.
     """
     if not isinstance(w, QuantizedWeights):
         return (x @ w.astype(x.dtype)).astype(jnp.float32)
