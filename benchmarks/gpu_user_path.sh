@@ -38,7 +38,10 @@ spec() { timeout "$1" python3 -m benchmarks.speculative --gguf /tmp/f35.gguf --r
 for part in "$@"; do
   date +%T; echo "== $part"
   case $part in
-    decode35)  # issue 49 / 52: tg128; plain, MTP k=3, DFlash, DDTree with the kept Q8_0 head; bf16-head baseline
+    decode35)  # issue 49 / 52: the lm head alone; tg128; plain, MTP k=3, DFlash, DDTree with the kept Q8_0 head;
+      # plain and MTP with the bfloat16 head
+      timeout 150 python3 -m benchmarks head --gemv-configs 8/256/4 16/256/4 32/256/4 8/1024/4 16/1024/8 \
+        32/1024/8 --out "$OUT/head.jsonl" | cut -c1-300
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
       llama llama_tg128 -m /tmp/f35.gguf -p 0 -n 128 -fa 1 -ngl 99
       spec 240 --keep experts+head --ks 3 --verify-ks 3 --methods mtp dflash ddtree --budgets 16 32 64 \

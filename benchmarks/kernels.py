@@ -1,4 +1,5 @@
-"""Kernel benchmarks: the gated delta rule (prefill and decode step), the grouped matmul, the whole MoE layer.
+"""Kernel benchmarks: the gated delta rule (prefill and decode step), the grouped matmul, the whole MoE layer,
+the lm head.
 
 Ours are reached only through the public api functions with `implementation=` (a CLI name, "default" = the
 best for the device); shapes come from the kernels' `workloads.py`. Kernels are timed by `common.time_calls`:
@@ -366,3 +367,67 @@ def run_moe(args: argparse.Namespace, rec: Recorder) -> None:
             figures,
             params={"preset": args.preset, "tokens": args.tokens, "expert_format": fmt},
         )
+
+
+def add_head_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen3.6-35b-a3b", help="hidden size and vocabulary of this preset")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="rows a call (decode: 1)")
+    p.add_argument(
+        "--gemv-configs",
+        nargs="*",
+        default=[],
+        metavar="N/K/W",
+        help="also the one-row product through the matrix-vector kernel with these block_n/block_k/num_warps",
+    )
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--trials", type=int, default=3)
+
+
+def run_head(args: argparse.Namespace, rec: Recorder) -> None:
+    """The lm head [hidden, vocab] of a decode step or a verify: bfloat16 against the GGUF's Q8_0 blocks kept
+    quantized (`layers.linear.head_matmul`), on random weights of the preset's shape."""
+    from hybridlm.config import get_config
+    from hybridlm.layers.linear import head_matmul
+    from pallas_kernels.grouped_matmul import pallas_gemv
+    from pallas_kernels.quantized import quantize_int8
+
+    config = get_config(args.preset)
+    hidden, vocab = config.hidden_dim, args.vocab or config.vocab_size
+    w = jax.random.normal(jax.random.key(0), (hidden, vocab), jnp.float32) * hidden**-0.5
+    q8 = jax.jit(lambda w: quantize_int8(w[None]))(w)  # Q8_0: int8 codes, a float16 scale per 32
+    heads = {"bf16": w.astype(jnp.bfloat16), "q8_0": q8}
+    del w
+    nbytes = {"bf16": heads["bf16"].nbytes, "q8_0": q8.nbytes}
+    timed = functools.partial(common.time_calls, reps=args.reps, trials=args.trials)
+    params = {"preset": args.preset, "hidden": hidden, "vocab": vocab}
+    for rows in args.rows:
+        x = jax.random.normal(jax.random.key(rows), (rows, hidden), jnp.float32).astype(jnp.bfloat16)
+        want = head_matmul(x.astype(jnp.float32), q8.dequantize()[0])
+        for fmt, head in heads.items():
+            call = jax.jit(head_matmul)
+            s = timed(lambda call=call, head=head, x=x: call(x, head))
+            figures = {"ms": s * 1e3, "weights_TBps": nbytes[fmt] / s / 1e12}
+            figures["max_abs_err"] = float(jnp.abs(call(x, head) - want).max())
+            rec.emit(f"lm_head_{rows}_rows", fmt, figures, params={**params, "rows": rows})
+        if rows != 1:
+            continue
+        for text in args.gemv_configs:
+            n, k, warps = (int(v) for v in text.split("/"))
+            cfg = pallas_gemv.Config(block_n=n, block_k=k, num_warps=warps)
+            call = jax.jit(
+                lambda x, q, cfg=cfg: pallas_gemv.gemv(
+                    x,
+                    q,
+                    row_groups=jnp.zeros((1,), jnp.int32),
+                    preferred_element_type=jnp.float32,
+                    config=cfg,
+                )
+            )
+            s = timed(lambda call=call, x=x: call(x, q8))
+            rec.emit(
+                "lm_head_1_rows",
+                f"q8_0 gemv {text}",
+                {"ms": s * 1e3, "weights_TBps": nbytes["q8_0"] / s / 1e12},
+                params={**params, "rows": 1, "gemv_config": text},
+            )

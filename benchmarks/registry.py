@@ -84,6 +84,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         kernels.run_moe,
         _presets,
     ),
+    "head": Benchmark(
+        "the lm head of a decode step or a verify, bfloat16 against kept Q8_0 blocks",
+        kernels.add_head_arguments,
+        kernels.run_head,
+        _presets,
+    ),
     "prefill": Benchmark(
         "whole-model chunked prefill, all weights resident (llama-bench beside it)",
         model_bench.add_prefill_arguments,

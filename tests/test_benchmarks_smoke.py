@@ -35,7 +35,7 @@ def by_impl(records: list[dict]) -> dict[str, dict]:
 
 def test_list_names_every_benchmark():
     names = [entry["name"] for entry in registry.listing()]
-    assert {"gdn", "gdn-step", "gmm", "moe", "prefill", "decode", "offload", "h2d"} <= set(names)
+    assert {"gdn", "gdn-step", "gmm", "moe", "head", "prefill", "decode", "offload", "h2d"} <= set(names)
     gdn = next(e for e in registry.listing() if e["name"] == "gdn")
     assert "qwen35_prefill_16k" in gdn["workloads"] and "qwen35_packed_8x8k" in gdn["workloads"]
     with pytest.raises(KeyError, match="unknown benchmark"):
@@ -109,6 +109,25 @@ def test_moe(tmp_path):
     )
     stages = ("route", "dispatch", "gate_up", "down", "combine", "shared")
     assert all(record["figures"][f"{s}_ms"] > 0 for s in stages) and record["figures"]["layer_ms"] > 0
+
+
+def test_head(tmp_path):
+    """The lm head benchmark: bfloat16 and Q8_0 heads, one and two rows, and a kernel config (interpreted)."""
+    records = run(
+        "head",
+        "--preset tiny --vocab 512 --rows 1 2 --gemv-configs 8/64/4 --reps 1 --trials 1".split(),
+        tmp_path,
+    )
+    assert [(r["workload"], r["implementation"]) for r in records] == [
+        ("lm_head_1_rows", "bf16"),
+        ("lm_head_1_rows", "q8_0"),
+        ("lm_head_1_rows", "q8_0 gemv 8/64/4"),
+        ("lm_head_2_rows", "bf16"),
+        ("lm_head_2_rows", "q8_0"),
+    ]
+    assert all(r["figures"]["ms"] > 0 for r in records)
+    q8 = [r for r in records if r["implementation"] == "q8_0"]
+    assert all(r["figures"]["max_abs_err"] < 1e-3 for r in q8)  # the same dequantized weights
 
 
 def test_prefill_with_trace_and_llama_bench(tmp_path):
