@@ -3,7 +3,8 @@
 #   usage (on the GPU machine, carrying .whl/): bash benchmarks/gpu_session.sh [gdn] [gmm] [prefill] [offload] [decode]
 set -uo pipefail
 OUT=${OUT:-results}; mkdir -p "$OUT"; shopt -s nullglob
-wheels=(.whl/*/*.whl .whl/*.whl)
+declare -A seen; wheels=()  # each wheel once, whichever folder of .whl/ holds it (pip refuses duplicates)
+for w in .whl/*/*.whl .whl/*.whl; do [ -z "${seen[${w##*/}]:-}" ] && seen[${w##*/}]=1 && wheels+=("$w"); done
 [ ${#wheels[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "${wheels[@]}" | tail -2
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks/peers_stub XLA_PYTHON_CLIENT_PREALLOCATE=false
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(gdn gmm prefill offload decode)

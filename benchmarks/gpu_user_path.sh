@@ -7,7 +7,8 @@
 # (written on first use; the disk holds one of them at a time, so model80 deletes the 35B file).
 set -uo pipefail
 OUT=${OUT:-results}; mkdir -p "$OUT"; shopt -s nullglob
-wheels=(.whl/*/*.whl .whl/*.whl)
+declare -A seen; wheels=()  # each wheel once, whichever folder of .whl/ holds it (pip refuses duplicates)
+for w in .whl/*/*.whl .whl/*.whl; do [ -z "${seen[${w##*/}]:-}" ] && seen[${w##*/}]=1 && wheels+=("$w"); done
 [ ${#wheels[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "${wheels[@]}" | tail -2
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
