@@ -1,5 +1,10 @@
-"""`generate(..., speculative="mtp")`: the prompt prefilled with the drafter ingesting it, then blocks of
-speculative iterations (`hybridlm.engine.speculative.spec_block`), draft lengths chosen between blocks."""
+"""`generate(..., speculative=...)`: the prompt prefilled with the drafter ingesting it, then blocks of
+speculative iterations enqueued by one driver (`drive_blocks`).
+
+- "mtp": the MTP module drafts (`hybridlm.engine.speculative.spec_block`), draft lengths chosen per block;
+- "dflash" / "ddtree": a DFlash draft model drafts a block, verified as a chain or a token tree
+  (`hybridlm.engine.block_spec.block_spec_block`).
+"""
 
 from __future__ import annotations
 
