@@ -30,15 +30,17 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return (padded @ w)[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
-def head_matmul(x: jax.Array, w) -> jax.Array:
+def head_matmul(x: jax.Array, w, implementation=None, interpret: bool | None = None) -> jax.Array:
     """x @ w for an lm head: [..., hidden] x [hidden, vocab] -> [..., vocab] float32.
 
     `w` is a float array `[hidden, vocab]`, or a `QuantizedWeights` `[1, hidden, vocab]` (the GGUF file's own
     8-bit blocks, kept by `load(..., keep_quantized="experts+head")`): its 1.06 bytes a weight against
     bfloat16's 2 halve what a decode step reads for the head (~1 GB in bfloat16 at Qwen3.5's 248 320 tokens).
-    One row runs as a matrix-vector product ("gemv" on a GPU), several rows as one group of the grouped
-    matmul, which reads the weights once for all rows; both accumulate in float32 over the exact dequantized
-    weights.
+    One row runs as a matrix-vector product ("gemv" on a GPU: float32 products of the exact dequantized
+    weights), several rows as one group of the grouped matmul, which reads the weights once for all rows (on a
+    GPU its tensor-core tiles take bfloat16 rows with the weights rounded to bfloat16, as a bfloat16 head
+    holds them). Both accumulate in float32. `implementation`, `interpret`: as `gmm`'s (None: the best for the
+    call on this backend, interpreted off a GPU).
 
     Raises:
       ValueError (a quantized w) or TypeError (a float w): x's last dim is not w's hidden dim.
@@ -49,7 +51,9 @@ def head_matmul(x: jax.Array, w) -> jax.Array:
     rows = math.prod(lead)
     flat = x.reshape(rows, k)
     if rows == 1:
-        out = gmm(flat, w, row_groups=jnp.zeros((1,), jnp.int32), preferred_element_type=jnp.float32)
+        groups = {"row_groups": jnp.zeros((1,), jnp.int32)}
     else:
-        out = gmm(flat, w, jnp.full((1,), rows, jnp.int32), preferred_element_type=jnp.float32)
+        groups = {"group_sizes": jnp.full((1,), rows, jnp.int32)}
+    kw = {"preferred_element_type": jnp.float32, "implementation": implementation, "interpret": interpret}
+    out = gmm(flat, w, **groups, **kw)
     return out.reshape(*lead, w.shape[-1])
