@@ -131,16 +131,18 @@ def generate_speculative(
     ks = iter(warmup)
 
     def enqueue(limit: int, warming: bool):
-        k = next(ks) if warming else spec.choose_draft_tokens(*run.counts()) if auto else draft_tokens
+        if warming or not auto:
+            k = next(ks) if warming else draft_tokens
+        else:  # waits for the last block's counts
+            k = spec.choose_draft_tokens(*(np.asarray(c) for c in run.counts))
         return run.block(k, limit)
 
     loop = drive_blocks(enqueue, max_new_tokens - 1, sampler.block, len(warmup), stop_ids)
-    tried, passed = run.counts() if run.counts_ready else (np.zeros(1), np.zeros(1))
     stats = {
         "method": "mtp",
         "draft_tokens": run.draft_used[-1] if run.draft_used else 0,
         "draft_tokens_per_block": run.draft_used,
-        **acceptance_stats(run.state, tried, passed, "acceptance_per_position"),
+        **acceptance_stats(run.state, run.counts, "acceptance_per_position"),
     }
     return speculative_result(first, pre, loop, max_new_tokens, stop_ids, stats)
 
@@ -150,35 +152,21 @@ class _Blocks:
     device (read only when the host needs them)."""
 
     def __init__(self, target, mtp_flat, sampler, slots: int, mode, state):
-        self.target, self.mtp_flat, self.sampler, self.slots, self.mode = (
-            target,
-            mtp_flat,
-            sampler,
-            slots,
-            mode,
-        )
-        self.state = state
+        self.target, self.mtp_flat, self.sampler = target, mtp_flat, sampler
+        self.slots, self.mode, self.state = slots, mode, state
         self.draft_used: list[int] = []
-        self._counts = None  # the acceptance counts after the last block, as separate arrays
+        self.counts = None  # (tried, passed) per draft position after the last block, on the device
 
     def block(self, k: int, limit: int):
         """Enqueues the next block of draft length k, emitting up to `limit` tokens in all: (tokens
         [1, block + slots], count)."""
         cfg = spec.SpecConfig(k, self.slots, self.sampler, self.mode)
         (target, args), (mtp_graph, mtp_leaves) = self.target, self.mtp_flat
-        out, count, self.state, self._counts = spec.spec_block(
+        out, count, self.state, self.counts = spec.spec_block(
             cfg, target, mtp_graph, self.sampler.block, args, mtp_leaves, self.state, np.int32(limit)
         )
         self.draft_used.append(k)
         return out, count
-
-    @property
-    def counts_ready(self) -> bool:
-        return self._counts is not None
-
-    def counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tried, passed) per draft position after the last enqueued block (waits for it)."""
-        return tuple(np.asarray(c) for c in self._counts)
 
 
 class BlockLoop(NamedTuple):
@@ -216,9 +204,11 @@ def drive_blocks(enqueue, total: int, block: int, warmup: int, stop_ids: np.ndar
     return BlockLoop(parts, first_parts, first_step_s, t0)
 
 
-def acceptance_stats(state, tried: np.ndarray, passed: np.ndarray, per: str) -> dict:
+def acceptance_stats(state, counts, per: str) -> dict:
     """Iterations, mean accepted drafts and tokens an iteration of a loop state (its `iterations` and
-    `emitted`), and the acceptance rate at each draft position or depth (key `per`)."""
+    `emitted`), and the acceptance rate at each draft position or depth (key `per`) from counts = (tried,
+    passed) per position, or None where no block ran (max_new_tokens = 1)."""
+    tried, passed = (np.zeros(1), np.zeros(1)) if counts is None else (np.asarray(c) for c in counts)
     iterations, emitted = int(state.iterations), int(state.emitted)
     return {
         "iterations": iterations,
@@ -366,7 +356,7 @@ def generate_block_speculative(
         method, block, tree_budget, sampler, draft.config.target_layer_ids, oracle is not None
     )
     first = np.asarray(token)
-    run = {"state": commit(s), "counts": None}
+    run = {"state": commit(s), "counts": None}  # the loop state and (tried, passed) after the last block
     (target_graph, target_args), (draft_graph, draft_leaves) = target, draft_flat
 
     def enqueue(limit: int, warming: bool):
@@ -383,11 +373,10 @@ def generate_block_speculative(
         return out, count
 
     loop = drive_blocks(enqueue, max_new_tokens - 1, sampler.block, 1, stop_ids)
-    tried, passed = (np.asarray(c) for c in run["counts"])
     stats = {
         "method": method,
         "block_size": block,
         "tree_budget": tree_budget if method == "ddtree" else None,
-        **acceptance_stats(run["state"], tried, passed, "acceptance_per_depth"),
+        **acceptance_stats(run["state"], run["counts"], "acceptance_per_depth"),
     }
     return speculative_result(first, pre, loop, max_new_tokens, stop_ids, stats)

@@ -109,6 +109,17 @@ def test_greedy_equals_plain_decoding(cases, arch, method):
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_one_new_token_is_the_prefill_token(cases, method):
+    """max_new_tokens=1 runs no block: the prefill's token, and statistics of zero iterations."""
+    runner, random_draft, _, prompt, plain = cases["qwen3.5"]
+    g = hybridlm.generate(
+        runner, prompt, max_new_tokens=1, chunk_size=CHUNK, speculative=method, draft=random_draft
+    )
+    np.testing.assert_array_equal(g.tokens, plain[:, :1])
+    assert g.stop_reason == "length" and g.speculative["iterations"] == 0
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_oracle_acceptance_all_or_nothing(cases, method):
     """alpha = 1: every iteration accepts the whole block (B tokens); alpha = 0: one token each."""
     runner, random_draft, _, prompt, _ = cases["qwen3.5"]
