@@ -141,7 +141,7 @@ def load_gguf(
         raise GGUFError(
             f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
         )
-    keep = keep_quantized in ("experts", "experts+head")
+    keep = keep_quantized is not None  # a KEEP_CHOICES value: both keep the experts
     keep_head = keep_quantized == "experts+head" and _keepable_head(header)
     raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
 
@@ -219,7 +219,7 @@ def load_gguf_mtp(
     sources = list(mtp_gguf_sources(config, arch, set(header.tensors)))
     for src in sources:
         _check_source(src, header, variables, arch, config)
-    keep = keep_quantized in ("experts", "experts+head")
+    keep = keep_quantized is not None  # a KEEP_CHOICES value: both keep the experts
     raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
     finite: list[tuple[str, object]] = []
     on_device = functools.partial(_on_device, header=header, keep=keep, raw_q4k=raw_q4k)
@@ -574,6 +574,8 @@ def save_gguf(
         params = {path_: var for path_, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
         for src in tqdm(sources, desc="writing GGUF", disable=not progress, leave=False):
             values = [_as_numpy(params[p].get_value()) for p in src.params]
+            if _is_head(src) and values[0].ndim == 3:  # a kept head [1, hidden, vocab]
+                values = [values[0][0]]
             for name, array in zip(src.tensors, src.save(*values), strict=False):
                 _add_tensor(
                     writer, name, array, mix_type(tensor_type, name, config.num_layers, wanted), src.f32
@@ -598,10 +600,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, array, wanted, forced_f32: b
 
 def _as_numpy(value) -> np.ndarray:
     if isinstance(value, QuantizedWeights):
-        groups = value.shape[0]
         value = value.dequantize(jnp.float32)
-        if groups == 1 and value.ndim == 3:  # a kept lm head [1, hidden, vocab]; experts have more groups
-            value = value[0]
     return np.asarray(jnp.asarray(value, jnp.float32))
 
 
