@@ -19,6 +19,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridlm.checkpoints.gguf_header import TensorInfo
+from pallas_kernels.q4_k import Q4_K_BYTES, q4_k_to_quantized
 from pallas_kernels.quantized import QuantizedWeights
 
 __all__ = [
@@ -33,8 +34,6 @@ __all__ = [
 ]
 
 T = GGMLQuantizationType
-QK_K = 256
-Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of packed 6-bit scales and mins, 128 bytes of nibbles
 DEVICE_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0)  # dequantized by `dequantize_on_device`
 
 
@@ -128,40 +127,6 @@ class Q4KBlocks:
     def to_quantized(self) -> QuantizedWeights:
         """The `QuantizedWeights` the kernels read (`q4_k_to_quantized`), on the device."""
         return _q4_k_to_quantized_jit(jnp.asarray(self.data), self.k)
-
-
-def q4_k_to_quantized(raw: jax.Array, k: int) -> QuantizedWeights:
-    """Q4_K blocks uint8 [n, out, k // 256 * 144] -> k-major 4-bit `QuantizedWeights` [n, k, out] with float32
-    scale d*sc and offset -dmin*m per 32 (traceable; what `gguf_quants.to_quantized_weights` computes on the
-    host, exactly: the products of an 11-bit float16 mantissa and a 6-bit integer are exact in float32).
-
-    Raises:
-      ValueError: k not a multiple of 256, or `raw` of another row size."""
-    n, out, row = raw.shape
-    if k % QK_K or row != k // QK_K * Q4_K_BYTES:
-        raise ValueError(f"Q4_K rows of {row} bytes do not hold k={k} (a multiple of 256) values")
-    nb = k // QK_K
-    b = raw.reshape(n, out, nb, Q4_K_BYTES)
-    dd = jax.lax.bitcast_convert_type(b[..., :4].reshape(n, out, nb, 2, 2), jnp.float16)
-    d, dmin = dd[..., 0].astype(jnp.float32), dd[..., 1].astype(jnp.float32)  # [n, out, nb]
-    s = b[..., 4:16].astype(jnp.int32)  # get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-7
-    lo_sc, lo_m, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = jnp.concatenate([lo_sc & 0x3F, (mix & 0x0F) | ((lo_sc >> 6) << 4)], axis=-1)  # [n, out, nb, 8]
-    m = jnp.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 6) << 4)], axis=-1)
-    scales = (d[..., None] * sc.astype(jnp.float32)).reshape(n, out, nb * 8)
-    offsets = (-(dmin[..., None] * m.astype(jnp.float32))).reshape(n, out, nb * 8)
-    qs = b[..., 16:].reshape(n, out, nb, 4, 1, 32)  # sub-blocks 2i (low nibbles) and 2i+1 (high) share 32
-    codes = ((qs >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & 0x0F).reshape(n, out, k)
-    half = k // 2
-    values = codes[..., :half] | (codes[..., half:] << 4)  # split-half packing along k
-    return QuantizedWeights(
-        values=values.astype(jnp.uint8),
-        scales=jnp.swapaxes(scales, 1, 2),
-        offsets=jnp.swapaxes(offsets, 1, 2),
-        bits=4,
-        block_size=32,
-        k_major=True,
-    )
 
 
 _q4_k_to_quantized_jit = jax.jit(q4_k_to_quantized, static_argnums=1)

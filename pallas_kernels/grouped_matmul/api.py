@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.grouped_matmul import pallas_gemv, pallas_triton, reference
+from pallas_kernels.q4_k import Q4KExperts
 from pallas_kernels.quantized import QuantizedWeights
 
 Implementation = Literal["reference", "triton", "gemv"]
@@ -53,7 +54,7 @@ def _check(lhs, rhs, group_sizes, name: str, lhs_index, row_groups) -> None:
         raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
     if lhs_index is not None and (lhs_index.ndim != 1 or not jnp.issubdtype(lhs_index.dtype, jnp.integer)):
         raise ValueError(f"lhs_index must be [m] integers, got {lhs_index.dtype} {lhs_index.shape}")
-    if isinstance(rhs, QuantizedWeights):
+    if isinstance(rhs, (QuantizedWeights, Q4KExperts)):
         rhs.check()
     elif rhs.ndim != 3:
         raise ValueError(f"{name} must be [groups, k, n], got shape {rhs.shape}")

@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tuning
 from pallas_kernels.grouped_matmul import reference
 from pallas_kernels.grouped_matmul.common import check_int32_offsets, dequantize_asm
+from pallas_kernels.q4_k import Q4_K_BYTES, QK_K, Q4KExperts
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
@@ -181,19 +182,139 @@ def _kernel(
     sums = [
         jnp.sum(acc, axis=0) if bits is None else jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs
     ]  # [bn]
+    _store(out_ref, r, j * bn, sums, swiglu=swiglu, fast_silu=fast_silu, valid=valid, col_in=col_in)
+
+
+def _store(out_ref, r, col0, sums, *, swiglu, fast_silu, valid, col_in):
+    """Row r's output columns col0 + [0, bn) from the column sums [bn] (gate and up with `swiglu`); zeros
+    for a row of no group."""
     if swiglu:
         out = (silu_approx(sums[0]) if fast_silu else jax.nn.sigmoid(sums[0]) * sums[0]) * sums[1]
     else:
         out = sums[0]
-    plgpu.store(
-        out_ref.at[r, pl.ds(j * bn, bn)], jnp.where(valid, out, 0.0).astype(out_ref.dtype), mask=col_in
+    bn = sums[0].shape[0]
+    plgpu.store(out_ref.at[r, pl.ds(col0, bn)], jnp.where(valid, out, 0.0).astype(out_ref.dtype), mask=col_in)
+
+
+def _q4_k_kernel(
+    group_ref,
+    lhs_ref,
+    *rest,
+    k,
+    n_out,
+    groups,
+    first_block,
+    block_n,
+    swiglu: bool,
+    gather: bool,
+    fast_silu: bool,
+):
+    """`_kernel` on `Q4KExperts`: data_ref uint8 [groups, blocks, 144] (the rows' super-blocks), lhs_ref
+    [rows, k / 64, 2, 32] (each 64 values' halves, as a Q4_K code group's low and high nibbles hold them)."""
+    rest = list(rest)
+    index_ref = rest.pop(0) if gather else None
+    data_ref, out_ref = rest
+    r, j = pl.program_id(0), pl.program_id(1)
+    bn, nsb = block_n, k // QK_K
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    col_in = cols < n_out
+    g = group_ref[r]
+    valid = (g >= 0) & (g < groups)  # a row of no group: group 0's weights are read, zeros stored
+    g = jnp.clip(g, 0, groups - 1)
+    src = jnp.clip(index_ref[r], 0, lhs_ref.shape[0] - 1) if gather else r
+    lanes = jnp.arange(32, dtype=jnp.int32)
+    column_sets = (cols, n_out + cols) if swiglu else (cols,)  # gate and up columns of a fused gate_up
+
+    def sub_block_scales(block):
+        # per sub-block t: (d * sc[t], -dmin * m[t]) [bn] float32, as `q4_k_to_quantized` computes them
+        def byte(i):
+            at = data_ref.at[g, block, jnp.full((bn,), i, jnp.int32)]
+            return plgpu.load(at, mask=col_in, other=0).astype(jnp.int32)
+
+        def half(lo, hi):
+            bits = (byte(lo) | (byte(hi) << 8)).astype(jnp.uint16)
+            return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+        d, dmin = half(0, 1), half(2, 3)
+        b = [byte(4 + i) for i in range(12)]  # get_scale_min_k4
+        sc = [b[t] & 0x3F for t in range(4)] + [(b[t + 8] & 0x0F) | ((b[t] >> 6) << 4) for t in range(4)]
+        m = [b[t + 4] & 0x3F for t in range(4)] + [(b[t + 8] >> 4) | ((b[t + 4] >> 6) << 4) for t in range(4)]
+        return [(d * sc[t].astype(jnp.float32), -(dmin * m[t].astype(jnp.float32))) for t in range(8)]
+
+    accs = [jnp.zeros((bn, 32), jnp.float32) for _ in column_sets]
+    for s in range(nsb):  # unrolled: k / 256 steps
+        x = [
+            [
+                plgpu.load(lhs_ref.at[src, jnp.int32(4 * s + q), jnp.int32(h), :]).astype(jnp.float32)
+                for h in (0, 1)
+            ]
+            for q in range(4)
+        ]  # [q][half] [32]: the values of code group q's low and high nibbles
+        for a, columns in enumerate(column_sets):
+            block = first_block + columns * nsb + s  # [bn] each column's super-block s
+            scales = sub_block_scales(block)
+            for q in range(4):
+                codes = plgpu.load(
+                    data_ref.at[g, block[:, None], (16 + 32 * q + lanes)[None, :]],
+                    mask=col_in[:, None],
+                    other=0,
+                ).astype(jnp.int32)  # [bn, 32]
+                for h, nibble in enumerate((codes & 0x0F, codes >> 4)):
+                    scale, offset = scales[2 * q + h]
+                    w = nibble.astype(jnp.float32) * scale[:, None] + offset[:, None]
+                    accs[a] = accs[a] + x[q][h][None, :] * w
+    sums = [jnp.sum(acc, axis=1) for acc in accs]  # [bn]
+    _store(out_ref, r, j * bn, sums, swiglu=swiglu, fast_silu=fast_silu, valid=valid, col_in=col_in)
+
+
+def _gemv_q4_k(lhs, rhs: Q4KExperts, row_groups, lhs_index, *, swiglu, out_dtype, bs: Config, interpret):
+    """`_gemv` on `Q4KExperts` (`_q4_k_kernel`)."""
+    rhs.check()
+    groups, k, n_rhs = rhs.shape
+    n_out = n_rhs // 2 if swiglu else n_rhs
+    if not addressable(rhs.data):
+        raise NotImplementedError(
+            f"Q4_K rows of {rhs.data.size} bytes: the kernel addresses fewer than 2**31 or more than 2**32 "
+            "bytes (Pallas Triton's offsets are int32 below 4 GiB)"
+        )
+    m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
+    bn = min(bs.block_n, pl.next_power_of_2(n_out))
+    kernel = functools.partial(
+        _q4_k_kernel,
+        k=k,
+        n_out=n_out,
+        groups=groups,
+        first_block=rhs.offset // Q4_K_BYTES,
+        block_n=bn,
+        swiglu=swiglu,
+        gather=lhs_index is not None,
+        fast_silu=swiglu and not interpret and lhs.dtype == jnp.bfloat16,
     )
+    extra = () if lhs_index is None else (lhs_index.astype(jnp.int32),)
+    data = rhs.data.reshape(groups, -1, Q4_K_BYTES)  # free: the rows' super-blocks
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        grid=(m, pl.cdiv(n_out, bn)),
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="gemv_q4_k_swiglu" if swiglu else "gemv_q4_k",
+    )(row_groups.astype(jnp.int32), lhs.reshape(lhs.shape[0], k // 64, 2, 32), *extra, data)
+
+
+def addressable(data) -> bool:
+    """Whether the Q4_K kernel addresses all of `data`: Pallas Triton computes offsets in int32 up to 2**32
+    bytes, signed, and in int64 beyond."""
+    nbytes = data.size * jnp.dtype(data.dtype).itemsize
+    return nbytes < 2**31 or nbytes > 2**32
 
 
 def takes(m: int, rhs, row_groups) -> bool:
     """Whether `gmm`'s default runs `m` product rows on this kernel: their groups named (`row_groups`), at
     most `max_rows()` of them, and quantized weights with k-major codes. Float weights `[groups, k, n]` stay
     on the tensor-core kernel, which reads them faster than 8 columns (16 bytes) per k-row here."""
+    if row_groups is not None and isinstance(rhs, Q4KExperts):
+        return True  # no other implementation reads Q4_K rows in place
     return row_groups is not None and m <= max_rows() and isinstance(rhs, QuantizedWeights) and rhs.k_major
 
 
@@ -214,6 +335,17 @@ def _gemv(
 ):
     m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
     k = lhs.shape[1]
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    bs = config or default_config()
+    if isinstance(rhs, Q4KExperts):
+        if rhs.k != k:
+            raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
+        reference.check_groups(None, row_groups, m, rhs.shape[0])
+        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+        return _gemv_q4_k(
+            lhs, rhs, row_groups, lhs_index, swiglu=swiglu, out_dtype=out_dtype, bs=bs, interpret=interpret
+        )
     quantized = isinstance(rhs, QuantizedWeights)
     if quantized:
         rhs.check()
@@ -228,7 +360,6 @@ def _gemv(
     reference.check_groups(None, row_groups, m, groups)
     n_out = n_rhs // 2 if swiglu else n_rhs
     bits = rhs.bits if quantized else None
-    bs = config or default_config()
     bs = dataclasses.replace(bs, block_n=min(bs.block_n, pl.next_power_of_2(n_out)))
     if quantized:
         qb = rhs.block_size
@@ -255,8 +386,6 @@ def _gemv(
         bs = dataclasses.replace(bs, block_k=block_k)
         weights = (rhs,)
     check_int32_offsets(lhs, *weights)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     extra = () if lhs_index is None else (lhs_index.astype(jnp.int32),)
     kernel = functools.partial(

@@ -46,6 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import gpu_limits, tuning
 from pallas_kernels.grouped_matmul import reference
 from pallas_kernels.grouped_matmul.common import check_int32_offsets, dequantize_asm
+from pallas_kernels.q4_k import Q4KExperts
 from pallas_kernels.quantized import QuantizedWeights
 from pallas_kernels.triton_math import silu_approx
 
@@ -543,6 +544,14 @@ def _gmm(
     )(*schedule, lhs, *(() if lhs_index is None else (lhs_index.astype(jnp.int32),)), *weights)
 
 
+def _refuse_q4_k(rhs) -> None:
+    if isinstance(rhs, Q4KExperts):
+        raise NotImplementedError(
+            "the tensor-core kernel does not read Q4_K rows in place (Q4KExperts): give row_groups (the "
+            "matrix-vector kernel) or expand them first (Q4KExperts.to_quantized())"
+        )
+
+
 def gmm_triton(
     lhs,
     rhs,
@@ -564,7 +573,9 @@ def gmm_triton(
     Raises:
       ValueError: shapes that disagree, both or neither of group_sizes and row_groups, or an operand of 2**31
         elements or more (Triton's offsets are int32).
+      NotImplementedError: `Q4KExperts` weights (the matrix-vector kernel reads those).
     """
+    _refuse_q4_k(rhs)
     return _gmm(
         lhs,
         rhs,
@@ -595,6 +606,7 @@ def gmm_swiglu_triton(
     Raises:
       ValueError: as `gmm_triton`, or an odd number of columns.
     """
+    _refuse_q4_k(w_gate_up)
     return _gmm(
         lhs,
         w_gate_up,

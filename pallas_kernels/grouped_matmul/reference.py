@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.q4_k import Q4KExperts
 from pallas_kernels.quantized import QuantizedWeights
 
 _ROWS_PER_BATCH = 32  # rows multiplied together; bounds the gathered weights to 32 * k * n floats
@@ -81,6 +82,19 @@ def _as_f32(rhs) -> jax.Array:
     return rhs.dequantize(jnp.float32) if isinstance(rhs, QuantizedWeights) else rhs.astype(jnp.float32)
 
 
+def _products(lhs: jax.Array, rhs, group_sizes: jax.Array | None, gid: jax.Array | None) -> jax.Array:
+    """`_rowwise` on any rhs: of `Q4KExperts` (whose rows may be a whole expert pool) only the rows' own
+    groups are dequantized."""
+    if not isinstance(rhs, Q4KExperts):
+        return _rowwise(lhs, _as_f32(rhs), group_sizes, gid)
+    m, groups = lhs.shape[0], rhs.shape[0]
+    check_groups(group_sizes, gid, m, groups)
+    gid = groups_of_rows(group_sizes, m) if gid is None else gid.astype(jnp.int32)
+    w = rhs.take(jnp.clip(gid, 0, groups - 1)).dequantize(jnp.float32)  # [m, k, n]: row i's own matrix
+    own = jnp.where((gid >= 0) & (gid < groups), jnp.arange(m, dtype=jnp.int32), m)
+    return _rowwise(lhs, w, None, own)
+
+
 def _gathered(lhs, lhs_index):
     return lhs if lhs_index is None else lhs[lhs_index]  # jnp's gather clamps out-of-range indices
 
@@ -100,7 +114,8 @@ def gmm_reference(
 
     Args:
       lhs: `[m, k]` rows sorted by group, any float dtype (or any rows, gathered by lhs_index).
-      rhs: `[groups, k, n]` float array, or QuantizedWeights (dequantized to float32 first).
+      rhs: `[groups, k, n]` float array, or QuantizedWeights (dequantized to float32 first), or `Q4KExperts`
+        (the rows' groups dequantized).
       group_sizes: `[groups]` int32 on device, rows per group; sum may be < m. None when row_groups is given.
       row_groups: `[m]` int32, each row's group, rows in any order; outside [0, groups): a zero row.
       lhs_index: optional `[m]` int32: row i of the product is lhs[lhs_index[i]] (clamped into range).
@@ -115,7 +130,7 @@ def gmm_reference(
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    return _rowwise(_gathered(lhs, lhs_index), _as_f32(rhs), group_sizes, row_groups).astype(out_dtype)
+    return _products(_gathered(lhs, lhs_index), rhs, group_sizes, row_groups).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "interpret"))
@@ -133,7 +148,8 @@ def gmm_swiglu_reference(
 
     Args:
       lhs: `[m, k]` rows sorted by group (or any rows, gathered by lhs_index).
-      w_gate_up: `[groups, k, 2 * ffn]` (gate = [..., :ffn], up = [..., ffn:]) or QuantizedWeights.
+      w_gate_up: `[groups, k, 2 * ffn]` (gate = [..., :ffn], up = [..., ffn:]), QuantizedWeights or
+        `Q4KExperts`.
       group_sizes: `[groups]` int32, or None when row_groups is given.
       row_groups: `[m]` int32, as in `gmm_reference`.
       lhs_index: optional `[m]` int32, as in `gmm_reference`.
@@ -148,6 +164,6 @@ def gmm_swiglu_reference(
     """
     del interpret
     out_dtype = preferred_element_type or lhs.dtype
-    h = _rowwise(_gathered(lhs, lhs_index), _as_f32(w_gate_up), group_sizes, row_groups)  # [m, 2 * ffn]
+    h = _products(_gathered(lhs, lhs_index), w_gate_up, group_sizes, row_groups)  # [m, 2 * ffn]
     gate, up = jnp.split(h, 2, axis=-1)
     return (jax.nn.silu(gate) * up).astype(out_dtype)
