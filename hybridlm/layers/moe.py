@@ -21,6 +21,7 @@ from hybridlm.config import ModelConfig, MoEConfig
 from hybridlm.layers.linear import linear
 from pallas_kernels import tuning
 from pallas_kernels.grouped_matmul import gmm, gmm_swiglu
+from pallas_kernels.q4_k import Q4KExperts
 from pallas_kernels.quantized import QuantizedWeights
 
 # The thresholds below are fallbacks: a device's tuning table (`pallas_kernels.tuning`, op "moe") overrides
@@ -155,8 +156,9 @@ def routed_experts(
     Args:
       x: [tokens, hidden].
       weights, expert_ids: [tokens, top_k] from `route_top_k`.
-      gate_up: [experts, hidden, 2*ffn] (gate columns first) or a `QuantizedWeights` of that shape.
-      down: [experts, ffn, hidden] or a `QuantizedWeights`.
+      gate_up: [experts, hidden, 2*ffn] (gate columns first), or a `QuantizedWeights` or `Q4KExperts` of that
+        shape.
+      down: [experts, ffn, hidden], or a `QuantizedWeights` or `Q4KExperts`.
       valid: [tokens] bool, padding tokens get zero output; None: all valid.
       implementation: grouped-matmul implementation (see `pallas_kernels.grouped_matmul.gmm`).
       sort: sort the token copies by expert (True) or run them in (token, slot) order with each row's expert
@@ -168,6 +170,8 @@ def routed_experts(
     """
     tokens, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
+    if isinstance(gate_up, Q4KExperts):
+        sort = False  # only the matrix-vector kernel reads Q4_K rows in place, each row's expert named
     if sort is None:
         quantized = isinstance(gate_up, QuantizedWeights)
         sort = tokens * top_k > _threshold(
@@ -197,10 +201,11 @@ def routed_experts(
     return out.astype(x.dtype)
 
 
-def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """Dense SwiGLU MLP: down(silu(x W_gate) * (x W_up)); gate_up [hidden, 2*ffn], down [ffn, hidden]."""
+def swiglu(x: jax.Array, gate_up, down) -> jax.Array:
+    """Dense SwiGLU MLP: down(silu(x W_gate) * (x W_up)); gate_up [hidden, 2*ffn], down [ffn, hidden] (arrays,
+    or `QuantizedWeights` [1, ...] of those shapes: `linear`)."""
     h = linear(x, gate_up)
-    ffn = down.shape[0]
+    ffn = h.shape[-1] // 2
     return linear(jax.nn.silu(h[..., :ffn]) * h[..., ffn:], down)
 
 
@@ -246,7 +251,7 @@ class SparseMoE(nnx.Module):
             routed = expert_parallel(
                 self.expert_mesh, routed_experts, *args, valid=valid, implementation=impl
             )
-        shared = swiglu(x, self.shared_gate_up[...], self.shared_down[...])
+        shared = swiglu(x, self.shared_gate_up.get_value(), self.shared_down.get_value())
         shared_gate = jax.nn.sigmoid((x @ self.shared_token_gate[...]).astype(jnp.float32)).astype(x.dtype)
         return routed + shared_gate[:, None] * shared
 
@@ -269,4 +274,4 @@ class DenseMLP(nnx.Module):
         self.down = nnx.Param(normal(rngs.params(), (f, h), dtype))  # [ffn, hidden]
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        return swiglu(x, self.gate_up[...], self.down[...])
+        return swiglu(x, self.gate_up.get_value(), self.down.get_value())

@@ -23,6 +23,7 @@ from hybridlm.model import check_taps, concat_taps, head_logits
 from hybridlm.offload.expert_cache import ExpertLayout
 from hybridlm.offload.residency import Residency
 from hybridlm.offload.stats import CacheStats
+from pallas_kernels.grouped_matmul import pallas_gemv
 
 # Where a device-paged decode step finds a layer's experts (`decode_paged`), known on the host when the step's
 # pool view is made (`PagedDecoder.make_view`): static per layer, so that only layers with experts in host
@@ -39,10 +40,11 @@ def fetch_experts(
     ids: jax.Array,
     source: str,
     skip: jax.Array | None = None,
+    unpack: bool = True,
 ):
     """The weights of experts `ids` [n] of one layer as (gate_up, down) [n, ...] on the device, each from the
     pool (`PackedExperts`) where `slots` [n] (its pool slot, or -1) says it is resident, else copied from its
-    pinned host part; the gathered bytes are unpacked once.
+    pinned host part; the gathered bytes are unpacked once (`unpack`), or returned packed, uint8 [n, nbytes].
 
     `source` (static): IN_POOL, every expert of the layer is in the pool (a gather, no control flow); IN_HOST,
     none is; MIXED, some are. A copy from host memory is a dynamic slice of the host part holding the expert,
@@ -54,7 +56,8 @@ def fetch_experts(
     made the step slower. `skip` [n] bool (optional): rows whose copy is not needed (zeros come back), so that
     a verify fetches each distinct expert once."""
     if source == IN_POOL:
-        return pool.take(slots).unpack()
+        rows = pool.take(slots)
+        return rows.unpack() if unpack else rows.data
     starts = jnp.asarray(part_start, jnp.int32)
 
     def from_host(p):
@@ -84,7 +87,7 @@ def fetch_experts(
     copied = jnp.concatenate(rows)  # [n, nbytes]
     if mixed:  # each row from the pool or from its copy, still packed: one unpack for both
         copied = jnp.where((slots >= 0)[:, None], pool.data[jnp.maximum(slots, 0)], copied)
-    return layout.unpack(copied)
+    return layout.unpack(copied) if unpack else copied
 
 
 def page_experts(
@@ -109,22 +112,33 @@ def page_experts(
         than one fetch a copy (a decode step's top-k copies are distinct already).
 
     Returns:
-      ((gate_up, down) with a leading [n] axis, local [n] int32: the row of each copy's expert, hits int32
+      ((gate_up, down) with a leading axis, local [n] int32: the row of each copy's expert there, hits int32
       scalar: the copies whose expert was on the device).
+
+    Experts of Q4_K blocks (`ExpertLayout.all_q4_k`) are read where they lie by the matrix-vector kernel
+    (`pallas_kernels.q4_k.Q4KExperts`): a held layer's rows and the pool's slots in place, copied rows as they
+    arrive; nothing is gathered on the device or unpacked.
     """
     local = jnp.arange(flat.shape[0], dtype=jnp.int32)  # copy j runs fetched expert j
+    in_place = layout.all_q4_k
     if source == HELD:
+        if in_place:
+            return layout.q4_k_experts(held.data), flat, jnp.int32(flat.shape[0])
         return held.take(flat).unpack(), local, jnp.int32(flat.shape[0])
     hits = jnp.sum(slot_row[flat] >= 0).astype(jnp.int32)
-    if source == IN_POOL or not distinct_once:
-        return fetch_experts(layout, host, part_start, pool, slot_row[flat], flat, source), local, hits
-    # the distinct experts, padded with repeats of the first, which are skipped
-    order = jnp.sort(flat)
-    distinct = jnp.sum(order[1:] != order[:-1]) + 1
-    uniq, local = jnp.unique(flat, return_inverse=True, size=flat.shape[0])
-    skip = jnp.arange(flat.shape[0]) >= distinct
-    experts = fetch_experts(layout, host, part_start, pool, slot_row[uniq], uniq, source, skip)
-    return experts, local.astype(jnp.int32), hits
+    if in_place and source == IN_POOL and pallas_gemv.addressable(pool.data):
+        return layout.q4_k_experts(pool.data), slot_row[flat], hits
+    fetch, skip = flat, None
+    if distinct_once and source != IN_POOL:  # the distinct experts, padded with skipped repeats of the first
+        order = jnp.sort(flat)
+        distinct = jnp.sum(order[1:] != order[:-1]) + 1
+        fetch, local = jnp.unique(flat, return_inverse=True, size=flat.shape[0])
+        local = local.astype(jnp.int32)
+        skip = jnp.arange(flat.shape[0]) >= distinct
+    experts = fetch_experts(
+        layout, host, part_start, pool, slot_row[fetch], fetch, source, skip, unpack=not in_place
+    )
+    return (layout.q4_k_experts(experts) if in_place else experts), local, hits
 
 
 def paged_step(

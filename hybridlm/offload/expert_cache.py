@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridlm.checkpoints.gguf_device import Q4_K_BYTES as Q4_K_BLOCK_BYTES
-from hybridlm.checkpoints.gguf_device import QK_K as Q4_K_BLOCK_VALUES
-from hybridlm.checkpoints.gguf_device import Q4KBlocks, q4_k_to_quantized
+from hybridlm.checkpoints.gguf_device import Q4KBlocks
 from hybridlm.offload.policies import POLICIES, Key, make_policy, static_pinned_keys
+from pallas_kernels.q4_k import Q4_K_BYTES, QK_K, Q4KExperts, q4_k_to_quantized
 
 _UNITS = {
     "": 1,
@@ -125,7 +124,7 @@ class ExpertLayout:
             if k is None:
                 size = sum(self.leaf_nbytes[leaf : leaf + n])
             else:  # values [out, k/2] uint8: out rows of k/256 Q4_K blocks
-                size = self.shapes[leaf][0] * (k // Q4_K_BLOCK_VALUES) * Q4_K_BLOCK_BYTES
+                size = self.shapes[leaf][0] * (k // QK_K) * Q4_K_BYTES
             out.append((k, n, size))
             leaf += n
         return out
@@ -140,6 +139,27 @@ class ExpertLayout:
         """Bytes of one expert unpacked on the device (as the model and the kernels hold it; a pool slot
         holds `nbytes`, `PackedExperts`)."""
         return sum(self.leaf_nbytes)
+
+    @property
+    def all_q4_k(self) -> bool:
+        """Whether every parameter is held as Q4_K blocks, so that packed rows can be read in place
+        (`q4_k_experts`)."""
+        return bool(self.q4_k) and all(k is not None for k in self.q4_k)
+
+    def q4_k_experts(self, data: jax.Array) -> tuple[Q4KExperts, ...]:
+        """(gate_up, down) of the packed rows `data` uint8 [rows, nbytes] (the pool, a held layer, copied
+        rows) as `Q4KExperts` read in place by the matrix-vector kernel: no gather, no unpack.
+
+        Raises:
+          ValueError: a layout with a parameter that is not Q4_K blocks (`all_q4_k`)."""
+        if not self.all_q4_k:
+            raise ValueError("only a layout of Q4_K parameters is read in place")
+        out, offset, leaf = [], 0, 0
+        for k, count, size in self._param_spans():
+            out.append(Q4KExperts(data, offset=offset, k=k, n=self.shapes[leaf][0]))
+            offset += size
+            leaf += count
+        return tuple(out)
 
     def pack_numpy(self, leaves_e: list[np.ndarray]) -> np.ndarray:
         """The leaves of one expert (numpy, no expert axis) -> uint8 [nbytes]."""

@@ -13,6 +13,7 @@ from hybridlm import cli
 from hybridlm.checkpoints.gguf import use_more_bits
 from hybridlm.offload import ExpertLayout, HostExperts, OffloadConfig, OffloadedRunner, load_offloaded
 from hybridlm.offload.host import host_experts_of_layers
+from pallas_kernels.q4_k import Q4KExperts
 from pallas_kernels.quantized import QuantizedWeights, quantize_like
 
 
@@ -153,6 +154,88 @@ def test_q4_k_experts_stay_the_files_blocks_in_host_memory(mixed_gguf):
     got = hybridlm.generate(runner, ids, max_new_tokens=4, chunk_size=8).tokens
     want = hybridlm.generate(hybridlm.LayerwiseRunner(whole), ids, max_new_tokens=4, chunk_size=8).tokens
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_q4_k_decode_copies_are_read_in_place(mixed_gguf, parts):
+    """A decode step's experts of Q4_K blocks reach the grouped matmul as `Q4KExperts` where they lie: a held
+    layer's rows and the pool itself (each copy naming its row or slot), the copies from host memory (and a
+    MIXED layer's pool rows among them) as they arrive; each copy's rows are its own expert's weights."""
+    from hybridlm.offload import decode
+    from hybridlm.offload.expert_cache import PackedExperts
+
+    path = mixed_gguf("q4_k")
+    _, host = load_offloaded(path, dtype=jnp.float32, progress=False, parts=parts)
+    layout, layer, num_experts = host.layout, 1, host.num_experts
+    assert layout.all_q4_k
+    held = host.packed_layer(layer)  # [experts, nbytes] in expert order
+    pool = PackedExperts(layout, held.data[::-1])  # slot s holds expert E-1-s
+    ids = jnp.asarray([2, 0, 3, 1, 2, 3], jnp.int32)  # two tokens' copies: repeats across tokens
+    want = jax.tree_util.tree_leaves(held.take(ids).unpack())
+    page = jax.jit(decode.page_experts, static_argnums=(0, 1, 2))
+    in_pool = num_experts - 1 - jnp.arange(num_experts, dtype=jnp.int32)
+    mixed = jnp.where(jnp.arange(num_experts) % 2 == 1, in_pool, -1)
+    for source, slot_row in (
+        (decode.HELD, in_pool),
+        (decode.IN_POOL, in_pool),
+        (decode.MIXED, mixed),
+        (decode.IN_HOST, jnp.full((num_experts,), -1, jnp.int32)),
+    ):
+        experts, local, hits = page(
+            layout, tuple(host.part_start), source, held, tuple(host.layers[layer]), pool, slot_row, ids
+        )
+        assert all(isinstance(e, Q4KExperts) for e in experts), source
+        if source == decode.IN_POOL:  # the pool itself, each copy naming its slot
+            assert experts[0].data.shape == pool.data.shape
+            np.testing.assert_array_equal(np.asarray(local), np.asarray(in_pool[ids]))
+        got = [leaf for e in experts for leaf in jax.tree_util.tree_leaves(e.take(local).to_quantized())]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=source)
+        assert int(hits) == int(jnp.sum(slot_row[ids] >= 0)) or source == decode.HELD
+
+
+def _q4_k_runners(mixed_gguf, *, parts: int, policy: str):
+    """(an offloaded runner of the Q4_K file with a pool of 3 experts' worth a layer, the resident runner of
+    the same file)."""
+    path = mixed_gguf("q4_k")
+    model, host = load_offloaded(path, dtype=jnp.float32, progress=False, parts=parts)
+    whole = hybridlm.load(path, keep_quantized="experts", dtype=jnp.float32, progress=False)
+    config = OffloadConfig(expert_budget=3 * host.num_experts * host.layout.nbytes, cache_policy=policy)
+    return OffloadedRunner(model, config, host_experts=host), hybridlm.LayerwiseRunner(whole)
+
+
+def test_q4_k_offloaded_decode_gives_the_whole_models_logits(mixed_gguf):
+    """Offloaded decode of a Q4_K file (experts read in place from held layers, the pool and host memory):
+    the logits of the model loaded whole at every step."""
+    from offload_helpers import assert_decode_matches
+
+    from hybridlm.offload import decode
+
+    runner, whole = _q4_k_runners(mixed_gguf, parts=1, policy="static")
+    ids = np.arange(3, 40) % K256.vocab_size
+    pre = hybridlm.prefill(runner, ids, chunk_size=16, max_new_tokens=3)
+    ref = hybridlm.prefill(whole, ids, chunk_size=16, max_new_tokens=3)
+    assert_decode_matches(runner, whole, pre, ref, len(ids), 3, exact=False, atol=1e-4)
+    assert set(runner.paged_view.sources) == {decode.IN_POOL, decode.IN_HOST}
+
+
+def test_q4_k_offloaded_verify_gives_the_whole_models_hidden_states(mixed_gguf):
+    """A speculative verify of several tokens on the offloaded Q4_K model (each distinct expert of a host
+    layer's copies fetched once, then read in place with the pool's) gives the whole model's hidden states."""
+    from hybridlm.offload import decode
+
+    runner, whole = _q4_k_runners(mixed_gguf, parts=2, policy="lru")
+    ids = np.arange(5, 30) % K256.vocab_size
+    tokens = jnp.asarray([[7, 3, 7, 11, 2]], jnp.int32)  # five tokens x top-2 over 4 experts: repeats
+    hidden = []
+    for r in (runner, whole):
+        states = hybridlm.prefill(r, ids, chunk_size=16, max_new_tokens=8).states
+        target, args = r.speculative_target()
+        verify = jax.jit(lambda a, s, t, target=target: target.bind(a).verify(s, t, np.int32(len(ids)))[0])
+        hidden.append(np.asarray(verify(args, states, tokens)))
+    assert_finite(hidden[0])
+    np.testing.assert_allclose(hidden[0], hidden[1], atol=1e-4, rtol=1e-4)
+    assert {decode.IN_POOL, decode.IN_HOST} <= set(runner.paged_view.sources)
 
 
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
