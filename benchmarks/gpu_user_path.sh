@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The user-path figures of issues 49-52 on full-size random GGUF files, beside llama.cpp in the same call.
-#   usage (on the GPU machine, carrying .whl/): OUT=dir bash benchmarks/gpu_user_path.sh [decode35] [trace35]
-#     [offload35] [conversation35] [model80]
+#   usage (on the GPU machine, carrying .whl/ and .scratch/): OUT=dir bash benchmarks/gpu_user_path.sh
+#     [decode35] [trace35] [experts35] [offload35] [conversation35] [model80]
 # llama.cpp: $LLAMA_BENCH, else an xz-compressed static llama-bench at .scratch/llama-bench.xz (built with
 # shared/peers/llama_cpp.sh); without one the peer's figures are skipped. Files: /tmp/f35.gguf and /tmp/f80.gguf
 # (written on first use; the disk holds one of them at a time, so model80 deletes the 35B file).
@@ -52,9 +52,17 @@ for part in "$@"; do
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
       XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep experts+head --ks 3 --verify-ks --new-tokens 48 \
         --methods mtp ddtree --budgets 32 --trace /tmp/trace35 --out "$OUT/trace35.jsonl" ;;
-    offload35)  # issue 49: plain decode at 12 GiB, and its trace with command buffers off
+    experts35)  # issue 49: one layer's routed experts at a decode step: resident, gathered, Q4_K in place
+      timeout 120 python3 -m benchmarks expert-decode --out "$OUT/experts35.jsonl" | cut -c1-300 ;;
+    offload35)  # issue 49: plain decode and MTP at 12 GiB (before this stop's change too, from .scratch/old,
+      # a `git archive` of the code before it), and a trace with command buffers off
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
-      spec 150 --keep experts+head --budget 12GiB --offloaded-only --methods --new-tokens 64 --out "$OUT/offload35.jsonl"
+      [ -d .scratch/old ] && (cd .scratch/old && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m benchmarks.speculative \
+        --gguf /tmp/f35.gguf --reference-ks --alphas 0.75 --keep experts --budget 12GiB --offloaded-only --ks 3 \
+        --new-tokens 64 --out "$OUT/offload35_before.jsonl" | cut -c1-330 | grep -v '"trace"')
+      spec 150 --keep experts --budget 12GiB --offloaded-only --ks 3 --new-tokens 64 --out "$OUT/offload35.jsonl"
+      spec 150 --keep experts+head --budget 12GiB --offloaded-only --methods --new-tokens 64 \
+        --out "$OUT/offload35_head.jsonl"
       XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep experts+head --budget 12GiB --offloaded-only \
         --methods --new-tokens 32 --trace /tmp/trace_off --out "$OUT/offload35_trace.jsonl" ;;
     conversation35)  # issue 50: second turn and alternating generate / prefill at 12 GiB; serve 8 vs 1 clients

@@ -1,5 +1,5 @@
 """Kernel benchmarks: the gated delta rule (prefill and decode step), the grouped matmul, the whole MoE layer,
-the lm head.
+the lm head, a decode step's routed experts.
 
 Ours are reached only through the public api functions with `implementation=` (a CLI name, "default" = the
 best for the device); shapes come from the kernels' `workloads.py`. Kernels are timed by `common.time_calls`:
@@ -431,3 +431,84 @@ def run_head(args: argparse.Namespace, rec: Recorder) -> None:
                 {"ms": s * 1e3, "weights_TBps": nbytes["q8_0"] / s / 1e12},
                 params={**params, "rows": 1, "gemv_config": text},
             )
+
+
+def add_expert_decode_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen3.6-35b-a3b", help="expert shapes, expert count and top-k")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
+    p.add_argument(
+        "--ffn", type=int, default=None, help="expert ffn size, a multiple of 256 (default: preset's)"
+    )
+    p.add_argument(
+        "--configs",
+        nargs="*",
+        default=["8/4", "16/4", "32/4", "16/8"],
+        metavar="N/W",
+        help="block_n/num_warps of the matrix-vector kernel reading Q4_K rows in place",
+    )
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--trials", type=int, default=3)
+
+
+def run_expert_decode(args: argparse.Namespace, rec: Recorder) -> None:
+    """One layer's routed experts at a decode step (one token's top-k copies), experts of GGUF Q4_K blocks
+    (random codes, sane float16 scales) at the preset's shape, three ways: resident (the unpacked 4-bit
+    `QuantizedWeights` a resident model holds), out of an offload pool of packed rows gathered and unpacked
+    (device-paged decode before reading in place), and the pool's Q4_K rows read in place (`Q4KExperts`)."""
+    from hybridlm.checkpoints.gguf_device import Q4KBlocks
+    from hybridlm.config import get_config
+    from hybridlm.offload.expert_cache import ExpertLayout, PackedExperts
+    from pallas_kernels.grouped_matmul import gmm, gmm_swiglu, pallas_gemv
+
+    config = get_config(args.preset)
+    hidden, ffn = args.hidden or config.hidden_dim, args.ffn or config.moe.expert_ffn_dim
+    num_experts, top_k = config.moe.num_experts, config.moe.top_k
+
+    def random_q4_k(key, out, k):  # uint8 [experts, out, k / 256 * 144]: weights of ~0.01 (d * sc * q)
+        blocks = jax.random.bits(key, (num_experts, out, k // 256, 144), jnp.uint8)
+        head = jnp.asarray([0x00, 0x08, 0x00, 0x04], jnp.uint8)  # float16 d = 2**-13, dmin = 2**-14
+        return blocks.at[..., :4].set(head).reshape(num_experts, out, -1)
+
+    gate_up = random_q4_k(jax.random.key(1), 2 * ffn, hidden)
+    down = random_q4_k(jax.random.key(2), hidden, ffn)
+    layout = ExpertLayout.of(Q4KBlocks(gate_up, hidden), Q4KBlocks(down, ffn))
+    pool = jnp.concatenate([gate_up.reshape(num_experts, -1), down.reshape(num_experts, -1)], axis=1)
+    del gate_up, down
+    resident = jax.jit(lambda data: PackedExperts(layout, data).unpack())(pool)
+    x = jax.random.normal(jax.random.key(3), (1, hidden), jnp.float32).astype(jnp.bfloat16)
+    ids = jax.random.permutation(jax.random.key(4), num_experts)[:top_k].astype(jnp.int32)
+    token = jnp.zeros((top_k,), jnp.int32)
+
+    def experts(x, rows, gate_up, down, config=None):
+        if config is None:  # gmm's default implementation for these weights
+            return gmm(gmm_swiglu(x, gate_up, row_groups=rows, lhs_index=token), down, row_groups=rows)
+        h = pallas_gemv.gemv_swiglu(x, gate_up, row_groups=rows, lhs_index=token, config=config)
+        return pallas_gemv.gemv(h, down, row_groups=rows, config=config)
+
+    def gathered(x, data):
+        return experts(x, jnp.arange(top_k, dtype=jnp.int32), *PackedExperts(layout, data).take(ids).unpack())
+
+    calls = {
+        "resident": (jax.jit(lambda x, w: experts(x, ids, *w)), resident),
+        "pool_gather_unpack": (jax.jit(gathered), pool),
+        "pool_in_place": (jax.jit(lambda x, data: experts(x, ids, *layout.q4_k_experts(data))), pool),
+    }
+    for text in args.configs:
+        n, warps = (int(v) for v in text.split("/"))
+        cfg = pallas_gemv.Config(block_n=n, num_warps=warps)
+        calls[f"pool_in_place {text}"] = (
+            jax.jit(lambda x, data, cfg=cfg: experts(x, ids, *layout.q4_k_experts(data), config=cfg)),
+            pool,
+        )
+    want = calls["resident"][0](x, resident).astype(jnp.float32)
+    timed = functools.partial(common.time_calls, reps=args.reps, trials=args.trials)
+    params = {"preset": args.preset, "hidden": hidden, "ffn": ffn, "top_k": top_k}
+    for name, (call, weights) in calls.items():
+        s = timed(lambda call=call, weights=weights: call(x, weights))
+        got = call(x, weights).astype(jnp.float32)
+        figures = {
+            "us": s * 1e6,
+            "q4_k_GBps": top_k * layout.nbytes / s / 1e9,  # the experts' file bytes over the time
+            "rel_err": rel_err(got, want),
+        }
+        rec.emit("expert_decode_step", name, figures, params=params)

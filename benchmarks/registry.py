@@ -90,6 +90,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         kernels.run_head,
         _presets,
     ),
+    "expert-decode": Benchmark(
+        "one layer's routed experts at a decode step: resident, gathered out of the pool, Q4_K read in place",
+        kernels.add_expert_decode_arguments,
+        kernels.run_expert_decode,
+        _presets,
+    ),
     "prefill": Benchmark(
         "whole-model chunked prefill, all weights resident (llama-bench beside it)",
         model_bench.add_prefill_arguments,

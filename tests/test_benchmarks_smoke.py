@@ -35,7 +35,18 @@ def by_impl(records: list[dict]) -> dict[str, dict]:
 
 def test_list_names_every_benchmark():
     names = [entry["name"] for entry in registry.listing()]
-    assert {"gdn", "gdn-step", "gmm", "moe", "head", "prefill", "decode", "offload", "h2d"} <= set(names)
+    assert {
+        "gdn",
+        "gdn-step",
+        "gmm",
+        "moe",
+        "head",
+        "expert-decode",
+        "prefill",
+        "decode",
+        "offload",
+        "h2d",
+    } <= set(names)
     gdn = next(e for e in registry.listing() if e["name"] == "gdn")
     assert "qwen35_prefill_16k" in gdn["workloads"] and "qwen35_packed_8x8k" in gdn["workloads"]
     with pytest.raises(KeyError, match="unknown benchmark"):
@@ -128,6 +139,23 @@ def test_head(tmp_path):
     assert all(r["figures"]["ms"] > 0 for r in records)
     q8 = [r for r in records if r["implementation"] == "q8_0"]
     assert all(r["figures"]["max_abs_err"] < 1e-3 for r in q8)  # the same dequantized weights
+
+
+def test_expert_decode(tmp_path):
+    """A decode step's routed experts: resident, gathered out of a pool, Q4_K read in place (interpreted), the
+    same products."""
+    records = run(
+        "expert-decode",
+        "--preset tiny --hidden 256 --ffn 256 --configs 16/4 --reps 1 --trials 1".split(),
+        tmp_path,
+    )
+    assert [r["implementation"] for r in records] == [
+        "resident",
+        "pool_gather_unpack",
+        "pool_in_place",
+        "pool_in_place 16/4",
+    ]
+    assert all(r["figures"]["us"] > 0 and r["figures"]["rel_err"] < 1e-2 for r in records)  # bf16 outputs
 
 
 def test_prefill_with_trace_and_llama_bench(tmp_path):
