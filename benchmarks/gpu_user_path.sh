@@ -39,18 +39,21 @@ spec() { timeout "$1" python3 -m benchmarks.speculative --gguf /tmp/f35.gguf --r
 for part in "$@"; do
   date +%T; echo "== $part"
   case $part in
-    decode35)  # issue 49 / 52: the lm head alone; tg128; plain, MTP k=3, DFlash, DDTree with the kept Q8_0 head;
-      # plain and MTP with the bfloat16 head
+    decode35)  # issue 49 / 52: the lm head alone; tg128; plain, MTP k=3, DFlash, DDTree with every projection
+      # kept Q8_0 ("all"); plain and MTP with the Q8_0 head only, and with the bfloat16 trunk and head
       timeout 150 python3 -m benchmarks head --gemv-configs 8/256/4 16/256/4 32/256/4 8/1024/4 16/1024/8 \
         32/1024/8 --out "$OUT/head.jsonl" | cut -c1-300
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
       llama llama_tg128 -m /tmp/f35.gguf -p 0 -n 128 -fa 1 -ngl 99
-      spec 240 --keep experts+head --ks 3 --verify-ks 3 --methods mtp dflash ddtree --budgets 16 32 64 \
-        --out "$OUT/decode35_head.jsonl"
-      spec 120 --keep experts --ks 3 --verify-ks --methods mtp --out "$OUT/decode35_bf16_head.jsonl" ;;
+      spec 240 --keep all --ks 3 --verify-ks 3 --methods mtp dflash ddtree --budgets 16 32 64 \
+        --out "$OUT/decode35_all.jsonl"
+      spec 120 --keep experts+head --ks 3 --verify-ks --methods mtp --out "$OUT/decode35_head.jsonl"
+      spec 120 --keep experts --ks 3 --verify-ks --methods mtp --out "$OUT/decode35_bf16.jsonl"
+      timeout 120 python3 -m hybridlm generate --model /tmp/f35.gguf --keep-quantized all --prompt "Hello" \
+        --max-new-tokens 128 --ignore-eos --json | cut -c1-400 ;;
     trace35)  # one MTP and one DDTree block traced, command buffers off (a trace cannot see into CUDA graphs)
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep experts+head --ks 3 --verify-ks --new-tokens 48 \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep all --ks 3 --verify-ks --new-tokens 48 \
         --methods mtp ddtree --budgets 32 --trace /tmp/trace35 --out "$OUT/trace35.jsonl" ;;
     experts35)  # issue 49: one layer's routed experts at a decode step: resident, gathered, Q4_K in place
       timeout 120 python3 -m benchmarks expert-decode --out "$OUT/experts35.jsonl" | cut -c1-300 ;;
@@ -61,9 +64,8 @@ for part in "$@"; do
         --gguf /tmp/f35.gguf --reference-ks --alphas 0.75 --keep experts --budget 12GiB --offloaded-only --ks 3 \
         --new-tokens 64 --out "$OUT/offload35_before.jsonl" | cut -c1-330 | grep -v '"trace"')
       spec 150 --keep experts --budget 12GiB --offloaded-only --ks 3 --new-tokens 64 --out "$OUT/offload35.jsonl"
-      spec 150 --keep experts+head --budget 12GiB --offloaded-only --methods --new-tokens 64 \
-        --out "$OUT/offload35_head.jsonl"
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep experts+head --budget 12GiB --offloaded-only \
+      spec 150 --keep all --budget 12GiB --offloaded-only --ks 3 --new-tokens 64 --out "$OUT/offload35_all.jsonl"
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep all --budget 12GiB --offloaded-only \
         --methods --new-tokens 32 --trace /tmp/trace_off --out "$OUT/offload35_trace.jsonl" ;;
     conversation35)  # issue 50: second turn and alternating generate / prefill at 12 GiB; serve 8 vs 1 clients
       gguf qwen3.6-35b-a3b /tmp/f35.gguf

@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--keep",
         default="experts",
-        choices=["experts", "experts+head"],
+        choices=["experts", "experts+head", "all"],
         help="what the GGUF's quantized blocks are kept for (`load(keep_quantized=...)`)",
     )
     p.add_argument("--out", default=None)
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     if args.offloaded_only and not args.budget:
         p.error("--offloaded-only needs --budget")
     t0 = time.perf_counter()
-    mtp = load_mtp(args.gguf, keep_quantized="experts") if "mtp" in args.methods else None
+    mtp = load_mtp(args.gguf, keep_quantized=args.keep) if "mtp" in args.methods else None
     prompt = np.arange(1000, 1000 + args.prompt_tokens, dtype=np.int32)
     if not args.offloaded_only:
         resident(args, mtp, prompt, t0)

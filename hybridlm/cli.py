@@ -181,6 +181,13 @@ def add_model_arguments(s: argparse.ArgumentParser) -> None:
         default=None,
         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
     )
+    s.add_argument(
+        "--keep-quantized",
+        choices=("experts", "experts+head", "all"),
+        default="experts",
+        help="a GGUF file's tensors kept in its quantized blocks, exactly: the routed experts (default), "
+        "also the lm head, or every projection matrix (fewer bytes a decode step reads)",
+    )
 
 
 def add_offload_arguments(s: argparse.ArgumentParser) -> None:
@@ -573,6 +580,7 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
             expert_format=args.expert_format,
             mixed_formats=args.mixed_formats,
             parts=host_parts,
+            keep_quantized=args.keep_quantized,
         )
         return model, host_experts, args.model
     if args.model:  # a GGUF file's quantized experts stay quantized (exact, a quarter to half the bytes)
@@ -580,7 +588,7 @@ def _load_model(args: argparse.Namespace, dtype, host_parts: int | None):
             args.model,
             dtype=dtype,
             expert_format=args.expert_format,
-            keep_quantized=None if os.path.isdir(args.model) else "experts",
+            keep_quantized=None if os.path.isdir(args.model) else args.keep_quantized,
             devices=devices,
         )
         return model, None, args.model
@@ -714,7 +722,7 @@ def _speculative_options(args: argparse.Namespace, runner) -> dict:
             mtp = load_mtp(
                 args.model,
                 dtype=runner.model.dtype,
-                keep_quantized=None if os.path.isdir(args.model) else "experts",
+                keep_quantized=None if os.path.isdir(args.model) else args.keep_quantized,
             )
         except ValueError as e:
             raise UsageError(f"--speculative mtp: {reason(e)}") from None

@@ -24,7 +24,9 @@ def load(
     Args:
       path: a directory with config.json + *.safetensors, or a GGUF file.
       dtype: parameter dtype; None keeps the checkpoint's (HF) or uses bfloat16 for quantized GGUF tensors.
-      keep_quantized: GGUF only: "experts" keeps expert weights quantized (`QuantizedWeights`).
+      keep_quantized: GGUF only: "experts" keeps the routed experts in their quantized blocks
+        (`QuantizedWeights`, exactly), "experts+head" the lm head too, "all" every projection matrix too
+        (`checkpoints.gguf.load_gguf`); None dequantizes everything.
       expert_format: HF directories only: "int8" / "int4" quantizes the routed experts as they load
         (`hybridlm.model.quantize_experts`); None keeps them in `dtype`.
       progress: show a progress bar for large checkpoints.
@@ -116,13 +118,13 @@ def load_mtp(path: str | os.PathLike, *, dtype=None, keep_quantized: str | None 
     Args:
       path: as `load`.
       dtype: parameter dtype; None: as `load` chooses.
-      keep_quantized: GGUF only: "experts" keeps the MTP layers' routed experts quantized, as `load` does
-        the trunk's (`gguf.load_gguf_mtp`).
+      keep_quantized: GGUF only: what to keep quantized, as `load` does for the trunk ("experts": the MTP
+        layers' routed experts; "all": their projections too; `gguf.load_gguf_mtp`).
 
     Raises:
       FileNotFoundError: `path` does not exist.
       ValueError: the checkpoint holds no MTP weights, or they are malformed (message names the tensor);
-        keep_quantized given for a directory, or neither None nor "experts".
+        keep_quantized given for a directory, or not one of `checkpoints.gguf.KEEP_CHOICES`.
     """
     path = os.fspath(path)
     if not os.path.exists(path):

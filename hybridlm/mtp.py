@@ -49,7 +49,7 @@ class MTPModule(nnx.Module):
         """concat([N_e(emb), N_h(hidden)]) @ fc: [batch, seq, hidden] twice -> [batch, seq, hidden]."""
         e = self.pre_fc_norm_embedding(token_embeddings)
         g = self.pre_fc_norm_hidden(hidden)
-        return linear(jnp.concatenate([e, g], axis=-1), self.fc[...])
+        return linear(jnp.concatenate([e, g], axis=-1), self.fc.get_value())
 
     def draft_step(
         self,

@@ -223,6 +223,26 @@ def test_gguf_models_run_in_the_documented_dtype(capsys, tiny_gguf):
     assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
 
 
+def test_keep_quantized_all_generates_as_the_default(capsys, tiny_gguf):
+    """`--keep-quantized all` (every projection in the file's Q8_0 blocks) decodes the greedy tokens of the
+    default load, resident and with the experts offloaded."""
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_gguf),
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+    ]
+    runs = []
+    for extra in ([], ["--keep-quantized", "all"], ["--keep-quantized", "all", "--expert-budget", "1MiB"]):
+        assert main([*argv, *extra, "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["new_tokens"])
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_speculative_generate_reports_its_acceptance_and_decodes_as_plain(capsys, tiny_gguf):
     """`--speculative mtp` on random weights: the greedy text of plain decoding, with the drafter's
     statistics; a GGUF file without an MTP block is one line naming it."""

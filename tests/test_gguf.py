@@ -8,9 +8,11 @@ import sys
 import warnings
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from support import FIXTURES, K256, assert_finite
@@ -332,6 +334,52 @@ def test_keep_quantized_head(k256_model, forward, tmp_path, tensor_type, head_bl
     np.testing.assert_array_equal(np.asarray(reloaded.head_weight()), np.asarray(dense.head_weight()))
 
 
+TRUNK_MATRICES = {
+    "linear_attention": ("qkv_proj", "output_gate_proj", "beta_proj", "decay_proj", "out_proj"),
+    "full_attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+@pytest.mark.parametrize("tensor_type", ["q8_0", "q4_k_m"])
+def test_keep_quantized_all(k256_model, forward, tmp_path, tensor_type):
+    """keep_quantized="all" keeps every trunk projection in the file's blocks as `QuantizedWeights`
+    [1, in, out], in the model's order (the V heads reordered by whole blocks): each equals the dequantized
+    load's matrix exactly, the logits and greedy tokens are the dequantized model's, and saving writes the
+    same weights."""
+    path = tmp_path / f"k256-{tensor_type}.gguf"
+    save_gguf(k256_model, path, tensor_type)
+    dense = load_gguf(path, dtype=jnp.float32, progress=False)
+    kept = load_gguf(path, dtype=jnp.float32, keep_quantized="all", progress=False)
+    assert isinstance(kept.head_weight(), QuantizedWeights)
+    for layer, layer_dense, kind in zip(kept.layers, dense.layers, K256.layer_types, strict=True):
+        pairs = [(getattr(layer.mixer, n), getattr(layer_dense.mixer, n)) for n in TRUNK_MATRICES[kind]]
+        pairs += [
+            (getattr(layer.ffn, n), getattr(layer_dense.ffn, n)) for n in ("shared_gate_up", "shared_down")
+        ]
+        for param, dense_param in pairs:
+            qw, w = param.get_value(), dense_param.get_value()
+            assert isinstance(qw, QuantizedWeights) and qw.shape == (1, *w.shape)
+            np.testing.assert_array_equal(np.asarray(qw.dequantize()[0]), np.asarray(w))
+        assert not isinstance(layer.ffn.router.get_value(), QuantizedWeights)  # F32 in the file
+    assert not isinstance(kept.embed.get_value(), QuantizedWeights)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, K256.vocab_size, (2, 19)), jnp.int32)
+    got = np.asarray(forward(kept, ids))
+    assert_finite(got, "logits")
+    assert np.abs(got - np.asarray(forward(dense, ids))).max() < 1e-4
+    prompt = np.arange(3, 21) % K256.vocab_size
+    tokens = [
+        hybridlm.generate(hybridlm.LayerwiseRunner(m), prompt, max_new_tokens=5, chunk_size=8).tokens
+        for m in (kept, dense)
+    ]
+    np.testing.assert_array_equal(np.asarray(tokens[0]), np.asarray(tokens[1]))
+    again = tmp_path / "again.gguf"
+    save_gguf(kept, again, tensor_type)
+    reloaded = load_gguf(again, dtype=jnp.float32, progress=False)
+    leaves = [jax.tree_util.tree_leaves(nnx.state(m)) for m in (reloaded, dense)]
+    for a, b in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_keep_quantized_head_of_a_float_file_stays_float(gguf_case, tmp_path):
     model, _, _, _ = gguf_case["qwen35moe_text"]
     path = tmp_path / "bf16.gguf"
@@ -341,7 +389,7 @@ def test_keep_quantized_head_of_a_float_file_stays_float(gguf_case, tmp_path):
 
 
 def test_keep_quantized_names_its_choices(tmp_path):
-    with pytest.raises(ValueError, match="experts\\+head"):
+    with pytest.raises(ValueError, match="experts\\+head.*all"):
         load_gguf(tmp_path / "absent.gguf", keep_quantized="head")
 
 
@@ -406,7 +454,7 @@ def test_unsupported_arch_and_type_are_named(tmp_path):
     with pytest.raises(GGUFError, match=r"'llama'.*qwen35moe.*qwen35.*qwen3next"):
         hybridlm.load(tmp_path / "llama.gguf")
     with pytest.raises(ValueError, match="keep_quantized"):
-        load_gguf(tmp_path / "llama.gguf", keep_quantized="all")
+        load_gguf(tmp_path / "llama.gguf", keep_quantized="everything")
 
 
 def rewrite_f32_gguf(model, path, rewrite):

@@ -220,17 +220,22 @@ def test_two_mtp_layers_round_trip_through_gguf(tmp_path):
         np.testing.assert_array_equal(got[key] + one, want[key] + one, err_msg=".".join(map(str, key)))
 
 
-@pytest.mark.parametrize("tensor_type, bits", [("q4_k", 4), ("q8_0", 8)])
-def test_kept_quantized_mtp_experts_draft_as_dequantized(tmp_path, tensor_type, bits):
+@pytest.mark.parametrize(
+    "tensor_type, bits, keep", [("q4_k", 4, "experts"), ("q8_0", 8, "experts"), ("q8_0", 8, "all")]
+)
+def test_kept_quantized_mtp_experts_draft_as_dequantized(tmp_path, tensor_type, bits, keep):
     """keep_quantized="experts" keeps the MTP layer's routed experts as the file's exact QuantizedWeights
-    (Q4_K: the raw-block path; Q8_0: the repacking path), and a draft step gives the dequantized load's
-    output. K256: rows of 256, so Q4_K does not fall back."""
+    (Q4_K: the raw-block path; Q8_0: the repacking path), "all" its projections too, and a draft step gives
+    the dequantized load's output. K256: rows of 256, so Q4_K does not fall back."""
     config = K256.replace(mtp_layers=1)
     model = hybridlm.init_random(config, seed=4)
     path = tmp_path / f"mtp-{tensor_type}.gguf"
     save_gguf(model, path, tensor_type, mtp=init_random_mtp(config, seed=5))
     dense = load_mtp(path, dtype=jnp.float32)
-    kept = load_mtp(path, dtype=jnp.float32, keep_quantized="experts")
+    kept = load_mtp(path, dtype=jnp.float32, keep_quantized=keep)
+    attention = kept.layers[0].mixer
+    projections = [kept.fc, attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+    assert all(isinstance(p.get_value(), QuantizedWeights) == (keep == "all") for p in projections)
     for name in ("experts_gate_up", "experts_down"):
         qw = getattr(kept.layers[0].ffn, name).get_value()
         dense_w = getattr(dense.layers[0].ffn, name).get_value()
@@ -254,5 +259,5 @@ def test_keep_quantized_is_checked(hf_with_mtp, tmp_path):
         load_mtp(directory, keep_quantized="experts")
     path = tmp_path / "m.gguf"
     save_gguf(hybridlm.init_random(CONFIG, seed=0), path, "f32", mtp=init_random_mtp(CONFIG, seed=1))
-    with pytest.raises(ValueError, match="keep_quantized='all'"):
-        load_gguf_mtp(path, keep_quantized="all")
+    with pytest.raises(ValueError, match="keep_quantized='everything'"):
+        load_gguf_mtp(path, keep_quantized="everything")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import os
@@ -62,8 +63,9 @@ def _is_trunk_tensor(name: str, num_layers: int) -> bool:
     return index is None or index < num_layers
 
 
-# What `load_gguf(keep_quantized=...)` takes: nothing kept, the routed experts, or those and the lm head.
-KEEP_CHOICES = (None, "experts", "experts+head")
+# What `load_gguf(keep_quantized=...)` takes: nothing kept, the routed experts, those and the lm head, or
+# every matrix the file's blocks can stand for (the trunk's projections too).
+KEEP_CHOICES = (None, "experts", "experts+head", "all")
 HEAD_TENSOR = "output.weight"
 
 
@@ -105,7 +107,11 @@ def load_gguf(
         `QuantizedWeights`, exactly (`gguf_quants.to_quantized_weights`); other types (F16, BF16, Q8_K), or
         input dims that do not split into whole 4-bit halves, are dequantized. "experts+head" also keeps
         the lm head (`output.weight`) of an 8-bit type as a `QuantizedWeights` [1, hidden, vocab], which a
-        decode step reads at about half the bytes of bfloat16 (`layers.linear.head_matmul`).
+        decode step reads at about half the bytes of bfloat16 (`layers.linear.head_matmul`). "all" also
+        keeps every projection matrix of the trunk (attention, Gated DeltaNet, shared expert) that a keepable
+        type stores as `QuantizedWeights` [1, in, out], where the loader's reordering of its rows and columns
+        (the V-head order) moves whole quantization blocks (`layers.linear.linear` runs them); the
+        embedding, the router, norms and other vectors stay float.
       progress: show a progress bar over bytes read.
       expert_sink: None, or a function (layer, name, value) that takes each routed-expert parameter
         ("experts_gate_up" / "experts_down": a `QuantizedWeights`, a device array [experts, ...], or, when
@@ -141,9 +147,7 @@ def load_gguf(
         raise GGUFError(
             f"GGUF file has {len(extra)} tensors a {arch} model of this config does not use, e.g. {extra[:3]}"
         )
-    keep = keep_quantized is not None  # a KEEP_CHOICES value: both keep the experts
-    keep_head = keep_quantized == "experts+head" and _keepable_head(header)
-    raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
+    keeping = _Keeping.of(keep_quantized, header, sources)
 
     finite: list[tuple[str, object]] = []
     total = sum(header.tensors[n].nbytes for n in used)
@@ -160,14 +164,10 @@ def load_gguf(
         ) as bar,
     ):
         previous = None
-        on_device = functools.partial(
-            _on_device, header=header, keep=keep, raw_q4k=raw_q4k, keep_head=keep_head
-        )
+        on_device = functools.partial(_on_device, header=header, keeping=keeping)
         for src, raws in read_ahead(f.fileno(), header, sources, on_device):
             wants = [variables[p].get_value() for p in src.params]
-            values = _source_values(
-                src, raws, header, wants, arch, keep, raw_q4k, expert_sink is not None, keep_head
-            )
+            values = _source_values(src, raws, header, wants, arch, keeping, expert_sink is not None)
             for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
                 _check_shape(src, i, value.shape, want.shape)
                 if check_finite:
@@ -191,12 +191,13 @@ def load_gguf_mtp(
     Args:
       path: the .gguf file.
       dtype: parameter dtype; None: as `load_gguf` chooses.
-      keep_quantized: None dequantizes everything; "experts" keeps the MTP layers' routed experts as
-        `QuantizedWeights`, by `load_gguf`'s rules and code path.
+      keep_quantized: None dequantizes everything; "experts" (or "experts+head") keeps the MTP layers'
+        routed experts as `QuantizedWeights`, "all" their projections too, by `load_gguf`'s rules and code
+        path.
       check_finite: refuse NaN/Inf weights (scales and offsets only, for kept experts).
 
     Raises:
-      ValueError: keep_quantized is neither None nor "experts".
+      ValueError: keep_quantized not one of KEEP_CHOICES.
       GGUFError: no MTP block (`nextn_predict_layers` absent or 0), a dedicated MTP embedding or head
         (`nextn.embed_tokens` / `nextn.shared_head_head`, not supported), missing or mis-shaped tensors,
         NaN/Inf weights.
@@ -219,14 +220,13 @@ def load_gguf_mtp(
     sources = list(mtp_gguf_sources(config, arch, set(header.tensors)))
     for src in sources:
         _check_source(src, header, variables, arch, config)
-    keep = keep_quantized is not None  # a KEEP_CHOICES value: both keep the experts
-    raw_q4k = keep and all(t.type == T.Q4_K for t in _expert_tensors(header, sources))
+    keeping = _Keeping.of(keep_quantized, header, sources, head=False)
     finite: list[tuple[str, object]] = []
-    on_device = functools.partial(_on_device, header=header, keep=keep, raw_q4k=raw_q4k)
+    on_device = functools.partial(_on_device, header=header, keeping=keeping)
     with open(path, "rb") as f:
         for src, raws in read_ahead(f.fileno(), header, sources, on_device):
             wants = [variables[p].get_value() for p in src.params]
-            values = _source_values(src, raws, header, wants, arch, keep, raw_q4k, False)
+            values = _source_values(src, raws, header, wants, arch, keeping, False)
             for i, (param, value, want) in enumerate(zip(src.params, values, wants, strict=True)):
                 _check_shape(src, i, value.shape, want.shape)
                 if check_finite:
@@ -270,12 +270,51 @@ def _is_head(src) -> bool:
     return tuple(src.tensors) == (HEAD_TENSOR,)
 
 
-def _on_device(src, *, header: Header, keep: bool, raw_q4k: bool, keep_head: bool = False) -> bool:
+@dataclasses.dataclass
+class _Keeping:
+    """What one load keeps in its file's blocks (`load_gguf`'s keep_quantized).
+
+    Attributes:
+      experts: the routed experts; raw_q4k: as the file's own Q4_K blocks (every expert tensor is Q4_K);
+      head: the lm head; trunk: the trunk's projection matrices, with `orders` caching, per kind of source,
+      the row and column orders the loader's transform gives (`_trunk_orders`).
+    """
+
+    experts: bool = False
+    raw_q4k: bool = False
+    head: bool = False
+    trunk: bool = False
+    orders: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, keep_quantized: str | None, header: Header, sources, head: bool = True) -> _Keeping:
+        experts = keep_quantized is not None  # every KEEP_CHOICES value keeps the experts
+        return cls(
+            experts=experts,
+            raw_q4k=experts and all(t.type == T.Q4_K for t in _expert_tensors(header, sources)),
+            head=head and keep_quantized in ("experts+head", "all") and _keepable_head(header),
+            trunk=keep_quantized == "all",
+        )
+
+    def keeps_trunk(self, src, header: Header) -> bool:
+        """Whether `src` is a trunk matrix kept in its blocks: every tensor of one keepable type and input
+        dim (the embedding, the router, norms and vectors are not)."""
+        if not self.trunk or src.experts or src.f32 or _is_head(src) or src.params == (("embed",),):
+            return False
+        infos = [header.tensors[n] for n in src.tensors]
+        return (
+            len({t.type for t in infos}) == 1
+            and len({t.ne[0] for t in infos}) == 1
+            and all(len(t.ne) == 2 and gguf_quants.can_keep(t.type, t.ne[0]) for t in infos)
+        )
+
+
+def _on_device(src, *, header: Header, keeping: _Keeping) -> bool:
     """Whether a source's bytes go to the device as they are (kept Q4_K experts, matrices of DEVICE_TYPES)
     rather than through numpy."""
-    if keep and src.experts:
-        return raw_q4k
-    if keep_head and _is_head(src):
+    if keeping.experts and src.experts:
+        return keeping.raw_q4k
+    if (keeping.head and _is_head(src)) or keeping.keeps_trunk(src, header):
         return False
     return not src.f32 and all(header.tensors[n].type in gguf_device.DEVICE_TYPES for n in src.tensors)
 
@@ -325,15 +364,20 @@ def _check_source(src, header, variables, arch, config) -> None:
         )
 
 
-def _source_values(src, raws, header, wants, arch, keep, raw_q4k, to_sink, keep_head=False) -> tuple:
-    """The parameter values of one table row from its tensors' bytes: kept expert blocks, a kept lm head,
-    device-dequantized matrices, or numpy-dequantized small and rare-type tensors, the converter's transforms
-    undone."""
+def _source_values(src, raws, header, wants, arch, keeping: _Keeping, to_sink) -> tuple:
+    """The parameter values of one table row from its tensors' bytes: kept expert blocks, a kept lm head or
+    trunk matrix, device-dequantized matrices, or numpy-dequantized small and rare-type tensors, the
+    converter's transforms undone."""
     infos = [header.tensors[n] for n in src.tensors]
-    if keep_head and _is_head(src):  # [vocab, bytes] -> one group [1, hidden, vocab]
+    if keeping.head and _is_head(src):  # [vocab, bytes] -> one group [1, hidden, vocab]
         (info,) = infos
         view = gguf_device.host_view(raws[0], info)
         return (gguf_quants.to_quantized_weights([(view[None], info.type)]),)
+    if keeping.keeps_trunk(src, header):
+        kept = _keep_trunk(src, infos, raws, wants, keeping.orders)
+        if kept is not None:
+            return kept
+    keep, raw_q4k = keeping.experts, keeping.raw_q4k
     if keep and src.experts and raw_q4k:
         blocks = jnp.concatenate(
             [r.reshape(t.ne[2], t.ne[1], -1) for r, t in zip(raws, infos, strict=True)], axis=1
@@ -412,7 +456,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
 
 def _check_shape(src, i, got, want):
-    if _is_head(src) and len(got) == 3 and got[0] == 1:  # a kept head [1, hidden, vocab]
+    if not src.experts and len(got) == len(want) + 1 and got[0] == 1:  # a kept head or trunk matrix
         got = got[1:]
     if tuple(got) != tuple(want):
         raise GGUFError(
@@ -432,6 +476,50 @@ def _keep(src, header: Header, raws) -> QuantizedWeights | None:
     return gguf_quants.to_quantized_weights(
         [(gguf_device.host_view(r, t), t.type) for r, t in zip(raws, infos, strict=True)]
     )
+
+
+def _keep_trunk(src, infos, raws, wants, orders: dict) -> tuple[QuantizedWeights, ...] | None:
+    """The parameters of a trunk source as `QuantizedWeights` [1, in, out] in the model's row and column
+    order, or None when the loader's transform is not a reordering of whole rows and quantization blocks."""
+    key = (tuple(p[-2:] for p in src.params), tuple(tuple(t.ne) for t in infos))
+    if key not in orders:
+        orders[key] = _trunk_orders(src, infos, wants)
+    if orders[key] is None:
+        return None
+    views = [(gguf_device.host_view(r, t)[None], t.type) for r, t in zip(raws, infos, strict=True)]
+    try:
+        return tuple(gguf_quants.to_quantized_weights(views, n_order=n, k_order=k) for n, k in orders[key])
+    except ValueError:  # a column reorder that splits quantization blocks
+        orders[key] = None
+        return None
+
+
+def _trunk_orders(src, infos, wants) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Per parameter of a trunk source: (n_order, k_order), the file's output row and input column behind
+    each of its output and input positions, found by running the loader's transform (`src.load`) on the
+    tensors' element indices; None when a parameter is not such a reordering."""
+    k = infos[0].ne[0]
+    rows = [t.ne[1] for t in infos]
+    if sum(rows) * k >= 2**31:
+        return None
+    starts = np.cumsum([0] + rows[:-1])
+    cols = np.arange(k, dtype=np.int32)
+    index = [
+        (s + np.arange(r, dtype=np.int32))[:, None] * k + cols for s, r in zip(starts, rows, strict=True)
+    ]
+    try:
+        values = [np.asarray(v) for v in src.load(*index)]
+    except (ValueError, IndexError, TypeError):
+        return None
+    out = []
+    for v, want in zip(values, wants, strict=True):
+        if v.shape != tuple(want.shape) or v.ndim != 2:
+            return None
+        n_order, k_order = v[0] // k, v[:, 0] % k
+        if not (v == k_order[:, None] + n_order[None, :] * k).all():
+            return None
+        out.append((n_order, k_order))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -574,8 +662,8 @@ def save_gguf(
         params = {path_: var for path_, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
         for src in tqdm(sources, desc="writing GGUF", disable=not progress, leave=False):
             values = [_as_numpy(params[p].get_value()) for p in src.params]
-            if _is_head(src) and values[0].ndim == 3:  # a kept head [1, hidden, vocab]
-                values = [values[0][0]]
+            if not src.experts:  # a kept head or trunk matrix [1, in, out]
+                values = [v[0] if v.ndim == 3 and v.shape[0] == 1 else v for v in values]
             for name, array in zip(src.tensors, src.save(*values), strict=False):
                 _add_tensor(
                     writer, name, array, mix_type(tensor_type, name, config.num_layers, wanted), src.f32

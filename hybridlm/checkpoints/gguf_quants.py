@@ -293,9 +293,18 @@ def can_keep(qtype: GGMLQuantizationType, k: int) -> bool:
     return k % (KEPT_BLOCK[qtype] * (2 if KEPT_BITS[qtype] == 4 else 1)) == 0  # 4-bit: two whole halves
 
 
-def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) -> QuantizedWeights:
+def to_quantized_weights(
+    raws: list[tuple[np.ndarray, GGMLQuantizationType]],
+    *,
+    n_order: np.ndarray | None = None,
+    k_order: np.ndarray | None = None,
+) -> QuantizedWeights:
     """GGUF expert tensors (raw uint8 [experts, out, bytes], numpy order) -> one k-major `QuantizedWeights`
     [experts, k, sum(out)] (the tensors concatenated along the output dim, e.g. gate then up).
+
+    `n_order` (int [n']): the output columns kept, in this order (indices into the concatenated outputs);
+    `k_order` (int [k]): a reordering of the input dim that moves whole quantization blocks (a loader's
+    head reorder); both None: the file's order.
 
     All exact (`dequantize` equals `gguf.quants.dequantize` bit for bit):
     - Q8_0 -> bits=8 with its float16 scales per 32 (1.0625 bytes/param);
@@ -314,7 +323,8 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
     zero offsets (still exact).
 
     Raises:
-      ValueError: a type not in KEEPABLE_TYPES, or 8-bit and 4-bit tensors together.
+      ValueError: a type not in KEEPABLE_TYPES, 8-bit and 4-bit tensors together, or a k_order that splits
+        a quantization block.
     """
     for _, qtype in raws:
         if qtype not in KEEPABLE_TYPES:
@@ -340,6 +350,17 @@ def to_quantized_weights(raws: list[tuple[np.ndarray, GGMLQuantizationType]]) ->
     offsets = None
     if parts[0][2] is not None:
         offsets = np.concatenate([t(p[2], qtype) for p, (_, qtype) in zip(parts, raws, strict=False)], axis=2)
+    if n_order is not None or k_order is not None:
+        n_order = np.arange(codes.shape[1]) if n_order is None else np.asarray(n_order)
+        k_order = np.arange(codes.shape[2]) if k_order is None else np.asarray(k_order)
+        blocks = k_order.reshape(-1, block)
+        whole = (blocks[:, 0] % block == 0).all() and (blocks == blocks[:, :1] + np.arange(block)).all()
+        if not whole:
+            raise ValueError(f"k_order moves parts of {block}-element quantization blocks")
+        codes = codes[:, n_order][:, :, k_order]
+        kb = blocks[:, 0] // block
+        scales = scales[:, kb][:, :, n_order]
+        offsets = None if offsets is None else offsets[:, kb][:, :, n_order]
     if bits == 4:
         half = codes.shape[2] // 2
         codes = codes[:, :, :half] | (codes[:, :, half:] << 4)  # split-half packing along k

@@ -266,10 +266,10 @@ class GatedAttention(nnx.Module):
         normalised and rotated to `positions` ([t] or [b, t] int)."""
         a, eps = self.config.attention, self.config.rms_norm_eps
         batch, seq, _ = x.shape
-        qg = linear(x, self.q_proj[...]).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
+        qg = linear(x, self.q_proj.get_value()).reshape(batch, seq, a.num_heads, 2 * a.head_dim)
         q, gate = qg[..., : a.head_dim], qg[..., a.head_dim :]
-        k = linear(x, self.k_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
-        v = linear(x, self.v_proj[...]).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        k = linear(x, self.k_proj.get_value()).reshape(batch, seq, a.num_kv_heads, a.head_dim)
+        v = linear(x, self.v_proj.get_value()).reshape(batch, seq, a.num_kv_heads, a.head_dim)
         q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
         cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
         return apply_partial_rope(q, cos, sin), gate, apply_partial_rope(k, cos, sin), v
@@ -281,4 +281,4 @@ class GatedAttention(nnx.Module):
         out = out.reshape(batch, seq, a.num_heads * a.head_dim) * jax.nn.sigmoid(
             gate.reshape(batch, seq, a.num_heads * a.head_dim).astype(jnp.float32)
         ).astype(dtype)
-        return linear(out, self.o_proj[...])
+        return linear(out, self.o_proj.get_value())

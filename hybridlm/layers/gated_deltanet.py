@@ -339,14 +339,14 @@ class GatedDeltaNet(nnx.Module):
         """The input projections of x [b, t, hidden]: (mixed [b, t, conv_dim] pre-conv [q | k | v], z [b, t,
         v_heads * value_dim], a [b, t, v_heads], b [b, t, v_heads]), in x.dtype."""
         return (
-            linear(x, self.qkv_proj[...]),
-            linear(x, self.output_gate_proj[...]),
-            linear(x, self.decay_proj[...]),
-            linear(x, self.beta_proj[...]),
+            linear(x, self.qkv_proj.get_value()),
+            linear(x, self.output_gate_proj.get_value()),
+            linear(x, self.decay_proj.get_value()),
+            linear(x, self.beta_proj.get_value()),
         )
 
     def _output(self, o, z):
         """out_proj(gated_rms_norm(o, z)): o [b, t, v_heads, value_dim] -> [b, t, hidden] in z.dtype."""
         batch, seq = o.shape[:2]
         o = gated_rms_norm(o.astype(z.dtype), z, self.output_norm[...], self.config.rms_norm_eps)
-        return linear(o.reshape(batch, seq, -1), self.out_proj[...])
+        return linear(o.reshape(batch, seq, -1), self.out_proj.get_value())

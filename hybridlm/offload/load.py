@@ -33,7 +33,9 @@ def load_offloaded(
       path: a .gguf file or an HF checkpoint directory (config.json + *.safetensors).
       keep_quantized: GGUF: "experts" (default) keeps experts of every quantized type but Q8_K quantized in
         host memory (`hybridlm.checkpoints.gguf_quants.KEEPABLE_TYPES`) (`QuantizedWeights`, dequantized
-        inside the kernels); None stores them dequantized, in `dtype`. Ignored for HF directories.
+        inside the kernels); "experts+head" / "all" also keep the trunk's lm head / projection matrices
+        quantized on the device (`hybridlm.load`); None stores them dequantized, in `dtype`. Ignored for HF
+        directories.
       expert_format: HF directories: None keeps the experts in `dtype`; "int8" / "int4" quantizes each layer's
         experts as it loads (`hybridlm.model.quantize_experts`), e.g. a bf16 checkpoint's 64 GB of Qwen3.6
         experts to ~20 GB of 4-bit ones. GGUF files: must be None (their own quantization is kept).
