@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The user-path figures of issues 49-52 on full-size random GGUF files, beside llama.cpp in the same call.
 #   usage (on the GPU machine, carrying .whl/ and .scratch/): OUT=dir bash benchmarks/gpu_user_path.sh
-#     [decode35] [trace35] [experts35] [offload35] [conversation35] [model80]
+#     [resident35] [spec35] [head35] [trace35] [experts35] [offload35] [conversation35] [model80]
 # llama.cpp: $LLAMA_BENCH, else an xz-compressed static llama-bench at .scratch/llama-bench.xz (built with
 # shared/peers/llama_cpp.sh); without one the peer's figures are skipped. Files: /tmp/f35.gguf and /tmp/f80.gguf
 # (written on first use; the disk holds one of them at a time, so model80 deletes the 35B file).
@@ -39,18 +39,21 @@ spec() { timeout "$1" python3 -m benchmarks.speculative --gguf /tmp/f35.gguf --r
 for part in "$@"; do
   date +%T; echo "== $part"
   case $part in
-    decode35)  # issue 49 / 52: the lm head alone; tg128; plain, MTP k=3, DFlash, DDTree with every projection
-      # kept Q8_0 ("all"); plain and MTP with the Q8_0 head only, and with the bfloat16 trunk and head
-      timeout 150 python3 -m benchmarks head --gemv-configs 8/256/4 16/256/4 32/256/4 8/1024/4 16/1024/8 \
-        32/1024/8 --out "$OUT/head.jsonl" | cut -c1-300
+    resident35)  # issue 49: llama.cpp tg128; plain decode, verify cost and MTP k=3 with every projection kept
+      # Q8_0 ("all"), with the Q8_0 head only, and with the bfloat16 trunk and head; the CLI's generate
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
       llama llama_tg128 -m /tmp/f35.gguf -p 0 -n 128 -fa 1 -ngl 99
-      spec 240 --keep all --ks 3 --verify-ks 3 --methods mtp dflash ddtree --budgets 16 32 64 \
-        --out "$OUT/decode35_all.jsonl"
-      spec 120 --keep experts+head --ks 3 --verify-ks --methods mtp --out "$OUT/decode35_head.jsonl"
-      spec 120 --keep experts --ks 3 --verify-ks --methods mtp --out "$OUT/decode35_bf16.jsonl"
-      timeout 120 python3 -m hybridlm generate --model /tmp/f35.gguf --keep-quantized all --prompt "Hello" \
+      spec 150 --keep all --ks 3 --verify-ks 3 --methods mtp --out "$OUT/resident35_all.jsonl"
+      spec 120 --keep experts --ks 3 --verify-ks 3 --methods mtp --out "$OUT/resident35_experts.jsonl"
+      spec 100 --keep experts+head --ks 3 --methods --out "$OUT/resident35_head.jsonl"
+      timeout 100 python3 -m hybridlm generate --model /tmp/f35.gguf --keep-quantized all --prompt "Hello" \
         --max-new-tokens 128 --ignore-eos --json | cut -c1-400 ;;
+    spec35)  # issue 52: DFlash chain and DDTree 16/32/64 nodes, every projection kept Q8_0
+      gguf qwen3.6-35b-a3b /tmp/f35.gguf
+      spec 240 --keep all --ks 3 --methods dflash ddtree --budgets 16 32 64 --out "$OUT/spec35.jsonl" ;;
+    head35)  # the lm head alone, bfloat16 against Q8_0, gemv tiles
+      timeout 150 python3 -m benchmarks head --gemv-configs 8/256/4 16/256/4 32/256/4 8/1024/4 16/1024/8 \
+        32/1024/8 --out "$OUT/head.jsonl" | cut -c1-300 ;;
     trace35)  # one MTP and one DDTree block traced, command buffers off (a trace cannot see into CUDA graphs)
       gguf qwen3.6-35b-a3b /tmp/f35.gguf
       XLA_FLAGS=--xla_gpu_enable_command_buffer= spec 150 --keep all --ks 3 --verify-ks --new-tokens 48 \
