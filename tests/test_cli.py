@@ -225,7 +225,7 @@ def test_gguf_models_run_in_the_documented_dtype(capsys, tiny_gguf):
 
 def test_keep_quantized_all_generates_as_the_default(capsys, tiny_gguf):
     """`--keep-quantized all` (every projection in the file's Q8_0 blocks) decodes the greedy tokens of the
-    default load, resident and with the experts offloaded."""
+    default load, here with the experts offloaded (resident: `test_gguf.test_keep_quantized_all`)."""
     argv = [
         "generate",
         "--model",
@@ -237,10 +237,10 @@ def test_keep_quantized_all_generates_as_the_default(capsys, tiny_gguf):
         "--ignore-eos",
     ]
     runs = []
-    for extra in ([], ["--keep-quantized", "all"], ["--keep-quantized", "all", "--expert-budget", "1MiB"]):
+    for extra in ([], ["--keep-quantized", "all", "--expert-budget", "1MiB"]):
         assert main([*argv, *extra, "--json"]) == 0
         runs.append(json.loads(capsys.readouterr().out)["new_tokens"])
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1]
 
 
 def test_speculative_generate_reports_its_acceptance_and_decodes_as_plain(capsys, tiny_gguf):
