@@ -21,7 +21,6 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from hybridlm.engine import phases
 from hybridlm.offload import programs
 from hybridlm.offload.exact import ExactMode
 from hybridlm.offload.part_queue import MAX_PARTS_PER_PROGRAM
@@ -72,19 +71,19 @@ class WholeLayerMode:
         batches = self.plan(chunk, i)
         graph, params = layers[i]
         taken = res.queue.pop(i, 0) if chunk.twins else []
-        mix_args = (graph, params, x, state, chunk.start, chunk.num_valid_dev)
+        args = (x, state, chunk.start, chunk.num_valid_dev)
 
-        def run_mix(parts, mix_args=mix_args):
-            return programs.mix_copying(*mix_args, parts) if parts else phases.mix(*mix_args)
+        def run_mix(parts, args=args):
+            # the mixer and the router in one program (one dispatch fewer a layer), copying `parts` beside
+            if parts:
+                return programs.mix_route_copying(graph, params, *args, parts)
+            return programs.mix_route(graph, params, None, None, *args)  # its guess: None
 
         if chunk.twins:
-            self.schedule.compile_twins("mix", graph, mix_args[2:], run_mix, len(taken))
+            self.schedule.compile_twins("mix", graph, args, run_mix, len(taken))
+        x, state, routed, copied = timer(phase, run_mix, tuple(res.host.layers[j][p] for j, p in taken))
         if taken:
-            x, state, copied = timer(phase, run_mix, tuple(res.host.layers[j][p] for j, p in taken))
             res.record_in_program(taken, copied, chunk.stats)
-        else:
-            x, state = timer(phase, phases.mix, *mix_args)
-        routed = timer("router", phases.route, graph, params, x)
         return x, state, routed, None, res.num_experts, batches
 
     def plan(self, chunk: Chunk, i: int) -> list[Staged]:

@@ -1,8 +1,9 @@
 """The jitted programs of an offloaded layer: the engine's phases on experts paged into the device pool.
 
 Each runs the experts of one layer on weights found elsewhere than in the layer (gathered out of the pool,
-held outside it, or unpacked from staged host parts), and the `*_copying` variants move whole pinned host
-buffers to the device inside the same program, where XLA overlaps the copy with the compute.
+held outside it, or unpacked from staged host parts), or a layer's mixer and router in one program; the
+`*_copying` variants move whole pinned host buffers to the device inside the same program, where XLA overlaps
+the copy with the compute.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def _to_device(host_parts):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def mix_copying(graph, params, x, state, start, num_valid, host_parts):
-    """`phases.mix`, and host expert buffers (a tuple) copied to the device beside it (returned third)."""
+def mix_route_copying(graph, params, x, state, start, num_valid, host_parts):
+    """`phases.mix` then `phases.route` in one program (whole-layer mode: no ids go back to the host), and
+    host expert buffers (a tuple) copied to the device beside them: (x, state, (u, weights, ids), copies)."""
     x, state = phases.mix(graph, params, x, state, start, num_valid)
-    return x, state, _to_device(host_parts)
+    return x, state, phases.route(graph, params, x), _to_device(host_parts)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -340,8 +340,8 @@ class OffloadedRunner(LayerwiseRunner):
         """`LayerwiseRunner.forward_chunk` with experts paged from host memory (same arguments and results,
         taps included).
 
-        With a timer, exact mode counts the router's time in the mixer's phase ("gdn" / "attention"): they run
-        as one program (`programs.mix_route`)."""
+        With a timer, the router's time counts in the mixer's phase ("gdn" / "attention"): they run as one
+        program (`programs.mix_route`, `programs.mix_route_copying`)."""
         taps = check_taps(taps, self.config.num_layers)
         timer = timer or PhaseTimer(False)
         config = self.offload_config

@@ -190,10 +190,10 @@ def test_batch_of_two_and_profile(tiny, host_experts, base_runner, whole_layer):
 def test_whole_layer_streaming_copies_inside_programs(
     tiny, host_experts, reference, prompts, monkeypatch, policy, in_program
 ):
-    """Whole-layer mode copies the next absent layer inside the mixer / experts programs (or, switched off,
-    by device_put): same logits, same statistics, and the in-program path is really taken."""
+    """Whole-layer mode copies the next absent layer inside the mixer-and-router / experts programs (or,
+    switched off, by device_put): same logits, same statistics, and the in-program path is really taken."""
     calls = []
-    for name in ("mix_copying", "pool_experts_copying", "staged_experts"):
+    for name in ("mix_route_copying", "pool_experts_copying", "staged_experts"):
         fn = getattr(programs, name)
         monkeypatch.setattr(
             programs, name, lambda *a, _fn=fn, _name=name: calls.append((_name, a)) or _fn(*a)
@@ -212,7 +212,7 @@ def test_whole_layer_streaming_copies_inside_programs(
     assert stats["prefetched"] > 0
     copying = [name for name, a in calls if name != "staged_experts" or a[-1]]  # with host parts to copy
     if in_program:
-        assert copying.count("mix_copying") > 0 and len(copying) > copying.count("mix_copying")
+        assert copying.count("mix_route_copying") > 0 and len(copying) > copying.count("mix_route_copying")
     else:
         assert not copying
     # below the full-model budget every policy releases a layer after use (static pins nothing at this
