@@ -3,6 +3,7 @@ staged for a later layer, and host parts queued for an in-program copy; the budg
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import jax
@@ -72,6 +73,7 @@ class Residency:
         self.queue = PartQueue(num_layers)  # (layer, host part) allocated, to be copied inside a program
         self.staging_slots: int | None = None
         self._pool_for_holding = False  # the pool was sized for holding layers (may hold none)
+        self._part_keys: dict[tuple[int, int], list[Key]] = {}  # see `part_keys`
 
     # ----- budget -----
     def min_experts(self, tokens: int) -> int:
@@ -173,7 +175,12 @@ class Residency:
 
     # ----- lookups and prefetch -----
     def part_keys(self, layer: int, part: int) -> list[Key]:
-        return [(layer, e) for e in self.host.part_experts(part)]
+        """The keys of host part `part` of `layer` (one list per part, made once: whole-layer mode asks for
+        each part's several times a chunk; callers only read it)."""
+        keys = self._part_keys.get((layer, part))
+        if keys is None:
+            keys = self._part_keys[(layer, part)] = [(layer, e) for e in self.host.part_experts(part)]
+        return keys
 
     def queued_experts(self) -> int:
         return sum(self.host.part_rows[p] for _, p in self.queue)
@@ -219,15 +226,15 @@ class Residency:
         return issue
 
     def count_prefetch(self, keys: list[Key], stats: CacheStats) -> None:
-        for key in keys:
-            self.cache.speculative.add(key)
-            s = stats.layers[key[0]]
-            s.prefetched += 1
-            s.bytes_h2d += self.copy_bytes
+        self.cache.speculative.update(keys)
+        per_layer = collections.Counter(layer for layer, _ in keys)
+        for layer, n in per_layer.items():
+            s = stats.layers[layer]
+            s.prefetched += n
+            s.bytes_h2d += n * self.copy_bytes
 
     def record_prefetch(self, pending: Staged, stats: CacheStats) -> None:
-        for key in pending.keys:
-            self.staged[key] = pending
+        self.staged.update(dict.fromkeys(pending.keys, pending))
         self.count_prefetch(pending.keys, stats)
 
     def prefetch(self, keys, protected: set, stats: CacheStats, layer_now: int) -> None:
