@@ -377,14 +377,13 @@ def _source_values(src, raws, header, wants, arch, keeping: _Keeping, to_sink) -
         kept = _keep_trunk(src, infos, raws, wants, keeping.orders)
         if kept is not None:
             return kept
-    keep, raw_q4k = keeping.experts, keeping.raw_q4k
-    if keep and src.experts and raw_q4k:
+    if keeping.experts and src.experts and keeping.raw_q4k:
         blocks = jnp.concatenate(
             [r.reshape(t.ne[2], t.ne[1], -1) for r, t in zip(raws, infos, strict=True)], axis=1
         )
         kept = gguf_device.Q4KBlocks(blocks, infos[0].ne[0])
         return (kept if to_sink else kept.to_quantized(),)
-    if keep and src.experts:
+    if keeping.experts and src.experts:
         kept = _keep(src, header, raws)
         if kept is not None:
             return (kept,)

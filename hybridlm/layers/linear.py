@@ -34,11 +34,11 @@ def linear(x: jax.Array, w) -> jax.Array:
     `QUANTIZED_GMM_MAX_ROWS` rows through the grouped matmul (`quantized_matmul`), more through its
     dequantized copy; the result is then in x's dtype.
     """
+    rows = math.prod(x.shape[:-1])
     if isinstance(w, QuantizedWeights):
-        if math.prod(x.shape[:-1]) > QUANTIZED_GMM_MAX_ROWS:
+        if rows > QUANTIZED_GMM_MAX_ROWS:
             return x @ w.dequantize(x.dtype)[0]
         return quantized_matmul(x, w, x.dtype)
-    rows = math.prod(x.shape[:-1])
     if rows != 1 or w.shape[-1] == 1:
         return x @ w
     padded = jnp.pad(x.reshape(1, x.shape[-1]), ((0, SINGLE_ROW_PAD - 1), (0, 0)))

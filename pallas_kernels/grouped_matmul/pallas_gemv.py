@@ -267,11 +267,11 @@ def _q4_k_kernel(
     _store(out_ref, r, j * bn, sums, swiglu=swiglu, fast_silu=fast_silu, valid=valid, col_in=col_in)
 
 
-def _gemv_q4_k(lhs, rhs: Q4KExperts, row_groups, lhs_index, *, swiglu, out_dtype, bs: Config, interpret):
-    """`_gemv` on `Q4KExperts` (`_q4_k_kernel`)."""
-    rhs.check()
-    groups, k, n_rhs = rhs.shape
-    n_out = n_rhs // 2 if swiglu else n_rhs
+def _gemv_q4_k(
+    lhs, rhs: Q4KExperts, row_groups, lhs_index, n_out, out_dtype, *, swiglu, bs: Config, interpret
+):
+    """`_gemv` on checked `Q4KExperts` (`_q4_k_kernel`), n_out output columns in `out_dtype`."""
+    groups, k, _ = rhs.shape
     if not addressable(rhs.data):
         raise NotImplementedError(
             f"Q4_K rows of {rhs.data.size} bytes: the kernel addresses fewer than 2**31 or more than 2**32 "
@@ -338,27 +338,23 @@ def _gemv(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     bs = config or default_config()
-    if isinstance(rhs, Q4KExperts):
-        if rhs.k != k:
-            raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
-        reference.check_groups(None, row_groups, m, rhs.shape[0])
-        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-        return _gemv_q4_k(
-            lhs, rhs, row_groups, lhs_index, swiglu=swiglu, out_dtype=out_dtype, bs=bs, interpret=interpret
-        )
     quantized = isinstance(rhs, QuantizedWeights)
-    if quantized:
+    if quantized or isinstance(rhs, Q4KExperts):
         rhs.check()
-        if not rhs.k_major:
-            raise ValueError(
-                "the matrix-vector kernel reads quantized codes stored k-major "
-                "(QuantizedWeights.with_k_major())"
-            )
+    if quantized and not rhs.k_major:
+        raise ValueError(
+            "the matrix-vector kernel reads quantized codes stored k-major (QuantizedWeights.with_k_major())"
+        )
     groups, k_rhs, n_rhs = rhs.shape
     if k_rhs != k:
         raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={tuple(rhs.shape)} disagree on k")
     reference.check_groups(None, row_groups, m, groups)
     n_out = n_rhs // 2 if swiglu else n_rhs
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if isinstance(rhs, Q4KExperts):
+        return _gemv_q4_k(
+            lhs, rhs, row_groups, lhs_index, n_out, out_dtype, swiglu=swiglu, bs=bs, interpret=interpret
+        )
     bits = rhs.bits if quantized else None
     bs = dataclasses.replace(bs, block_n=min(bs.block_n, pl.next_power_of_2(n_out)))
     if quantized:
@@ -386,7 +382,6 @@ def _gemv(
         bs = dataclasses.replace(bs, block_k=block_k)
         weights = (rhs,)
     check_int32_offsets(lhs, *weights)
-    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     extra = () if lhs_index is None else (lhs_index.astype(jnp.int32),)
     kernel = functools.partial(
         _kernel,
